@@ -1,0 +1,298 @@
+"""model.py: every attention implementation computes the same GPT-2, padding is invisible, generation is exact."""
+
+import copy
+
+import pytest
+import torch
+
+from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem, check_attention, convert_hf_state_dict
+
+# What runs on this CPU for training; flex runs forward only (no backward on CPU).
+CPU_TRAINABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math"]
+CPU_ALL = CPU_TRAINABLE + ["flex"]
+TINY = dict(block_size=32, vocab_size=101, n_layer=2, n_head=4, n_embd=32)
+
+
+def tiny_model(attn="manual", pad_vocab=False, seed=0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **kw}, attn=attn, pad_vocab=pad_vocab))
+
+
+def with_attn(model: GPT, attn: str) -> GPT:
+    """The same weights, read through another attention implementation."""
+    twin = GPT(GPTConfig(**{**model.config.__dict__, "attn": attn}))
+    twin.load_state_dict(model.state_dict())
+    return twin.to(next(model.parameters()).dtype)
+
+
+def batch(seed=1, B=3, T=32, vocab=101):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
+
+
+def logits_and_grads(model: GPT, x, y, autocast_dtype=None):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits, loss = model(x, y)
+    loss.backward()
+    return logits.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_model()
+    x, y = batch()
+    ref_logits, ref_grads = logits_and_grads(with_attn(model, "manual").double(), x, y)
+    return model, x, y, ref_logits, ref_grads
+
+
+@pytest.mark.parametrize("attn", CPU_TRAINABLE)
+def test_fp32_logits_and_gradients_match_float64_reference(reference, attn):
+    model, x, y, ref_logits, ref_grads = reference
+    logits, grads = logits_and_grads(with_attn(model, attn), x, y)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    for name, ref in ref_grads.items():
+        assert rel_err(grads[name], ref) <= 1e-5, name
+
+
+def test_flex_forward_matches_float64_reference(reference):
+    model, x, y, ref_logits, _ = reference
+    with torch.no_grad():
+        logits, _ = with_attn(model, "flex")(x, y)
+    assert rel_err(logits.double(), ref_logits) <= 1e-5
+
+
+@pytest.mark.parametrize("attn", CPU_TRAINABLE)
+def test_bf16_autocast_error_is_at_most_twice_manual(reference, attn):
+    model, x, y, ref_logits, ref_grads = reference
+    manual_logits, manual_grads = logits_and_grads(with_attn(model, "manual"), x, y, torch.bfloat16)
+    logits, grads = logits_and_grads(with_attn(model, attn), x, y, torch.bfloat16)
+    assert rel_err(logits, ref_logits) <= 2 * rel_err(manual_logits, ref_logits)
+    for name, ref in ref_grads.items():
+        assert rel_err(grads[name], ref) <= 2 * rel_err(manual_grads[name], ref), name
+
+
+# -- Hugging Face GPT-2 --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_gpt2():
+    """A small randomly initialised GPT2LMHeadModel: no download."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def hf_logits(hf_model, attn_implementation: str, x):
+    hf_model.set_attn_implementation(attn_implementation)
+    with torch.no_grad():
+        return hf_model(x).logits
+
+
+@pytest.mark.parametrize("pad_vocab", [False, True])
+@pytest.mark.parametrize("attn", CPU_ALL)
+def test_logits_equal_hf_gpt2_eager_and_sdpa(hf_gpt2, attn, pad_vocab):
+    hf = hf_gpt2
+    config = GPTConfig(**TINY, attn=attn, pad_vocab=pad_vocab, gelu="tanh")
+    model = GPT(config).eval()
+    model.load_state_dict(convert_hf_state_dict(hf.state_dict(), config))
+    x, y = batch()
+    with torch.no_grad():
+        logits, _ = model(x, y)
+    assert logits.size(-1) == (128 if pad_vocab else 101)
+    for impl in ("eager", "sdpa"):
+        expected = hf_logits(hf, impl, x)
+        assert (logits[..., :101] - expected).abs().max().item() <= 1e-4, impl
+    if pad_vocab:
+        assert torch.isneginf(logits[..., 101:]).all()
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "bin"])
+def test_from_pretrained_reads_a_local_hf_directory(hf_gpt2, tmp_path, safe_serialization):
+    hf_gpt2.save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    x, _ = batch()
+    expected = hf_logits(hf_gpt2, "eager", x)[:, -1]
+    for pad_vocab in (False, True):
+        model = GPT.from_pretrained(str(tmp_path), attn="sdpa", pad_vocab=pad_vocab).eval()
+        with torch.no_grad():
+            logits, _ = model(x)
+        assert (logits[:, -1, :101] - expected).abs().max().item() <= 1e-4
+
+
+def test_from_pretrained_without_weights_says_what_to_pass(tmp_path):
+    with pytest.raises(UserError, match="config.json"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+# -- vocab padding ---------------------------------------------------------------------------------------
+
+def test_padded_loss_equals_unpadded_loss_for_the_same_weights():
+    unpadded = tiny_model(pad_vocab=False)
+    padded = tiny_model(pad_vocab=True)
+    state = unpadded.state_dict()
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        state[key] = torch.cat([state[key], 5.0 * torch.randn(128 - 101, TINY["n_embd"])])
+    padded.load_state_dict(state)
+    x, y = batch()
+    assert padded.config.padded_vocab_size == 128
+    assert torch.allclose(padded(x, y)[1], unpadded(x, y)[1], rtol=0, atol=1e-6)
+
+
+def test_gpt2_vocab_pads_to_50304():
+    assert GPTConfig(pad_vocab=True).padded_vocab_size == 50304
+    assert GPTConfig(pad_vocab=False).padded_vocab_size == 50257
+
+
+def test_padded_ids_are_never_sampled_even_when_their_logits_would_win():
+    model = tiny_model(pad_vocab=True).eval()
+    with torch.no_grad():
+        model.lm_head.weight[101:] = 100.0 * torch.randn(128 - 101, TINY["n_embd"])
+    x, _ = batch(B=4, T=4)
+    with torch.no_grad():
+        hidden = model.transformer.ln_f(model.transformer.wte(x) + model.transformer.wpe(torch.arange(4)))
+        raw = hidden @ model.lm_head.weight.t()
+    assert (raw.argmax(-1) >= 101).float().mean() > 0.5  # the padded rows would win without the mask
+    out = model.generate(x, 40, temperature=2.0, generator=torch.Generator().manual_seed(0))
+    assert out.max().item() < 101
+    greedy = model.generate(x, 10, temperature=0)
+    assert greedy.max().item() < 101
+
+
+# -- generation ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attn", CPU_ALL)
+def test_kv_cache_generation_returns_the_cache_free_tokens(attn):
+    model = tiny_model(attn).eval()
+    prompt, _ = batch(B=2, T=5)
+    # 45 new tokens from 5 run past block_size=32, so the crop-and-refill path is exercised too.
+    for top_k in (None, 10):
+        cached = model.generate(prompt, 45, temperature=0.9, top_k=top_k,
+                                generator=torch.Generator().manual_seed(7), use_cache=True)
+        plain = model.generate(prompt, 45, temperature=0.9, top_k=top_k,
+                               generator=torch.Generator().manual_seed(7), use_cache=False)
+        assert torch.equal(cached, plain)
+        assert cached.shape == (2, 50)
+
+
+def test_the_same_seed_gives_the_same_tokens_and_prompts_longer_than_block_size_are_cropped():
+    model = tiny_model().eval()
+    prompt, _ = batch(B=1, T=40)  # longer than block_size=32
+    a = model.generate(prompt, 8, generator=torch.Generator().manual_seed(3))
+    b = model.generate(prompt, 8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and a.shape == (1, 48)
+    assert torch.equal(a[:, :40], prompt)
+
+
+# -- torch.compile ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attn", CPU_ALL)
+def test_dynamo_finds_no_graph_break(attn):
+    torch._dynamo.reset()
+    model = tiny_model(attn)
+    x, y = batch()
+    with torch.set_grad_enabled(attn != "flex"):
+        explanation = torch._dynamo.explain(model)(x, y)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", CPU_TRAINABLE)
+def test_compiled_forward_and_backward_equal_eager(attn):
+    torch._dynamo.reset()
+    model = tiny_model(attn)
+    x, y = batch()
+    eager_logits, eager_grads = logits_and_grads(model, x, y)
+    compiled = copy.deepcopy(model)
+    compiled.compile()
+    logits, grads = logits_and_grads(compiled, x, y)
+    assert rel_err(logits, eager_logits) <= 1e-5
+    for name, g in eager_grads.items():
+        assert rel_err(grads[name.replace("_orig_mod.", "")], g) <= 1e-5, name
+
+
+@pytest.mark.slow
+def test_compiled_flex_forward_equals_eager():
+    torch._dynamo.reset()
+    model = tiny_model("flex").eval()
+    x, y = batch()
+    with torch.no_grad():
+        eager_logits, _ = model(x, y)
+        compiled = copy.deepcopy(model)
+        compiled.compile()
+        logits, _ = compiled(x, y)
+    assert rel_err(logits.double(), eager_logits.double()) <= 1e-5
+
+
+# -- clear errors --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attn,reason", [("efficient", "CUDA-only"), ("cudnn", "CUDA-only")])
+def test_cuda_only_kernels_on_cpu_say_why_and_what_runs(attn, reason):
+    model = tiny_model(attn)
+    x, y = batch()
+    with pytest.raises(UserError, match=reason) as err:
+        model(x, y)
+    assert "manual, sdpa_mask, sdpa, flash, math" in str(err.value)
+
+
+def test_flex_training_on_cpu_says_no_backward():
+    model = tiny_model("flex")
+    x, y = batch()
+    with pytest.raises(UserError, match="no backward pass on CPU"):
+        model(x, y)
+
+
+def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
+    with pytest.raises(UserError, match="does not support dropout"):
+        check_attention("flash", "cpu", torch.float32, 0.1, 8, needs_grad=True)
+    assert attention_problem("sdpa", "cpu", torch.float32, 0.1, 8, True) is None  # sdpa falls back to math
+
+
+def test_dropout_applies_in_training_only():
+    model = tiny_model("sdpa", dropout=0.5)
+    x, y = batch()
+    model.eval()
+    assert torch.equal(model(x, y)[0], model(x, y)[0])
+    model.train()
+    assert not torch.equal(model(x, y)[0], model(x, y)[0])
+
+
+def test_unknown_attn_lists_the_valid_names():
+    with pytest.raises(UserError, match="unknown attn 'fast'.*" + ", ".join(ATTENTION)):
+        GPTConfig(attn="fast")
+
+
+def test_n_embd_not_divisible_by_n_head_is_refused():
+    with pytest.raises(UserError, match="n_embd=30 is not divisible by n_head=4"):
+        GPTConfig(n_embd=30, n_head=4)
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    model = tiny_model()
+    with pytest.raises(UserError, match="block_size is 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+# -- optimizer and FLOPs ---------------------------------------------------------------------------
+
+def test_weight_decay_applies_to_2d_tensors_only():
+    model = tiny_model()
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.dim() == 1 for p in plain["params"])
+    n_opt = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert n_opt == sum(p.numel() for p in model.parameters())
+
+
+def test_mfu_scales_with_the_given_peak():
+    model = tiny_model()
+    per_token = model.flops_per_token()
+    assert per_token == 6 * model.get_num_params() + 12 * 2 * 32 * 32
+    assert model.estimate_mfu(1000.0, peak_flops=per_token * 2000.0) == pytest.approx(0.5)
