@@ -1,0 +1,204 @@
+"""
+OpenWebText (or any local corpus) with GPT-2 BPE: train.bin / val.bin (uint16 token ids) and meta.json,
+next to this script.
+
+Each document is encoded with the offline GPT-2 tokenizer and followed by the end-of-text token (50256);
+a random validation split is held out (--val_fraction of the documents, at least one). Splits are written
+shard by shard through np.memmap, so no whole split is ever held in memory.
+
+$ python data/openwebtext/prepare.py                                   # Hugging Face "openwebtext", needs network
+$ python data/openwebtext/prepare.py --data_files=a.jsonl,b.jsonl      # local corpus: .jsonl/.json, .parquet, .txt
+$ python data/openwebtext/prepare.py --data_files=books.txt --num_proc=4 --out_dir=/data/books
+
+Text files hold one document per blank-line-separated paragraph; json and parquet files one per row, with the
+text in --text_column (default "text").
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
+
+import tokenizer  # noqa: E402
+from model import UserError  # noqa: E402
+
+DEFAULT_DATASET = "openwebtext"
+SEED = 2357  # the validation split nanoGPT holds out
+MAX_WRITE_SHARDS = 1024  # a split is written in this many contiguous shards (fewer for small corpora)
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+# token ids are stored as uint16 in datasets' cache too: a quarter of the disk of the default int64
+TOKENIZED_FEATURES = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
+
+
+def default_num_proc() -> int:
+    return min(8, (os.cpu_count() or 1) // 2 or 1)
+
+
+# -----------------------------------------------------------------------------
+# loading
+
+def builder_for(files: list[str]) -> str:
+    """The datasets builder ("json", "parquet" or "text") that reads these files, from their extensions."""
+    if not files:
+        raise UserError("--data_files is empty; pass one or more files, comma-separated")
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise UserError(f"data file {missing[0]} does not exist; pass --data_files= existing files, comma-separated")
+    if all(Path(f).stat().st_size == 0 for f in files):
+        raise UserError(f"data files {', '.join(files)} are empty; pass files holding at least 2 documents")
+    kinds = {BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    if None in kinds or len(kinds) > 1:
+        raise UserError(f"--data_files must all be one kind, by extension: {', '.join(BUILDERS)}; got {', '.join(files)}")
+    return kinds.pop()
+
+
+def error_reason(e: BaseException) -> str:
+    """First line of the innermost cause: datasets wraps the useful message (say, a JSON parse error) in a
+    generic one."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: str,
+                num_proc: int, cache_dir: str | None) -> tuple[datasets.Dataset, str]:
+    """All documents as one Dataset, and a short description of where they came from."""
+    if data_files is not None:
+        builder = builder_for(data_files)
+        source = ", ".join(data_files)
+        kwargs = {"data_files": data_files}
+        if builder == "text":
+            kwargs["sample_by"] = "paragraph"  # the text builder's default, one row per line, splits documents
+        hint = f"check that the files are valid {builder}"
+    else:
+        builder = source = dataset or DEFAULT_DATASET
+        kwargs = {}
+        hint = "check the name and your network, or pass --data_files=PATH[,PATH...] for a local corpus"
+    try:
+        ds = datasets.load_dataset(builder, split="train", num_proc=num_proc, cache_dir=cache_dir, **kwargs)
+    except Exception as e:  # network, parse and schema failures come as many types; to a user they mean the same
+        raise UserError(f"could not load {source} ({error_reason(e)}); {hint}") from e
+    if text_column not in ds.column_names:
+        raise UserError(f"{source} has no column {text_column!r} (columns: {', '.join(ds.column_names)}); "
+                        f"pass --text_column=NAME")
+    if ds.features[text_column] not in (datasets.Value("string"), datasets.Value("large_string")):
+        raise UserError(f"column {text_column!r} of {source} holds {ds.features[text_column]}, not text; "
+                        f"pass --text_column= a text column")
+    if ds.num_rows < 2:
+        raise UserError(f"{source} has {ds.num_rows} document(s); a train and a val split need at least 2")
+    return ds, source
+
+
+def split_corpus(ds: datasets.Dataset, val_fraction: float) -> dict[str, datasets.Dataset]:
+    if not 0 < val_fraction < 1:
+        raise UserError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
+    n_val = max(1, math.ceil(val_fraction * ds.num_rows))  # a tiny corpus still gets one val document
+    if n_val >= ds.num_rows:
+        raise UserError(f"--val_fraction={val_fraction} leaves no training documents out of {ds.num_rows}; lower it")
+    split = ds.train_test_split(test_size=n_val, seed=SEED, shuffle=True)
+    return {"train": split["train"], "val": split["test"]}
+
+
+# -----------------------------------------------------------------------------
+# tokenizing and writing
+
+def encode_batch(batch: dict[str, list], text_column: str) -> dict[str, list]:
+    """datasets.map worker: GPT-2 ids of each document, then end-of-text. It runs in worker processes, so it
+    builds the offline tokenizer there (once per process) rather than having a large Encoding pickled over."""
+    enc = tokenizer.gpt2_encoding()
+    ids = [enc.encode_ordinary(text or "") + [tokenizer.GPT2_EOT_TOKEN] for text in batch[text_column]]
+    return {"ids": ids, "len": [len(x) for x in ids]}
+
+
+def tokenize(ds: datasets.Dataset, text_column: str, num_proc: int, name: str) -> datasets.Dataset:
+    return ds.map(
+        encode_batch,
+        fn_kwargs={"text_column": text_column},
+        batched=True,
+        remove_columns=ds.column_names,
+        features=TOKENIZED_FEATURES,
+        num_proc=min(num_proc, ds.num_rows),
+        desc=f"tokenizing {name}",
+    )
+
+
+def write_split(tokenized: datasets.Dataset, path: Path, name: str) -> int:
+    """Write all ids of one split to path as uint16, shard by shard; returns the number of tokens."""
+    total = int(np.sum(tokenized.with_format("numpy")["len"], dtype=np.uint64))
+    arr = np.memmap(path, dtype=tokenizer.TOKEN_DTYPE, mode="w+", shape=(total,))
+    n_shards = min(MAX_WRITE_SHARDS, tokenized.num_rows)
+    idx = 0
+    for i in tqdm(range(n_shards), desc=f"writing {name}"):
+        shard = tokenized.shard(num_shards=n_shards, index=i, contiguous=True).with_format("numpy")
+        chunk = np.concatenate(list(shard["ids"]))
+        arr[idx : idx + len(chunk)] = chunk
+        idx += len(chunk)
+    assert idx == total, f"wrote {idx} tokens, expected {total}"
+    arr.flush()
+    del arr  # close the memmap before the file is renamed into place
+    return total
+
+
+def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[str] | None = None,
+            text_column: str = "text", num_proc: int | None = None, val_fraction: float = 0.0005,
+            cache_dir: str | None = None) -> dict:
+    """Write train.bin, val.bin and meta.json into out_dir; returns what was written.
+    Reads `data_files` when given, else the Hugging Face dataset `dataset` (default "openwebtext")."""
+    if dataset and data_files is not None:
+        raise UserError("pass either --dataset or --data_files, not both")
+    num_proc = default_num_proc() if num_proc is None else num_proc
+    if num_proc < 1:
+        raise UserError(f"--num_proc must be at least 1, got {num_proc}")
+    tokenizer.gpt2_encoding()  # fail on bad vocabulary files here, with a clear message, not inside a worker
+    ds, source = load_corpus(dataset, data_files, text_column, num_proc, cache_dir)
+    splits = {name: tokenize(part, text_column, num_proc, name) for name, part in split_corpus(ds, val_fraction).items()}
+    with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
+        tokens = {name: write_split(part, tmp[f"{name}.bin"], name) for name, part in splits.items()}
+        tokenizer.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE})
+    return {
+        "source": source,
+        "train_documents": splits["train"].num_rows,
+        "val_documents": splits["val"].num_rows,
+        "vocab_size": tokenizer.GPT2_VOCAB_SIZE,
+        "train_tokens": tokens["train"],
+        "val_tokens": tokens["val"],
+        "files": [Path(out_dir) / name for name in ("train.bin", "val.bin", "meta.json")],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Prepare OpenWebText (or a local corpus) with GPT-2 BPE for train.py.")
+    parser.add_argument("--dataset", default=None, help=f"Hugging Face dataset name (default: {DEFAULT_DATASET})")
+    parser.add_argument("--data_files", default=None,
+                        help="local corpus instead: PATH[,PATH...] (.jsonl/.json, .parquet, .txt)")
+    parser.add_argument("--text_column", default="text", help="column holding each document's text")
+    parser.add_argument("--num_proc", type=int, default=None, help=f"worker processes (default: {default_num_proc()})")
+    parser.add_argument("--val_fraction", type=float, default=0.0005, help="share of documents held out for val")
+    parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
+    parser.add_argument("--cache_dir", default=None, help="datasets cache (default: ~/.cache/huggingface/datasets)")
+    args = parser.parse_args(argv)
+    data_files = [f for f in args.data_files.split(",") if f] if args.data_files is not None else None
+    try:
+        report = prepare(args.out_dir, args.dataset, data_files, args.text_column, args.num_proc,
+                         args.val_fraction, args.cache_dir)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer.print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

