@@ -112,6 +112,13 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
         return "FlexAttention has no backward pass on CPU"
     if attn == "flash" and cpu and dropout_p > 0:
         return "the CPU flash kernel does not support dropout"
+    # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
+        return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad)
+
+
+def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
+           needs_grad: bool) -> Optional[str]:
     q = torch.randn(1, 1, 8, head_size, device=device_type, dtype=dtype, requires_grad=needs_grad)
     mask = torch.ones(8, 8, dtype=torch.bool, device=device_type).tril()
     try:

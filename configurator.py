@@ -1,0 +1,74 @@
+"""
+Settings for train.py, sample.py and bench.py: each script keeps its settings as module globals with a comment
+each, then calls `configure(globals(), sys.argv[1:])`.
+
+    python train.py config/train_shakespeare_char.py --batch_size=32 --attn=flash
+
+Positional arguments are Python files of assignments, applied in order; `--key=value` overrides come after, the
+value read with ast.literal_eval (a bare word that is not a Python literal stays a string).
+"""
+
+import ast
+import difflib
+from pathlib import Path
+
+from model import UserError
+
+PLAIN_TYPES = (bool, int, float, str, tuple, list, type(None))
+
+
+def settings(namespace: dict) -> dict:
+    """The script's settings: public module globals holding plain values (not modules, functions, classes)."""
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, PLAIN_TYPES)}
+
+
+def _coerce(key: str, value, default):
+    """`value` as the type of `default`: an int is a fine float, anything goes for a None default."""
+    if default is None or value is None or type(value) is type(default):
+        return value
+    if isinstance(default, float) and type(value) is int:
+        return float(value)
+    if isinstance(default, (tuple, list)) and isinstance(value, (tuple, list)):
+        return type(default)(value)
+    raise UserError(f"{key} expects a {type(default).__name__} (default {default!r}), "
+                    f"got {value!r} ({type(value).__name__}).")
+
+
+def _check_key(key: str, known: dict) -> None:
+    if key not in known:
+        close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else "; see the settings at the top of the script."
+        raise UserError(f"unknown setting '{key}'{hint}")
+
+
+def _parse_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # e.g. --attn=flash or --out_dir=out/run-1
+
+
+def configure(namespace: dict, argv: list[str]) -> dict:
+    """Apply config files and --key=value overrides to `namespace` in place; return the resulting settings."""
+    defaults = settings(namespace)  # types are checked against these, whatever a config file set before
+    for arg in argv:
+        if arg.startswith("--"):
+            key, sep, text = arg[2:].partition("=")
+            if not sep:
+                raise UserError(f"'{arg}' has no value; write --{key}=VALUE.")
+            _check_key(key, defaults)
+            namespace[key] = _coerce(key, _parse_value(text), defaults[key])
+            continue
+        path = Path(arg)
+        if not path.is_file():
+            raise UserError(f"config file '{arg}' not found; pass a path like config/train_shakespeare_char.py "
+                            f"or an override like --{arg}=VALUE.")
+        scope: dict = {}
+        try:
+            exec(compile(path.read_text(), str(path), "exec"), scope)
+        except Exception as e:
+            raise UserError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}.") from None
+        for key, value in settings(scope).items():
+            _check_key(key, defaults)
+            namespace[key] = _coerce(key, value, defaults[key])
+    return settings({k: namespace[k] for k in defaults})

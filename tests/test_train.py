@@ -1,0 +1,229 @@
+"""train.py and configurator.py: DDP matches one process, resume is exact, metrics reach wandb, bad input is one line."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from configurator import configure
+from model import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--compile=False",
+        "--dtype=float32", "--device=cpu", "--gradient_accumulation_steps=1", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2",
+        "--lr_decay_iters=100", "--learning_rate=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def char_data(tmp_path_factory) -> Path:
+    """A small character-level dataset: train.bin, val.bin (uint16) and meta.json."""
+    d = tmp_path_factory.mktemp("chars")
+    text = "\n".join(f"To be, or not to be: line {i} of {i * 7 % 13}." for i in range(3000))
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    split = int(0.9 * len(ids))
+    ids[:split].tofile(d / "train.bin")
+    ids[split:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": len(chars), "chars": chars}))
+    return d
+
+
+def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    result = subprocess.run(launcher + [str(REPO / "train.py")] + args, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def metrics(out_dir: Path, key: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iter"]: r[key] for r in rows if key in r}
+
+
+# -- distributed --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(char_data, tmp_path):
+    common = TINY + [f"--data_dir={char_data}", "--max_iters=6", "--eval_interval=100",
+                     "--gradient_accumulation_steps=2"]
+    run_train(common + [f"--out_dir={tmp_path / 'one'}"])
+    two = run_train(common + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
+    one_losses, two_losses = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
+    assert sorted(one_losses) == list(range(1, 7))
+    for it, loss in one_losses.items():
+        assert abs(two_losses[it] - loss) <= 1e-5, (it, loss, two_losses[it])
+    digests = next(line for line in two.stdout.splitlines() if line.startswith("parameter digest per rank"))
+    rank0, rank1 = digests.split(":")[1].split()
+    assert rank0 == rank1
+
+
+def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path):
+    result = run_train(TINY + [f"--data_dir={char_data}", "--gradient_accumulation_steps=3", "--max_iters=1",
+                               f"--out_dir={tmp_path}"], nproc=2, check=False)
+    assert result.returncode != 0
+    assert "gradient_accumulation_steps=3 is not divisible by the 2 ranks" in result.stderr
+
+
+# -- resume ---------------------------------------------------------------------------------------------
+
+def test_resume_continues_bit_for_bit(char_data, tmp_path):
+    common = TINY + [f"--data_dir={char_data}", "--eval_interval=3", "--dropout=0.1", "--attn=manual"]
+    run_train(common + ["--max_iters=6", f"--out_dir={tmp_path / 'straight'}"])
+    run_train(common + ["--max_iters=3", f"--out_dir={tmp_path / 'stopped'}"])
+    run_train(common + ["--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path / 'stopped'}"])
+    straight, resumed = metrics(tmp_path / "straight", "train/loss"), metrics(tmp_path / "stopped", "train/loss")
+    assert [straight[i] for i in range(4, 7)] == [resumed[i] for i in range(4, 7)]
+    assert metrics(tmp_path / "straight", "val/loss")[6] == metrics(tmp_path / "stopped", "val/loss")[6]
+
+
+def test_checkpoint_loads_with_weights_only(char_data, tmp_path):
+    run_train(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 2 and ckpt["meta"]["tokenizer"] == "char"
+    assert ckpt["model_config"]["n_layer"] == 2 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tmp_path):
+    run_train(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    result = run_train(TINY + [f"--data_dir={char_data}", "--max_iters=40", "--eval_interval=2",
+                               "--init_from=resume", "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0.0",
+                               f"--out_dir={tmp_path}"], check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "diverged" in result.stderr and "last good checkpoint" in result.stderr
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+# -- measurement and logging --------------------------------------------------------------------------
+
+def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path):
+    pytest.importorskip("wandb")
+    run_train(TINY + [f"--data_dir={char_data}", "--max_iters=4", "--eval_interval=2", "--wandb_log=True",
+                      f"--out_dir={tmp_path / 'out'}"],
+              env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
+    assert set(metrics(tmp_path / "out", "ms_per_iter")) == {1, 2, 3, 4}
+    assert set(metrics(tmp_path / "out", "val/loss")) == {0, 2, 4}
+    assert all(v > 0 for v in metrics(tmp_path / "out", "ms_per_iter").values())
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1
+    record = Path(runs[0]).read_bytes()  # wandb's own offline log: the keys went through wandb.log
+    for key in (b"ms_per_iter", b"val/loss", b"tokens_per_s", b"mfu", b"resolved_attn", b"world_size"):
+        assert key in record, key
+
+
+def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
+    run_train(TINY + [f"--data_dir={char_data}", "--max_iters=100000", "--eval_interval=100000",
+                      "--max_seconds=1.0", f"--out_dir={tmp_path}"])
+    last = max(metrics(tmp_path, "val/loss"))
+    assert 0 < last < 100000 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == last
+
+
+@pytest.mark.slow
+def test_quickstart_config_loss_falls_and_compile_trains(char_data, tmp_path):
+    run_train(["config/train_shakespeare_char_cpu.py", f"--data_dir={char_data}", "--max_iters=30",
+               "--eval_interval=30", "--eval_iters=5", "--dtype=float32", f"--out_dir={tmp_path}"])
+    val = metrics(tmp_path, "val/loss")
+    assert val[30] < val[0] - 0.5
+
+
+# -- bad input --------------------------------------------------------------------------------------------
+
+def one_line_error(result) -> str:
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_missing_dataset_names_the_prepare_command(tmp_path):
+    result = run_train(TINY + ["--dataset=openwebtext", f"--data_dir={tmp_path / 'nothing'}"], check=False)
+    assert "python data/openwebtext/prepare.py" in one_line_error(result)
+
+
+def test_vocab_mismatch_between_data_and_checkpoint_is_refused(char_data, tmp_path):
+    run_train(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (other / name).write_bytes((char_data / name).read_bytes())
+    (other / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"]}))
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    result = run_train(TINY + [f"--data_dir={other}", "--init_from=resume", f"--out_dir={tmp_path}"], check=False)
+    assert "vocab_size" in one_line_error(result)
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+def test_block_size_larger_than_the_checkpoints_is_refused(char_data, tmp_path):
+    run_train(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
+    result = run_train(TINY + [f"--data_dir={char_data}", "--init_from=resume", "--block_size=64",
+                               f"--out_dir={tmp_path}"], check=False)
+    assert "block_size=64 is larger than the model's 32" in one_line_error(result)
+
+
+def test_corrupt_checkpoint_is_one_sentence_and_stays_on_disk(char_data, tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    result = run_train(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={tmp_path}"], check=False)
+    assert "corrupt" in one_line_error(result)
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"not a checkpoint"
+
+
+def test_attention_the_device_cannot_run_fails_before_training(char_data, tmp_path):
+    result = run_train(TINY + [f"--data_dir={char_data}", "--attn=efficient", f"--out_dir={tmp_path}"], check=False)
+    assert "attn='efficient' cannot run" in one_line_error(result)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# -- configurator ---------------------------------------------------------------------------------------
+
+def settings_namespace() -> dict:
+    return {"learning_rate": 6e-4, "batch_size": 12, "attn": "sdpa", "compile": True, "wandb_run_name": None,
+            "betas": (0.9, 0.95)}
+
+
+def test_overrides_are_literals_and_bare_words_stay_strings():
+    ns = settings_namespace()
+    configure(ns, ["--batch_size=32", "--attn=flash", "--compile=False", "--wandb_run_name=lr=3e-4,bs=32"])
+    assert (ns["batch_size"], ns["attn"], ns["compile"]) == (32, "flash", False)
+    assert ns["wandb_run_name"] == "lr=3e-4,bs=32"  # a value may contain '='
+
+
+def test_an_int_is_accepted_where_a_float_is_expected():
+    ns = settings_namespace()
+    configure(ns, ["--learning_rate=1"])
+    assert ns["learning_rate"] == 1.0 and isinstance(ns["learning_rate"], float)
+
+
+def test_unknown_key_names_the_closest_valid_keys():
+    with pytest.raises(UserError, match="unknown setting 'learning_rat'; did you mean learning_rate"):
+        configure(settings_namespace(), ["--learning_rat=1e-3"])
+
+
+def test_a_wrong_type_is_one_sentence():
+    with pytest.raises(UserError, match=r"batch_size expects a int \(default 12\), got 'big' \(str\)"):
+        configure(settings_namespace(), ["--batch_size=big"])
+
+
+def test_config_files_apply_in_order_and_are_checked_too(tmp_path):
+    (tmp_path / "a.py").write_text("batch_size = 64\nattn = 'manual'\n")
+    (tmp_path / "bad.py").write_text("batchsize = 64\n")
+    ns = settings_namespace()
+    configure(ns, [str(tmp_path / "a.py"), "--attn=math"])
+    assert (ns["batch_size"], ns["attn"]) == (64, "math")
+    with pytest.raises(UserError, match="did you mean batch_size"):
+        configure(settings_namespace(), [str(tmp_path / "bad.py")])
+    with pytest.raises(UserError, match="config file 'nope.py' not found"):
+        configure(settings_namespace(), ["nope.py"])
+
+
+def test_train_script_reports_configurator_errors_in_one_line():
+    result = run_train(["--batch_sise=3"], check=False)
+    assert "did you mean batch_size" in one_line_error(result)

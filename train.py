@@ -1,0 +1,368 @@
+"""
+Train a GPT on one CPU, one GPU, or many GPUs with DDP.
+
+    python train.py config/train_shakespeare_char_cpu.py            # the CPU quickstart, a few minutes
+    python train.py config/train_shakespeare_char.py --compile=False
+    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --attn=flash
+    # two nodes: torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 --master_port=29500 train.py ...
+
+Every setting below can be set in a config file or overridden with --key=value.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import runtime
+from configurator import configure
+from model import GPT, UserError, check_attention
+
+# I/O
+out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go here
+eval_interval = 2000              # evaluate (and checkpoint) every this many iterations
+log_interval = 1                  # log training metrics every this many iterations
+eval_iters = 200                  # batches per split for each evaluation
+eval_only = False                 # evaluate once and exit
+always_save_checkpoint = True     # save at every eval, not only when val loss improves
+init_from = "scratch"             # 'scratch', 'resume' (from out_dir), 'gpt2*', or a local Hugging Face directory
+max_seconds = 0.0                 # stop after this much training time (eval excluded), then evaluate and save; 0: off
+# wandb logging (the mode comes from the environment: WANDB_MODE=offline or disabled work as usual)
+wandb_log = False
+wandb_project = "owt"
+wandb_run_name = "gpt2"
+# data
+dataset = "openwebtext"           # data/<dataset>/{train,val}.bin, from data/<dataset>/prepare.py
+data_dir = ""                     # where train.bin/val.bin/meta.json are; empty: data/<dataset>
+gradient_accumulation_steps = 40  # micro-steps per optimizer step, in total over all ranks
+batch_size = 12                   # sequences per micro-step per rank
+block_size = 1024
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0                     # 0 for pretraining, 0.1+ for finetuning
+bias = True                       # biases in Linear and LayerNorm, as GPT-2
+attn = "sdpa"                     # manual, sdpa_mask, sdpa, flash, efficient, cudnn, math, flex (see README)
+pad_vocab = False                 # pad the vocabulary to a multiple of 64 (50257 -> 50304)
+gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact one
+# AdamW
+learning_rate = 6e-4
+max_iters = 600000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0                   # clip gradients at this norm; 0: off
+# learning rate schedule: linear warmup, then cosine decay to min_lr
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000           # ~= max_iters per Chinchilla
+min_lr = 6e-5                     # ~= learning_rate / 10 per Chinchilla
+# system
+device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
+dtype = "auto"                    # auto (bf16 where supported, fp16 on older GPUs, else fp32), float32, bfloat16, float16
+compile = True                    # torch.compile the model
+seed = 1337
+# -----------------------------------------------------------------------------
+
+EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
+
+
+def lr_at(it: int, s: dict) -> float:
+    """Linear warmup for warmup_iters, cosine decay to min_lr until lr_decay_iters, then min_lr."""
+    if not s["decay_lr"]:
+        return s["learning_rate"]
+    if it < s["warmup_iters"]:
+        return s["learning_rate"] * (it + 1) / (s["warmup_iters"] + 1)
+    if it > s["lr_decay_iters"]:
+        return s["min_lr"]
+    ratio = (it - s["warmup_iters"]) / max(1, s["lr_decay_iters"] - s["warmup_iters"])
+    return s["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (s["learning_rate"] - s["min_lr"])
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+def ensure_dataset(data_dir: Path, name: str, is_master: bool) -> None:
+    if (data_dir / "train.bin").exists() and (data_dir / "val.bin").exists():
+        return
+    prepare = Path(__file__).parent / "data" / name / "prepare.py"
+    if name not in EMBEDDED_DATASETS or not prepare.exists():
+        raise UserError(f"dataset '{name}' is not prepared ({data_dir}/train.bin is missing); "
+                        f"run: python data/{name}/prepare.py")
+    if is_master:  # the other ranks wait at the barrier in main()
+        print(f"preparing {name} (data/{name}/prepare.py) ...")
+        if subprocess.run([sys.executable, str(prepare)]).returncode != 0:
+            raise UserError(f"preparing dataset '{name}' failed; run python data/{name}/prepare.py to see why.")
+
+
+def read_meta(data_dir: Path) -> dict | None:
+    from tokenizer import read_meta as read
+    return read(data_dir / "meta.json") if (data_dir / "meta.json").exists() else None
+
+
+class Batches:
+    """Random windows of a token file. One generator, seeded alike on every rank, draws the offsets of the
+    whole global batch; each rank takes its own micro-batches of it. So N ranks see exactly the data one
+    process with N times the accumulation sees, and the generator's state is all a resume needs."""
+
+    def __init__(self, data_dir: Path, block_size: int, batch_size: int, seed: int):
+        self.data_dir, self.block_size, self.batch_size = data_dir, block_size, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # a fresh memmap per batch: a long-lived one grows resident memory (numpy keeps pages)
+        data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
+        x = torch.stack([torch.from_numpy(data[i:i + self.block_size].astype(np.int64)) for i in offsets.tolist()])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + self.block_size].astype(np.int64)) for i in offsets.tolist()])
+        return x, y  # (B, T) each
+
+    def num_tokens(self, split: str) -> int:
+        return os.path.getsize(self.data_dir / f"{split}.bin") // 2
+
+    def global_step(self, split: str, micro_steps: int, rank: int, world_size: int):
+        """This rank's micro-batches of one optimizer step: a list of (x, y), each (B, T)."""
+        high = self.num_tokens(split) - self.block_size
+        if high < 1:
+            raise UserError(f"{self.data_dir}/{split}.bin has fewer than block_size+1={self.block_size + 1} "
+                            f"tokens; use a smaller block_size or more data.")
+        offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
+        mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
+        return [self._windows(split, row) for row in mine]
+
+
+# -- model, optimizer, checkpoint ------------------------------------------------------------------------
+
+def build_model(s: dict, vocab_size: int, checkpoint: dict | None) -> GPT:
+    if checkpoint is not None:  # resume: the weights decide the shape; attn and dropout are this run's
+        model = runtime.model_from_checkpoint(checkpoint, attn=s["attn"], dropout=s["dropout"])
+        if model.config.vocab_size != vocab_size:
+            raise UserError(f"the checkpoint's vocab_size is {model.config.vocab_size} but dataset "
+                            f"'{s['dataset']}' has {vocab_size}; resume with the dataset it was trained on.")
+    elif s["init_from"] == "scratch":
+        model = GPT(runtime.model_config_from({**s, "vocab_size": vocab_size}))
+    else:
+        model = GPT.from_pretrained(s["init_from"], attn=s["attn"], pad_vocab=s["pad_vocab"], dropout=s["dropout"])
+        if model.config.vocab_size != vocab_size:
+            raise UserError(f"{s['init_from']} has vocab_size {model.config.vocab_size} but dataset "
+                            f"'{s['dataset']}' has {vocab_size}; use a GPT-2 tokenized dataset.")
+    if s["block_size"] > model.config.block_size:
+        raise UserError(f"block_size={s['block_size']} is larger than the model's {model.config.block_size}; "
+                        f"use --block_size={model.config.block_size} or less.")
+    if s["block_size"] < model.config.block_size:
+        model.crop_block_size(s["block_size"])
+    return model
+
+
+def rng_state(batches: Batches, d: runtime.Dist) -> dict:
+    """Every rank's dropout RNG (collective: all ranks call it) and the shared data generator."""
+    mine = torch.cat([torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if d.device.startswith("cuda") else []))
+    per_rank = [mine]
+    if d.enabled:
+        per_rank = [None] * d.world_size
+        torch.distributed.all_gather_object(per_rank, mine)
+    return {"per_rank": per_rank, "data": batches.generator.get_state()}
+
+
+def restore_rng(state: dict, batches: Batches, d: runtime.Dist) -> None:
+    batches.generator.set_state(state["data"])
+    if len(state["per_rank"]) != d.world_size:
+        return  # another world size: dropout streams cannot continue, the seeds set in main() stand
+    saved, cpu_size = state["per_rank"][d.rank], torch.get_rng_state().numel()
+    torch.set_rng_state(saved[:cpu_size])
+    if d.device.startswith("cuda") and saved.numel() > cpu_size:
+        torch.cuda.set_rng_state(saved[cpu_size:])
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes: equal on all ranks if DDP kept them in step."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# -- logging -------------------------------------------------------------------------------------------
+
+class MetricsLog:
+    """Console, out_dir/metrics.jsonl, and wandb when enabled. Only the master rank writes."""
+
+    def __init__(self, s: dict, run_config: dict, enabled: bool):
+        self.enabled, self.wandb = enabled, None
+        self.path = Path(s["out_dir"]) / "metrics.jsonl"
+        if enabled and s["wandb_log"]:
+            import wandb  # mode (online/offline/disabled) comes from WANDB_MODE, never hard-coded
+            self.wandb = wandb.init(project=s["wandb_project"], name=s["wandb_run_name"], config=run_config)
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        print(text, flush=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if k != "iter"}, step=metrics["iter"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+@torch.no_grad()
+def estimate_loss(model, s: dict, data_dir: Path, ctx, d: runtime.Dist) -> dict:
+    """Mean loss over eval_iters batches per split, the same batches at every evaluation (a fixed seed),
+    different ones per rank, averaged over ranks."""
+    model.eval()
+    out = {}
+    for split in ("train", "val"):
+        batches = Batches(data_dir, s["block_size"], s["batch_size"], seed=s["seed"] + 1000 + d.rank)
+        losses = []
+        for x, y in batches.global_step(split, s["eval_iters"], 0, 1):
+            with ctx:
+                _, loss = model(x.to(d.device), y.to(d.device))
+            losses.append(loss.item())
+        out[split] = runtime.mean_across_ranks(sum(losses) / len(losses), d.device)
+    model.train()
+    return out
+
+
+# -- training ------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    s = configure(globals(), sys.argv[1:] if argv is None else argv)
+    d = runtime.init_distributed(runtime.pick_device(s["device"]))
+    if s["gradient_accumulation_steps"] % d.world_size:
+        raise UserError(f"gradient_accumulation_steps={s['gradient_accumulation_steps']} is not divisible by "
+                        f"the {d.world_size} ranks; make it a multiple of the world size.")
+    micro_steps = s["gradient_accumulation_steps"] // d.world_size
+    dtype = runtime.pick_dtype(s["dtype"], d.device)
+    device_type = d.device.split(":")[0]
+    torch.manual_seed(s["seed"] + d.rank)  # dropout differs per rank; the data generator does not
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    out = Path(s["out_dir"])
+    ckpt_path = out / "ckpt.pt"
+
+    data_dir = Path(s["data_dir"]) if s["data_dir"] else Path(__file__).parent / "data" / s["dataset"]
+    ensure_dataset(data_dir, s["dataset"], d.is_master)
+    if d.enabled:
+        torch.distributed.barrier()
+    meta = read_meta(data_dir)
+    vocab_size = meta["vocab_size"] if meta else 50257
+
+    checkpoint = runtime.load_checkpoint(ckpt_path) if s["init_from"] == "resume" else None
+    model = build_model(s, vocab_size, checkpoint).to(d.device)
+    check_attention(model.config.attn, device_type, runtime.DTYPES[dtype], model.config.dropout,
+                    model.config.head_size, needs_grad=True)  # fail now, not after compiling
+    optimizer = model.configure_optimizers(s["weight_decay"], s["learning_rate"], (s["beta1"], s["beta2"]), device_type)
+    scaler = runtime.grad_scaler(d.device, dtype)
+    batches = Batches(data_dir, s["block_size"], s["batch_size"], seed=s["seed"])
+    iter_num, best_val_loss = 0, float("inf")
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        restore_rng(checkpoint["rng"], batches, d)
+        iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+        checkpoint = None  # free the memory
+
+    raw_model = model
+    if s["compile"]:
+        model = torch.compile(model)
+    if d.enabled:
+        model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None)
+
+    ctx = runtime.autocast(d.device, dtype)
+    tokens_per_iter = s["gradient_accumulation_steps"] * s["batch_size"] * s["block_size"]  # over all ranks
+    run_config = {**s, "world_size": d.world_size, "device_name": runtime.device_name(d.device),
+                  "resolved_dtype": dtype, "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
+                  "tokens_per_iter": tokens_per_iter, "num_params": raw_model.get_num_params()}
+    log = MetricsLog(s, run_config, enabled=d.is_master)
+    if d.is_master:
+        print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {dtype} on "
+              f"{run_config['device_name']}, world size {d.world_size}, {tokens_per_iter:,} tokens per iteration")
+    peak = runtime.peak_flops(d.device, dtype)
+    timer = runtime.StepTimer(d.device)
+    resumed_at = iter_num if s["init_from"] == "resume" else None
+    try:
+        while True:
+            lr = lr_at(iter_num, s)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            out_of_time = s["max_seconds"] > 0 and timer.total >= s["max_seconds"]
+            done = iter_num >= s["max_iters"] or out_of_time
+            if (iter_num % s["eval_interval"] == 0 or done) and iter_num != resumed_at:
+                timer.pause()
+                losses = estimate_loss(model, s, data_dir, ctx, d)
+                log.log({"iter": iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+                if not math.isfinite(losses["val"]):
+                    raise UserError(f"validation loss is {losses['val']} at iter {iter_num}; training diverged "
+                                    f"(try a lower learning_rate); the last good checkpoint in {out} is kept.")
+                if iter_num > 0 and (losses["val"] < best_val_loss or s["always_save_checkpoint"]):
+                    best_val_loss = min(best_val_loss, losses["val"])
+                    rng = rng_state(batches, d)
+                    if d.is_master:
+                        runtime.save_checkpoint({
+                            "model": raw_model.state_dict(), "model_config": dataclasses.asdict(raw_model.config),
+                            "optimizer": optimizer.state_dict(), "iter_num": iter_num,
+                            "best_val_loss": best_val_loss, "settings": s, "meta": meta, "rng": rng,
+                        }, ckpt_path)
+                if s["eval_only"]:
+                    break
+            if done:
+                break
+
+            if not timer.running:
+                timer.start()
+            loss_sum = torch.zeros((), device=d.device)
+            micro_batches = batches.global_step("train", micro_steps, d.rank, d.world_size)
+            for micro, (x, y) in enumerate(micro_batches):
+                last = micro == micro_steps - 1
+                sync = model.no_sync() if d.enabled and not last else nullcontext()  # all-reduce once per step
+                with sync:
+                    with ctx:
+                        _, loss = model(x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True))
+                    scaler.scale(loss / micro_steps).backward()
+                loss_sum += loss.detach()
+            if s["grad_clip"] > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            timer.step()
+            iter_num += 1
+
+            if iter_num % s["log_interval"] == 0:
+                seconds, steps = timer.read_and_reset()
+                loss = runtime.mean_across_ranks(loss_sum.item() / micro_steps, d.device)
+                if not math.isfinite(loss):
+                    raise UserError(f"training loss is {loss} at iter {iter_num}; training diverged (try a lower "
+                                    f"learning_rate or grad_clip); the last good checkpoint in {out} is kept.")
+                tokens_per_s = tokens_per_iter * steps / seconds
+                log.log({"iter": iter_num, "train/loss": loss, "lr": lr, "ms_per_iter": 1000 * seconds / steps,
+                         "tokens_per_s": tokens_per_s,
+                         "mfu": raw_model.estimate_mfu(tokens_per_s / d.world_size, peak, s["block_size"]),
+                         "mem/peak_gb": runtime.peak_memory_gb(d.device)})
+        if d.enabled:
+            digests = [None] * d.world_size
+            torch.distributed.all_gather_object(digests, parameter_digest(raw_model))
+            if d.is_master:
+                print(f"parameter digest per rank: {' '.join(digests)}")
+            if len(set(digests)) != 1:
+                raise RuntimeError("ranks hold different parameters after training: DDP fell out of step")
+    finally:
+        log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)
