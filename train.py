@@ -21,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import runtime
@@ -70,7 +73,8 @@ min_lr = 6e-5                     # ~= learning_rate / 10 per Chinchilla
 # system
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
 dtype = "auto"                    # auto (bf16 where supported, fp16 on older GPUs, else fp32), float32, bfloat16, float16
-compile = True                    # torch.compile the model
+compile = True                    # torch.compile the model (FSDP: each block)
+parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank) or 'fsdp' (FSDP2, sharded)
 seed = 1337
 # -----------------------------------------------------------------------------
 
@@ -182,12 +186,51 @@ def restore_rng(state: dict, batches: Batches, d: runtime.Dist) -> None:
         torch.cuda.set_rng_state(saved[cpu_size:])
 
 
+def local_numel(p: torch.Tensor) -> int:
+    """Elements this rank stores: its shard of an FSDP parameter, or all of a replicated one."""
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
 def parameter_digest(model: torch.nn.Module) -> str:
     """A hash of every parameter's bytes: equal on all ranks if DDP kept them in step."""
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def parallelize(model: GPT, s: dict, d: runtime.Dist, dtype: str) -> torch.nn.Module:
+    """Compile and wrap for the world we run in. FSDP2: each block is a unit (gathered for its forward and
+    backward, then freed), then the root holds the embeddings, final norm and tied lm_head."""
+    if d.enabled and s["parallel"] == "fsdp":
+        mp = MixedPrecisionPolicy(param_dtype=runtime.DTYPES[dtype], reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            if s["compile"]:
+                block.compile()  # per block: whole-model compile would trace through FSDP's hooks
+            fully_shard(block, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
+    compiled = torch.compile(model) if s["compile"] else model
+    if d.enabled:
+        return DDP(compiled, device_ids=[d.local_rank] if d.device.startswith("cuda") else None)
+    return compiled
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Gradient accumulation: reduce gradients across ranks only on the last micro-step."""
+    if isinstance(model, DDP):
+        return nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return nullcontext()
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state(model: GPT, optimizer) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state (collective: every rank calls it), keyed by parameter name, so
+    a checkpoint loads the same under one process, DDP or FSDP."""
+    return get_model_state_dict(model, options=FULL_STATE), get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
 
 
 # -- logging -------------------------------------------------------------------------------------------
@@ -247,7 +290,7 @@ def main(argv=None) -> int:
     micro_steps = s["gradient_accumulation_steps"] // d.world_size
     dtype = runtime.pick_dtype(s["dtype"], d.device)
     device_type = d.device.split(":")[0]
-    torch.manual_seed(s["seed"] + d.rank)  # dropout differs per rank; the data generator does not
+    torch.manual_seed(s["seed"])  # the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     out = Path(s["out_dir"])
@@ -264,21 +307,27 @@ def main(argv=None) -> int:
     model = build_model(s, vocab_size, checkpoint).to(d.device)
     check_attention(model.config.attn, device_type, runtime.DTYPES[dtype], model.config.dropout,
                     model.config.head_size, needs_grad=True)  # fail now, not after compiling
-    optimizer = model.configure_optimizers(s["weight_decay"], s["learning_rate"], (s["beta1"], s["beta2"]), device_type)
+    torch.manual_seed(s["seed"] + d.rank)  # dropout differs per rank; the data generator does not
+    if s["parallel"] not in ("ddp", "fsdp"):
+        raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{s['parallel']}'.")
+    raw_model = model
+    model = parallelize(raw_model, s, d, dtype)  # FSDP shards raw_model's parameters in place
+    optimizer = raw_model.configure_optimizers(s["weight_decay"], s["learning_rate"], (s["beta1"], s["beta2"]),
+                                               device_type)
     scaler = runtime.grad_scaler(d.device, dtype)
     batches = Batches(data_dir, s["block_size"], s["batch_size"], seed=s["seed"])
     iter_num, best_val_loss = 0, float("inf")
     if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        set_optimizer_state_dict(raw_model, optimizer, checkpoint["optimizer"], options=FULL_STATE)
         restore_rng(checkpoint["rng"], batches, d)
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
         checkpoint = None  # free the memory
-
-    raw_model = model
-    if s["compile"]:
-        model = torch.compile(model)
     if d.enabled:
-        model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None)
+        local = [None] * d.world_size
+        torch.distributed.all_gather_object(local, sum(local_numel(p) for p in raw_model.parameters()))
+        if d.is_master:
+            print(f"parameter elements per rank ({s['parallel']}): {' '.join(map(str, local))} "
+                  f"of {sum(p.numel() for p in raw_model.parameters())}")
 
     ctx = runtime.autocast(d.device, dtype)
     tokens_per_iter = s["gradient_accumulation_steps"] * s["batch_size"] * s["block_size"]  # over all ranks
@@ -309,10 +358,11 @@ def main(argv=None) -> int:
                 if iter_num > 0 and (losses["val"] < best_val_loss or s["always_save_checkpoint"]):
                     best_val_loss = min(best_val_loss, losses["val"])
                     rng = rng_state(batches, d)
+                    model_state, optimizer_state = full_state(raw_model, optimizer)
                     if d.is_master:
                         runtime.save_checkpoint({
-                            "model": raw_model.state_dict(), "model_config": dataclasses.asdict(raw_model.config),
-                            "optimizer": optimizer.state_dict(), "iter_num": iter_num,
+                            "model": model_state, "model_config": dataclasses.asdict(raw_model.config),
+                            "optimizer": optimizer_state, "iter_num": iter_num,
                             "best_val_loss": best_val_loss, "settings": s, "meta": meta, "rng": rng,
                         }, ckpt_path)
                 if s["eval_only"]:
@@ -325,9 +375,7 @@ def main(argv=None) -> int:
             loss_sum = torch.zeros((), device=d.device)
             micro_batches = batches.global_step("train", micro_steps, d.rank, d.world_size)
             for micro, (x, y) in enumerate(micro_batches):
-                last = micro == micro_steps - 1
-                sync = model.no_sync() if d.enabled and not last else nullcontext()  # all-reduce once per step
-                with sync:
+                with gradient_sync(model, sync=micro == micro_steps - 1):
                     with ctx:
                         _, loss = model(x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True))
                     scaler.scale(loss / micro_steps).backward()
@@ -352,7 +400,7 @@ def main(argv=None) -> int:
                          "tokens_per_s": tokens_per_s,
                          "mfu": raw_model.estimate_mfu(tokens_per_s / d.world_size, peak, s["block_size"]),
                          "mem/peak_gb": runtime.peak_memory_gb(d.device)})
-        if d.enabled:
+        if d.enabled and s["parallel"] == "ddp":
             digests = [None] * d.world_size
             torch.distributed.all_gather_object(digests, parameter_digest(raw_model))
             if d.is_master:

@@ -1,0 +1,47 @@
+"""Shared fixtures: a tiny character dataset and a way to run train.py (alone or under torchrun)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# a 2-layer model, fp32, eager, one micro-step: seconds per run
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--compile=False",
+        "--dtype=float32", "--device=cpu", "--gradient_accumulation_steps=1", "--eval_iters=2", "--log_interval=1",
+        "--warmup_iters=2", "--lr_decay_iters=100", "--learning_rate=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def char_data(tmp_path_factory) -> Path:
+    """A small character-level dataset: train.bin, val.bin (uint16) and meta.json."""
+    d = tmp_path_factory.mktemp("chars")
+    text = "\n".join(f"To be, or not to be: line {i} of {i * 7 % 13}." for i in range(3000))
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    split = int(0.9 * len(ids))
+    ids[:split].tofile(d / "train.bin")
+    ids[split:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": len(chars), "chars": chars}))
+    return d
+
+
+def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    result = subprocess.run(launcher + [str(REPO / "train.py")] + args, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def metrics(out_dir: Path, key: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iter"]: r[key] for r in rows if key in r}
+
+
