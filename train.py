@@ -351,7 +351,8 @@ def main(argv=None) -> int:
             if (iter_num % s["eval_interval"] == 0 or done) and iter_num != resumed_at:
                 timer.pause()
                 losses = estimate_loss(model, s, data_dir, ctx, d)
-                log.log({"iter": iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+                log.log({"iter": iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"], "lr": lr,
+                         "train_time_s": timer.total})
                 if not math.isfinite(losses["val"]):
                     raise UserError(f"validation loss is {losses['val']} at iter {iter_num}; training diverged "
                                     f"(try a lower learning_rate); the last good checkpoint in {out} is kept.")
