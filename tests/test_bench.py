@@ -1,0 +1,176 @@
+"""bench.py: the sweep runs and reports every row, the kernel audit sees what really ran (and flags a silent
+fallback), memory is measured per step, and fused attention fits a larger batch. No test asserts a speed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+import bench
+from model import ATTENTION
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny model that still runs a real training step of every CPU-trainable implementation in well under a second.
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--seq_len=64", "--batch_size=2", "--vocab_size=101",
+        "--iters=2", "--warmup=1", "--dtype=float32", "--threads=1"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Behaviour, not speed, is under test: one thread keeps OpenMP threads from waiting on a descheduled
+    sibling at every op on a shared CI machine (10x faster there). bench.main sets threads process-wide."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_bench(tmp_path: Path, *args: str) -> dict:
+    assert bench.main([*TINY, f"--out_dir={tmp_path}", *args]) == 0
+    mode = next((a.split("=", 1)[1] for a in args if a.startswith("--mode=")), "train")
+    return json.loads((tmp_path / f"{mode}.json").read_text())
+
+
+def rows_by(result: dict, *keys: str) -> dict:
+    return {tuple(row[k] for k in keys): row for row in result["rows"]}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    return out, run_bench(out)
+
+
+def test_sweep_has_a_row_per_attn_and_padding_with_time_throughput_memory_and_kernel(sweep):
+    _, result = sweep
+    rows = rows_by(result, "attn", "pad_vocab")
+    assert set(rows) == {(a, p) for a in ATTENTION for p in (False, True)}
+    ran = [row for row in rows.values() if row["status"] == "ok"]
+    assert {row["attn"] for row in ran} == {"manual", "sdpa_mask", "sdpa", "flash", "math"}
+    for row in ran:
+        assert row["ms_p25"] <= row["ms_per_iter"] <= row["ms_p75"] and len(row["ms_all"]) == 2
+        assert row["tokens_per_s"] > 0 and row["mfu"] > 0 and row["mem/peak_gb"] > 0
+        assert row["kernel"] and row["kernel_ok"]
+        assert row["vocab"] == (128 if row["pad_vocab"] else 101)
+    assert rows[("manual", False)]["speedup_vs_manual"] == 1.0
+    assert result["environment"]["torch"] == torch.__version__ and result["environment"]["device_name"]
+
+
+def test_cuda_only_kernels_and_flex_training_are_skipped_on_cpu_with_a_reason(sweep):
+    rows = rows_by(sweep[1], "attn", "pad_vocab")
+    for attn, words in (("efficient", "CUDA-only"), ("cudnn", "CUDA-only"), ("flex", "no backward")):
+        for pad in (False, True):
+            assert rows[(attn, pad)]["status"] == "skipped"
+            assert words in rows[(attn, pad)]["reason"]
+
+
+def test_chart_is_a_png_that_matplotlib_can_read(sweep):
+    out, _ = sweep
+    path = out / "train.png"
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_audit_names_the_cpu_flash_kernel_for_sdpa_and_flash_and_none_for_manual(sweep):
+    rows = rows_by(sweep[1], "attn", "pad_vocab")
+    for attn in ("sdpa", "flash"):
+        assert rows[(attn, False)]["kernel"] == "flash"
+        assert rows[(attn, False)]["kernel_ops"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"]
+    assert rows[("math", False)]["kernel"] == "math"
+    assert rows[("manual", False)]["kernel"] == "none" and rows[("manual", False)]["kernel_ops"] == []
+
+
+def test_audit_labels_and_expectations():
+    assert bench.audit({"aten::bmm", "aten::_softmax"}) == ("none", [])
+    assert bench.audit({"aten::_scaled_dot_product_efficient_attention", "aten::mm"})[0] == "efficient"
+    assert bench.expected_kernels("sdpa", "cuda") == {"flash", "efficient", "cudnn"}
+    assert bench.expected_kernels("sdpa", "cpu") == {"flash"}
+    assert bench.expected_kernels("manual", "cpu") == {"none"}
+
+
+def test_sdpa_with_dropout_on_cpu_falls_back_to_math_and_is_flagged(tmp_path, capsys):
+    result = run_bench(tmp_path, "--attn=sdpa,flash", "--padding=off", "--dropout=0.1")
+    rows = rows_by(result, "attn")
+    assert rows[("sdpa",)]["kernel"] == "math" and rows[("sdpa",)]["kernel_ok"] is False
+    assert rows[("manual",)]["kernel_ok"] is True  # added as the baseline, and dropout changes nothing for it
+    assert rows[("flash",)]["status"] == "skipped" and "dropout" in rows[("flash",)]["reason"]
+    out = capsys.readouterr().out
+    assert "! sdpa ran math" in out and "expected flash" in out
+
+
+def test_cpu_step_memory_is_the_peak_of_live_tensor_bytes():
+    def call():
+        a = torch.ones(1_000_000)   # 4 MB
+        b = torch.ones(1_000_000)   # 4 MB more: 8 MB live
+        del a, b
+        torch.ones(500_000)         # 2 MB after both were freed: the peak stays 8 MB
+    _, added = bench.profiled_run(call, "cpu")
+    assert 8_000_000 <= added < 8_100_000
+
+
+def test_max_batch_size_doubles_then_bisects_to_the_largest_that_fits():
+    probes = []
+
+    def fits_up_to(n):
+        def fits(b):
+            probes.append(b)
+            return b <= n
+        return fits
+    assert bench.max_batch_size(fits_up_to(37), limit=256) == 37
+    assert probes[:7] == [1, 2, 4, 8, 16, 32, 64] and len(probes) <= 12
+    assert bench.max_batch_size(fits_up_to(1000), limit=48) == 48
+    assert bench.max_batch_size(fits_up_to(0), limit=48) == 0
+
+
+def test_sdpa_fits_a_larger_batch_than_manual_at_a_long_sequence_under_a_cpu_memory_budget(tmp_path):
+    # At T=512 manual attention holds several (B, nh, T, T) score tensors per layer; the flash kernel holds
+    # O(T) per head. The vocabulary is tiny so attention dominates memory.
+    result = run_bench(tmp_path, "--attn=manual,sdpa", "--padding=off", "--seq_len=512", "--n_head=4",
+                       "--vocab_size=64", "--max_batch=True", "--mem_budget_gb=0.032", "--max_batch_limit=64",
+                       "--iters=1", "--warmup=0")
+    rows = rows_by(result, "attn")
+    assert 1 <= rows[("manual",)]["max_batch"] < rows[("sdpa",)]["max_batch"]
+
+
+def test_attention_mode_measures_forward_and_backward_and_manual_needs_more_memory(tmp_path):
+    result = run_bench(tmp_path, "--mode=attention", "--attn=manual,flash,flex", "--attn_seq_lens=128",
+                       "--attn_head_sizes=16", "--attn_heads=2")
+    rows = rows_by(result, "attn", "backward")
+    assert rows[("flex", False)]["status"] == "ok" and rows[("flex", False)]["kernel"] == "flex"
+    assert rows[("flex", True)]["status"] == "skipped"  # no backward on CPU
+    for backward in (False, True):
+        assert rows[("flash", backward)]["kernel"] == "flash"
+        # manual materialises (B, nh, T, T) scores: at least 2 * 128 * 128 floats more than flash
+        assert rows[("manual", backward)]["mem/peak_gb"] - rows[("flash", backward)]["mem/peak_gb"] >= 131_072 / 1e9
+    assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_command_line_prints_the_table_and_writes_json_chart_and_chrome_trace(tmp_path):
+    cmd = [sys.executable, "bench.py", *TINY, "--attn=manual,flash", "--padding=on", "--profile=True",
+           f"--out_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "manual" in proc.stdout and "flash" in proc.stdout and "speedup" in proc.stdout
+    assert json.loads((tmp_path / "train.json").read_text())["config"]["attn"] == ["manual", "flash"]
+    assert (tmp_path / "train.png").read_bytes()[:8] == PNG_SIGNATURE
+    trace = json.loads((tmp_path / "trace_train_flash_padded.json").read_text())
+    assert any("flash_attention" in event.get("name", "") for event in trace["traceEvents"])
+
+
+def test_a_bad_setting_is_one_line_on_stderr_and_exit_code_2(tmp_path):
+    proc = subprocess.run([sys.executable, "bench.py", "--attn=fast", f"--out_dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: unknown attn fast; choose from " + ", ".join(ATTENTION)
+                                                + " or all."]
+
+
+def test_speedup_pairs_iterations_so_drift_that_hits_every_row_cancels():
+    manual = {"ms_all": [100.0, 1000.0, 100.0]}   # the machine got 10x slower during iteration 2
+    fused = {"ms_all": [50.0, 500.0, 60.0]}
+    assert bench.paired_speedup(manual, fused) == 2.0
