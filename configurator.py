@@ -18,8 +18,10 @@ PLAIN_TYPES = (bool, int, float, str, tuple, list, type(None))
 
 
 def settings(namespace: dict) -> dict:
-    """The script's settings: public module globals holding plain values (not modules, functions, classes)."""
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, PLAIN_TYPES)}
+    """The script's settings: public lower-case module globals holding plain values (UPPER_CASE names are
+    constants, and modules, functions and classes are not settings)."""
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and not k.isupper() and isinstance(v, PLAIN_TYPES)}
 
 
 def _coerce(key: str, value, default):

@@ -92,10 +92,12 @@ def device_name(device: str) -> str:
         return torch.cuda.get_device_name(device)
     if device.startswith("mps"):
         return "Apple MPS"
+    n = torch.get_num_threads()
+    threads = f"{n} thread{'s' if n != 1 else ''}"
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
         if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    return f"{platform.processor() or 'CPU'} ({torch.get_num_threads()} threads)"
+            return f"{line.split(':', 1)[1].strip()} ({threads})"
+    return f"{platform.processor() or 'CPU'} ({threads})"
 
 
 # -- memory and peak FLOP/s ------------------------------------------------------------------------------

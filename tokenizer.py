@@ -167,21 +167,30 @@ def write_meta(meta_path: Path, meta: dict) -> None:
     Path(meta_path).write_text(json.dumps(meta, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def load_tokenizer(meta_path: Path | None = None) -> Tokenizer:
-    """The tokenizer a dataset was prepared with; GPT-2 BPE when meta_path is None or does not exist
-    (as for OpenAI's pretrained checkpoints)."""
-    if meta_path is None or not Path(meta_path).exists():
+def tokenizer_from_meta(meta: dict | None, source: str = "meta.json") -> Tokenizer:
+    """The tokenizer a dataset's meta.json describes (as a dict, e.g. the one a checkpoint carries);
+    GPT-2 BPE when meta is None. `source` names where the dict came from, for error messages."""
+    if meta is None:
         return GPT2Tokenizer()
-    meta = read_meta(meta_path)
+    if not isinstance(meta, dict) or "tokenizer" not in meta:
+        raise UserError(f"{source} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
     if meta["tokenizer"] == "gpt2":
         return GPT2Tokenizer()
     if meta["tokenizer"] == "char":
         tok = CharTokenizer(list(meta.get("chars", [])))
         if tok.vocab_size == 0 or tok.vocab_size != meta.get("vocab_size"):
-            raise UserError(f"{meta_path} lists {tok.vocab_size} chars but says vocab_size={meta.get('vocab_size')}; "
+            raise UserError(f"{source} lists {tok.vocab_size} chars but says vocab_size={meta.get('vocab_size')}; "
                             f"rerun the dataset's prepare.py")
         return tok
-    raise UserError(f"{meta_path} names tokenizer {meta['tokenizer']!r}; expected \"gpt2\" or \"char\"")
+    raise UserError(f"{source} names tokenizer {meta['tokenizer']!r}; expected \"gpt2\" or \"char\"")
+
+
+def load_tokenizer(meta_path: Path | None = None) -> Tokenizer:
+    """The tokenizer a dataset was prepared with; GPT-2 BPE when meta_path is None or does not exist
+    (as for OpenAI's pretrained checkpoints)."""
+    if meta_path is None or not Path(meta_path).exists():
+        return GPT2Tokenizer()
+    return tokenizer_from_meta(read_meta(meta_path), source=str(meta_path))
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""sample.py: reproducible samples, the KV cache changes nothing, every implementation compared, clear errors."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import configurator
+import runtime
+import sample
+from model import GPT, GPTConfig, UserError
+from tokenizer import CharTokenizer, GPT2Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHARS = list("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tinyshakespeare's 65
+CHAR_META = {"tokenizer": "char", "vocab_size": len(CHARS), "chars": CHARS}
+TINY = dict(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
+CPU_RUNNABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math", "flex"]
+SAMPLING = sample.Sampling(num_samples=2, max_new_tokens=45, temperature=0.9, top_k=20, seed=7)
+
+
+def confident_char_model() -> GPT:
+    """A tiny char model whose logits reach well above 1 (the tied embedding scaled up), so the fp32 bound
+    below is relative to a real logit scale rather than absolute."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # tied to wte: logits up to about 3
+    return model.eval()
+
+
+def save_checkpoint(out_dir: Path, model: GPT, meta) -> Path:
+    runtime.save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                             "meta": meta, "iter_num": 7}, out_dir / "ckpt.pt")
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def char_ckpt(tmp_path_factory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("char"), confident_char_model(), CHAR_META)
+
+
+def run_sample(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO_ROOT / "sample.py"), *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def texts(stdout: str) -> str:
+    """The printed samples, without the timing line."""
+    return "\n".join(line for line in stdout.splitlines() if "tokens/s" not in line)
+
+
+# -- sampling ---------------------------------------------------------------------------------------------
+
+def test_the_same_seed_prints_the_same_text_twice(char_ckpt):
+    args = (f"--out_dir={char_ckpt}", "--num_samples=2", "--max_new_tokens=20", "--seed=3", "--start=ROMEO:",
+            "--dtype=float32")
+    first, second = run_sample(*args), run_sample(*args)
+    assert first.returncode == 0, first.stderr
+    assert texts(first.stdout) == texts(second.stdout)
+    assert first.stdout.count("---------------") == 2 and "\nROMEO:" in first.stdout
+    assert "tokens/s" in first.stdout
+
+
+def test_kv_cache_and_cache_free_paths_give_the_same_tokens_past_block_size(char_ckpt):
+    model, tok, _ = sample.load_model("resume", str(char_ckpt), None)
+    prompt = sample.encode_prompt(tok, "To be")
+    cached, _ = sample.generate(model, prompt, "cpu", "float32", SAMPLING, use_cache=True)
+    plain, _ = sample.generate(model, prompt, "cpu", "float32", SAMPLING, use_cache=False)
+    assert cached == plain
+    assert [len(s) for s in cached] == [45, 45] and cached[0] != cached[1]  # 5 + 45 > block_size=32
+    other_seed, _ = sample.generate(model, prompt, "cpu", "float32", dataclasses.replace(SAMPLING, seed=8))
+    assert other_seed != cached
+
+
+def test_char_checkpoint_decodes_with_its_own_characters(char_ckpt):
+    model, tok, source = sample.load_model("resume", str(char_ckpt), "flash")
+    assert isinstance(tok, CharTokenizer) and tok.chars == CHARS
+    assert model.config.attn == "flash" and "iter 7" in source
+    samples, _ = sample.generate(model, tok.encode("To be"), "cpu", "float32", SAMPLING)
+    ids = [i for s in samples for i in s]
+    assert max(ids) < len(CHARS)
+    assert set(tok.decode(ids)) <= set(CHARS)
+
+
+def test_bpe_checkpoint_without_meta_never_emits_padded_ids(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16, pad_vocab=True))
+    with torch.no_grad():
+        model.lm_head.weight[50257:] = 50.0  # the padded rows would win every step without the mask
+    save_checkpoint(tmp_path, model, meta=None)
+    model, tok, _ = sample.load_model("resume", str(tmp_path), None)
+    assert isinstance(tok, GPT2Tokenizer) and model.config.padded_vocab_size == 50304
+    prompt = sample.encode_prompt(tok, "Hello world")
+    assert prompt == [15496, 995]
+    samples, _ = sample.generate(model, prompt, "cpu", "float32", dataclasses.replace(SAMPLING, max_new_tokens=20))
+    assert max(i for s in samples for i in s) < 50257
+    assert tok.decode(prompt + samples[0]).startswith("Hello world")
+
+
+def test_gpt2_weights_from_a_local_hf_directory_sample_with_gpt2_bpe(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    model, tok, source = sample.load_model(str(tmp_path), "unused", "math")
+    assert isinstance(tok, GPT2Tokenizer) and model.config.attn == "math" and source == str(tmp_path)
+    samples, _ = sample.generate(model, tok.encode("<|endoftext|>"), "cpu", "float32", SAMPLING)
+    assert max(i for s in samples for i in s) < 50257
+
+
+def test_file_prompt_is_read_from_the_file(char_ckpt, tmp_path):
+    (tmp_path / "prompt.txt").write_text("ROMEO:\nBut soft", encoding="utf-8")
+    result = run_sample(f"--out_dir={char_ckpt}", f"--start=FILE:{tmp_path / 'prompt.txt'}", "--num_samples=1",
+                        "--max_new_tokens=10")
+    assert result.returncode == 0, result.stderr
+    assert "\nROMEO:\nBut soft" in result.stdout
+    assert sample.read_prompt("plain text") == "plain text"
+
+
+# -- comparison --------------------------------------------------------------------------------------------
+
+def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(char_ckpt, tmp_path):
+    result = run_sample(f"--out_dir={char_ckpt}", "--compare=all", "--dtype=float32", "--num_samples=1",
+                        "--max_new_tokens=8", "--start=To be, or not", f"--json={tmp_path / 'c.json'}")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for name in CPU_RUNNABLE[1:]:
+        assert f"=== {name}: tokens identical to manual's" in out
+    assert "=== efficient: skipped, the memory-efficient kernel is CUDA-only" in out
+    assert "=== cudnn: skipped, the cuDNN kernel is CUDA-only" in out
+    assert "== teacher-forced logits" in out and "== Appendix A" in out
+    report = json.loads((tmp_path / "c.json").read_text())
+    gens = report["implementations"]
+    assert list(gens) == CPU_RUNNABLE and set(report["skipped"]) == {"efficient", "cudnn"}
+    assert report["numerics_tokens"] == 32  # the prompt is short: the default text, cropped to block_size
+    for name, g in gens.items():
+        assert g["identical_to_first"] and g["first_divergence"] is None and g["cache_equals_no_cache"], name
+        fp32 = g["logits"]["float32"]
+        # scaled = max|dlogit| / max(1, max|ref logit|): relative to the reference's logit scale (which the
+        # confident model puts well above 1), absolute for a model whose logits are all small
+        assert fp32["scaled"] <= 1e-5 and fp32["kl_mean"] <= 1e-9, (name, fp32)
+        assert g["logits"]["bfloat16"]["max_abs"] > fp32["max_abs"]  # the reduced dtype is measured too
+        assert g["texts"][0].startswith("To be, or not")
+    for dt in ("float32", "bfloat16"):
+        assert set(report["appendix_a"][dt]["pairwise"]) == {"a-b", "a-c", "a-d", "b-c", "b-d", "c-d"}
+
+
+def test_reference_logits_are_large_enough_for_a_relative_bound_and_errors_of_equal_logits_are_zero(char_ckpt):
+    model, tok, _ = sample.load_model("resume", str(char_ckpt), None)
+    x = torch.tensor([sample.numerics_ids(tok, tok.encode("T"), model.config.block_size)])
+    ref = sample.forced_logits(sample.with_attn(model, "manual").double(), x, "cpu", "float32")
+    assert ref.abs().max().item() > 2.0
+    errors = sample.logit_errors(ref, ref)
+    assert errors["max_abs"] == 0 and errors["kl_mean"] == 0
+
+
+def test_appendix_a_sdpa_math_is_pre_scaling_bit_for_bit_and_not_allclose_to_nanogpt():
+    """The post's Appendix A at GPT-2's head size: allclose(sdpa, nanogpt) fails, allclose(sdpa, scale_before) holds."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 64) for _ in range(3))  # (B, nh, T, hs)
+    fp32 = sample.appendix_a((q, k, v), "float32")
+    assert max(fp32["vs_float64"].values()) <= 1e-6  # all four are right to fp32 precision
+    assert fp32["pairwise"]["b-d"] == {"max_abs": 0.0, "allclose": True}
+    assert 0 < fp32["pairwise"]["a-d"]["max_abs"] <= 1e-6 and not fp32["pairwise"]["a-d"]["allclose"]
+    bf16 = sample.appendix_a((q, k, v), "bfloat16")
+    assert min(bf16["vs_float64"].values()) > 100 * max(fp32["vs_float64"].values())
+
+
+def test_pre_scaling_by_a_power_of_two_rounds_nothing():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))  # d=16: d^-1/4 = 0.5
+    assert sample.appendix_a((q, k, v), "float32")["pairwise"]["a-b"] == {"max_abs": 0.0, "allclose": True}
+
+
+def test_compare_names_are_checked_and_unrunnable_ones_skipped_with_the_reason():
+    run = sample.Run("cpu", "float32", "bfloat16", SAMPLING, [0], False)
+    names, skipped = sample.resolve_compare("sdpa, manual,sdpa,efficient", run, head_size=16)
+    assert names == ["sdpa", "manual", "efficient"]  # in the order given, each once
+    assert skipped == {"efficient": "the memory-efficient kernel is CUDA-only"}
+    with pytest.raises(UserError, match="unknown attn 'fast' in --compare"):
+        sample.resolve_compare("manual,fast", run, head_size=16)
+    with pytest.raises(UserError, match="none of efficient, cudnn can run"):
+        sample.resolve_compare("efficient,cudnn", run, head_size=16)
+
+
+def test_the_settings_are_the_commented_globals_only():
+    assert set(configurator.settings(vars(sample))) == {
+        "init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "attn",
+        "device", "dtype", "compile", "compare", "json"}
+
+
+def test_first_divergence_names_the_sample_and_the_token():
+    assert sample.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == {"sample": 1, "token": 1}
+    assert sample.first_divergence([[1, 2]], [[1, 2]]) is None
+
+
+# -- clear errors --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--attn=fast"], "unknown attn 'fast'; choose one of manual, sdpa_mask"),
+    (["--attn=efficient"], "attn='efficient' cannot run for inference on cpu"),
+    (["--compare=manual,fast"], "unknown attn 'fast' in --compare"),
+    (["--start=FILE:no/such/prompt.txt"], "prompt file no/such/prompt.txt does not exist"),
+    (["--out_dir=MISSING"], "no checkpoint at"),
+    (["--out_dir=CORRUPT"], "cannot be read"),
+    (["--temperature=-1.0"], "temperature must be >= 0"),
+], ids=["unknown-attn", "unrunnable-attn", "unknown-compare", "missing-prompt-file", "missing-checkpoint",
+        "corrupt-checkpoint", "negative-temperature"])
+def test_bad_input_is_one_error_line_and_exit_code_2(char_ckpt, tmp_path, args, message):
+    (tmp_path / "CORRUPT").mkdir()
+    (tmp_path / "CORRUPT" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    args = [a.replace("MISSING", str(tmp_path / "nothing")).replace("CORRUPT", str(tmp_path / "CORRUPT"))
+            for a in args]
+    if not any(a.startswith("--out_dir") for a in args):
+        args.append(f"--out_dir={char_ckpt}")
+    result = run_sample(*args, "--max_new_tokens=5", "--num_samples=1")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
