@@ -284,10 +284,12 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
-        # Padded ids are not words: -inf logits keep them out of the softmax, so the loss is over the real
-        # vocabulary only (identical to an unpadded model's) and sampling can never pick them.
+        # Padded ids are not words: a -inf logit bias keeps them out of the softmax, so the loss is over the real
+        # vocabulary only (identical to an unpadded model's) and sampling can never pick them. As lm_head's bias
+        # it rides in the matmul's epilogue; a separate masked_fill would cost a full pass over the logits.
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
-        self.register_buffer("is_padding", is_padding, persistent=False)
+        self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
+                             persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -327,9 +329,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             x = x[:, [-1], :]  # (B, 1, C): only the next token is needed
-        logits = self.lm_head(x)
-        if self.config.pad_vocab:
-            logits = logits.masked_fill(self.is_padding, float("-inf"))
+        padded = self.config.padded_vocab_size > self.config.vocab_size
+        logits = F.linear(x, self.lm_head.weight, self.vocab_bias if padded else None)  # (B, T, V)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)

@@ -92,7 +92,7 @@ def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
 @pytest.mark.slow
 def test_quickstart_config_loss_falls_and_compile_trains(char_data, tmp_path):
     run_train(["config/train_shakespeare_char_cpu.py", f"--data_dir={char_data}", "--max_iters=30",
-               "--eval_interval=30", "--eval_iters=5", "--dtype=float32", f"--out_dir={tmp_path}"])
+               "--eval_interval=30", "--eval_iters=5", "--compile=True", f"--out_dir={tmp_path}"])
     val = metrics(tmp_path, "val/loss")
     assert val[30] < val[0] - 0.5
 
