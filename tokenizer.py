@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -235,6 +236,17 @@ def staged_outputs(out_dir: Path, names: Sequence[str]) -> Iterator[dict[str, Pa
         raise
     for name, path in tmp.items():
         os.replace(path, out_dir / name)
+
+
+def report_or_error(make_report) -> int:
+    """A prepare script's exit: print what make_report() wrote and return 0, or its UserError in one line and 2."""
+    try:
+        report = make_report()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_report(report)
+    return 0
 
 
 def print_report(report: dict) -> None:

@@ -190,14 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache_dir", default=None, help="datasets cache (default: ~/.cache/huggingface/datasets)")
     args = parser.parse_args(argv)
     data_files = [f for f in args.data_files.split(",") if f] if args.data_files is not None else None
-    try:
-        report = prepare(args.out_dir, args.dataset, data_files, args.text_column, args.num_proc,
-                         args.val_fraction, args.cache_dir)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tokenizer.print_report(report)
-    return 0
+    return tokenizer.report_or_error(lambda: prepare(args.out_dir, args.dataset, data_files, args.text_column,
+                                                     args.num_proc, args.val_fraction, args.cache_dir))
 
 
 if __name__ == "__main__":

