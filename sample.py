@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 import runtime
 from configurator import configure
-from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem, check_attention
+from model import ATTENTION, GPT, UserError, attention_problem, check_attention
 from tokenizer import CharTokenizer, Tokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------
@@ -114,8 +114,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
 
 def with_attn(model: GPT, attn: str) -> GPT:
     """The same weights, read through another attention implementation."""
-    twin = GPT(GPTConfig(**{**asdict(model.config), "attn": attn}))
-    twin.load_state_dict(model.state_dict())
+    twin = runtime.model_from_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config)}, attn=attn)
     return twin.to(next(model.parameters()).device).eval()
 
 

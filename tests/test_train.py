@@ -65,6 +65,18 @@ def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tm
     assert (tmp_path / "ckpt.pt").read_bytes() == before
 
 
+def test_init_from_a_local_hf_directory_crops_to_a_shorter_block_size(char_data, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    vocab = json.loads((char_data / "meta.json").read_text())["vocab_size"]
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    run_train(TINY + [f"--data_dir={char_data}", f"--init_from={tmp_path / 'hf'}", "--max_iters=2",
+                      "--eval_interval=2", f"--out_dir={tmp_path / 'out'}"])
+    config = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["model_config"]
+    assert (config["block_size"], config["gelu"], config["vocab_size"]) == (32, "tanh", vocab)
+
+
 # -- measurement and logging --------------------------------------------------------------------------
 
 def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path):
