@@ -128,7 +128,9 @@ def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, he
             if needs_grad:
                 y.sum().backward()
     except (RuntimeError, NotImplementedError) as e:
-        reasons = [str(w.message).splitlines()[0] for w in caught] or [str(e).splitlines()[0]]
+        # CUDA warns a header ("Flash attention kernel not used because:") and then the reason itself
+        reasons = [line for w in caught for line in str(w.message).splitlines()[:1] if not line.endswith("because:")]
+        reasons = reasons or [str(e).splitlines()[0]]
         return f"PyTorch has no kernel for it ({reasons[0].rstrip('.')})"
     return None
 

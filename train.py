@@ -377,6 +377,8 @@ def main(argv=None) -> int:
             micro_batches = batches.global_step("train", micro_steps, d.rank, d.world_size)
             for micro, (x, y) in enumerate(micro_batches):
                 with gradient_sync(model, sync=micro == micro_steps - 1):
+                    if device_type == "cuda":  # pinned memory lets the copy overlap with compute
+                        x, y = x.pin_memory(), y.pin_memory()
                     with ctx:
                         _, loss = model(x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True))
                     scaler.scale(loss / micro_steps).backward()

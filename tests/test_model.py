@@ -254,6 +254,27 @@ def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
     assert attention_problem("sdpa", "cpu", torch.float32, 0.1, 8, True) is None  # sdpa falls back to math
 
 
+def test_an_unforeseen_kernel_refusal_reports_pytorchs_own_reason(monkeypatch):
+    """What CUDA does for, e.g., flash in fp32: a header warning, the reason as a warning, then an error."""
+    import warnings
+
+    import model as model_module
+
+    def refusing(q, k, v, mask, dropout_p):
+        warnings.warn("Flash attention kernel not used because:")
+        warnings.warn("Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float")
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setitem(model_module.ATTENTION, "math", refusing)
+    attention_problem.cache_clear()
+    try:
+        problem = attention_problem("math", "cpu", torch.float32, 0.0, 8, True)
+    finally:
+        attention_problem.cache_clear()
+    assert problem == ("PyTorch has no kernel for it (Expected query, key and value to all be of dtype: "
+                       "{Half, BFloat16}. Got Query dtype: float)")
+
+
 def test_dropout_applies_in_training_only():
     model = tiny_model("sdpa", dropout=0.5)
     x, y = batch()
