@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import configurator
 import runtime
-from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem
+from model import ATTENTION, GPT, GPTConfig, UserError, attention_names, attention_problem
 
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone
@@ -133,10 +133,7 @@ def resolve(cfg: dict) -> dict:
             raise UserError(f"{key} must be a positive integer, got {cfg[key]!r}.")
     if cfg["mode"] not in ("train", "attention"):
         raise UserError(f"mode must be 'train' or 'attention', got '{cfg['mode']}'.")
-    cfg["attn"] = list(ATTENTION) if cfg["attn"] == "all" else as_list(cfg["attn"])
-    unknown = [a for a in cfg["attn"] if a not in ATTENTION]
-    if unknown:
-        raise UserError(f"unknown attn {', '.join(unknown)}; choose from {', '.join(ATTENTION)} or all.")
+    cfg["attn"] = attention_names(cfg["attn"])
     if "manual" not in cfg["attn"]:
         cfg["attn"].insert(0, "manual")  # the baseline every speedup is measured against
     words = as_list(cfg["padding"])

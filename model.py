@@ -98,6 +98,17 @@ ATTENTION: dict[str, AttentionFn] = {
 }
 
 
+def attention_names(spec) -> list[str]:
+    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked ATTENTION keys, each once."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = list(ATTENTION) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
+    unknown = [n for n in names if n not in ATTENTION]
+    if unknown or not names:
+        raise UserError(f"unknown attn {', '.join(map(repr, unknown)) or '(none given)'}; "
+                        f"use all or a comma-separated list of {', '.join(ATTENTION)}.")
+    return list(dict.fromkeys(names))
+
+
 @functools.lru_cache(maxsize=None)
 def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
                       needs_grad: bool) -> Optional[str]:

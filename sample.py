@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 import runtime
 from configurator import configure
-from model import ATTENTION, GPT, UserError, attention_problem, check_attention
+from model import ATTENTION, GPT, UserError, attention_names, attention_problem, check_attention
 from tokenizer import CharTokenizer, Tokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------
@@ -285,12 +285,7 @@ class Run:
 
 def resolve_compare(compare: str, run: Run, head_size: int) -> tuple[list[str], dict[str, str]]:
     """The implementations asked for, in order, and why those that cannot run here are skipped."""
-    names = list(ATTENTION) if compare.strip() == "all" else [n.strip() for n in compare.split(",") if n.strip()]
-    names = list(dict.fromkeys(names))  # each once
-    unknown = [n for n in names if n not in ATTENTION]
-    if unknown or not names:
-        raise UserError(f"unknown attn {', '.join(repr(n) for n in unknown) or 'list'} in --compare; "
-                        f"use all or a comma-separated list of {', '.join(ATTENTION)}.")
+    names = attention_names(compare)
     skipped = {n: p for n in names if (p := run.problem(n, run.dtype, head_size))}
     if len(skipped) == len(names):
         raise UserError(f"none of {', '.join(names)} can run on {run.device} in {run.dtype}; try --compare=all.")

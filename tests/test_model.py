@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem, check_attention, convert_hf_state_dict
+from model import (ATTENTION, GPT, GPTConfig, UserError, attention_names, attention_problem, check_attention,
+                   convert_hf_state_dict)
 
 # What runs on this CPU for training; flex runs forward only (no backward on CPU).
 CPU_TRAINABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math"]
@@ -287,6 +288,13 @@ def test_dropout_applies_in_training_only():
 def test_unknown_attn_lists_the_valid_names():
     with pytest.raises(UserError, match="unknown attn 'fast'.*" + ", ".join(ATTENTION)):
         GPTConfig(attn="fast")
+
+
+def test_attention_lists_accept_all_or_comma_separated_names():
+    assert attention_names("all") == list(ATTENTION)
+    assert attention_names("sdpa, manual,sdpa") == ["sdpa", "manual"]
+    with pytest.raises(UserError, match="unknown attn 'fast'; use all or a comma-separated list of manual"):
+        attention_names("manual,fast")
 
 
 def test_n_embd_not_divisible_by_n_head_is_refused():

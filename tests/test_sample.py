@@ -182,7 +182,7 @@ def test_compare_names_are_checked_and_unrunnable_ones_skipped_with_the_reason()
     names, skipped = sample.resolve_compare("sdpa, manual,sdpa,efficient", run, head_size=16)
     assert names == ["sdpa", "manual", "efficient"]  # in the order given, each once
     assert skipped == {"efficient": "the memory-efficient kernel is CUDA-only"}
-    with pytest.raises(UserError, match="unknown attn 'fast' in --compare"):
+    with pytest.raises(UserError, match="unknown attn 'fast'; use all or a comma-separated list"):
         sample.resolve_compare("manual,fast", run, head_size=16)
     with pytest.raises(UserError, match="none of efficient, cudnn can run"):
         sample.resolve_compare("efficient,cudnn", run, head_size=16)
@@ -204,7 +204,7 @@ def test_first_divergence_names_the_sample_and_the_token():
 @pytest.mark.parametrize("args,message", [
     (["--attn=fast"], "unknown attn 'fast'; choose one of manual, sdpa_mask"),
     (["--attn=efficient"], "attn='efficient' cannot run for inference on cpu"),
-    (["--compare=manual,fast"], "unknown attn 'fast' in --compare"),
+    (["--compare=manual,fast"], "unknown attn 'fast'; use all or a comma-separated list"),
     (["--start=FILE:no/such/prompt.txt"], "prompt file no/such/prompt.txt does not exist"),
     (["--out_dir=MISSING"], "no checkpoint at"),
     (["--out_dir=CORRUPT"], "cannot be read"),
