@@ -346,7 +346,9 @@ def main(argv=None) -> int:
             lr = lr_at(iter_num, s)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            out_of_time = s["max_seconds"] > 0 and timer.total >= s["max_seconds"]
+            # every rank must stop at the same step, so one rank's clock running out stops them all
+            out_of_time = s["max_seconds"] > 0 and runtime.mean_across_ranks(
+                float(timer.total >= s["max_seconds"]), d.device) > 0
             done = iter_num >= s["max_iters"] or out_of_time
             if (iter_num % s["eval_interval"] == 0 or done) and iter_num != resumed_at:
                 timer.pause()
