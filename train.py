@@ -125,9 +125,9 @@ class Batches:
     def _windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # a fresh memmap per batch: a long-lived one grows resident memory (numpy keeps pages)
         data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-        x = torch.stack([torch.from_numpy(data[i:i + self.block_size].astype(np.int64)) for i in offsets.tolist()])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + self.block_size].astype(np.int64)) for i in offsets.tolist()])
-        return x, y  # (B, T) each
+        windows = torch.stack([torch.from_numpy(data[i:i + 1 + self.block_size].astype(np.int64))
+                               for i in offsets.tolist()])  # (B, T + 1): inputs and targets in one read
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
 
     def num_tokens(self, split: str) -> int:
         return os.path.getsize(self.data_dir / f"{split}.bin") // 2
