@@ -70,6 +70,12 @@ seed = 1337
 out_dir = "bench_results"
 profile = False           # also write a chrome trace (chrome://tracing, TensorBoard) of one step per row
 
+# the allowed range of every numeric setting (None: sized for the device)
+LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vocab_size": "[1, inf)",
+          "dropout": "[0, 1)", "batch_size": "[1, inf)", "seq_len": "[1, inf)", "warmup": "[0, inf)",
+          "iters": "[1, inf)", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)", "attn_batch": "[1, inf)",
+          "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)"}
+
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
 # of 8191 (one short of 2^13, so padding has work to do: -> 8192) keeps lm_head and the loss from drowning it
@@ -129,8 +135,8 @@ def resolve(cfg: dict) -> dict:
     cfg["dtype"] = runtime.pick_dtype(cfg["dtype"], cfg["device"])
     for key, value in SIZES["cuda" if cfg["device"].startswith("cuda") else "cpu"].items():
         cfg[key] = value if cfg[key] is None else cfg[key]
-        if isinstance(value, int) and (type(cfg[key]) is not int or cfg[key] < 1):
-            raise UserError(f"{key} must be a positive integer, got {cfg[key]!r}.")
+        if isinstance(value, int) and type(cfg[key]) is not int:  # LIMITS checked the range already
+            raise UserError(f"{key} must be a whole number, got {cfg[key]!r}.")
     if cfg["mode"] not in ("train", "attention"):
         raise UserError(f"mode must be 'train' or 'attention', got '{cfg['mode']}'.")
     cfg["attn"] = attention_names(cfg["attn"])
@@ -142,8 +148,8 @@ def resolve(cfg: dict) -> dict:
     cfg["padding"] = [w == "on" for w in dict.fromkeys(words)]
     for key in ("attn_seq_lens", "attn_head_sizes"):
         cfg[key] = as_list(cfg[key], int)
-    if cfg["warmup"] < 0:
-        raise UserError(f"warmup must be 0 or more, got {cfg['warmup']}.")
+        if not cfg[key] or min(cfg[key]) < 1:
+            raise UserError(f"{key} must be positive whole numbers, comma-separated; got {cfg[key]!r}.")
     return cfg
 
 
@@ -462,9 +468,8 @@ def environment(cfg: dict, argv: list[str]) -> dict:
 
 
 def settings(argv: list[str]) -> dict:
-    """This module's settings with config files and --key=value overrides applied, resolved for the device.
-    They are applied to a copy, so main() can run again (tests) with the defaults intact."""
-    return resolve(configurator.configure(dict(globals()), argv))
+    """This module's settings with config files and --key=value overrides applied, resolved for the device."""
+    return resolve(configurator.configure(globals(), argv, LIMITS))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -473,7 +478,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg["threads"] > 0:
         torch.set_num_threads(cfg["threads"])
     out = Path(cfg["out_dir"])
-    out.mkdir(parents=True, exist_ok=True)
+    runtime.check_writable_dir(out)  # before the sweep, not after it
     env = environment(cfg, argv)
     rows = train_sweep(cfg) if cfg["mode"] == "train" else attention_sweep(cfg)
     columns = TRAIN_COLUMNS if cfg["mode"] == "train" else ATTENTION_COLUMNS

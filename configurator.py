@@ -1,6 +1,7 @@
 """
 Settings for train.py, sample.py and bench.py: each script keeps its settings as module globals with a comment
-each, then calls `configure(globals(), sys.argv[1:])`.
+each, declares the allowed range of every numeric one in LIMITS, then calls
+`configure(globals(), sys.argv[1:], LIMITS)`, which returns the settings and leaves the globals as they were.
 
     python train.py config/train_shakespeare_char.py --batch_size=32 --attn=flash
 
@@ -10,6 +11,8 @@ value read with ast.literal_eval (a bare word that is not a Python literal stays
 
 import ast
 import difflib
+import math
+import re
 from pathlib import Path
 
 from model import UserError
@@ -50,8 +53,42 @@ def _parse_value(text: str):
         return text  # e.g. --attn=flash or --out_dir=out/run-1
 
 
-def configure(namespace: dict, argv: list[str]) -> dict:
-    """Apply config files and --key=value overrides to `namespace` in place; return the resulting settings."""
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
+
+
+def _interval_text(lo: float, hi: float, lo_closed: bool, hi_closed: bool) -> str:
+    """'[1, inf)' -> 'at least 1', '(0, inf)' -> 'greater than 0', '[0, 1)' -> 'at least 0 and less than 1'."""
+    words = [f"{'at least' if lo_closed else 'greater than'} {lo:g}"] if lo > -math.inf else []
+    words += [f"{'at most' if hi_closed else 'less than'} {hi:g}"] if hi < math.inf else []
+    return " and ".join(words)
+
+
+def check_limits(values: dict, limits: dict[str, str], defaults: dict) -> None:
+    """Every numeric setting within its declared interval, e.g. "[1, inf)" or "[0, 1)"; None passes (it means
+    "pick for me" where a script allows it). A setting with a numeric default but no interval is a bug."""
+    undeclared = [k for k, v in defaults.items() if type(v) in (int, float) and k not in limits]
+    if undeclared:
+        raise RuntimeError(f"no LIMITS entry for numeric setting(s) {', '.join(undeclared)}")
+    for key, spec in limits.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        if type(value) not in (int, float):
+            raise UserError(f"{key} must be a number, got {value!r}.")
+        left, lo, hi, right = _INTERVAL.match(spec).groups()
+        lo, hi = float(lo), float(hi)
+        lo_ok = lo <= value if left == "[" else lo < value
+        hi_ok = value <= hi if right == "]" else value < hi
+        if not (lo_ok and hi_ok):  # written so that NaN fails too
+            raise UserError(f"{key} must be {_interval_text(lo, hi, left == '[', right == ']')}, got {value!r}; "
+                            f"pass --{key}= a value in {spec}.")
+
+
+def configure(namespace: dict, argv: list[str], limits: dict[str, str] | None = None) -> dict:
+    """The settings of a script whose defaults are the plain globals of `namespace`, with config files and
+    --key=value overrides applied and checked against `limits`. `namespace` itself is left untouched, so a
+    script's main() can run again in the same process with its defaults."""
+    namespace = dict(namespace)
     defaults = settings(namespace)  # types are checked against these, whatever a config file set before
     for arg in argv:
         if arg.startswith("--"):
@@ -73,4 +110,7 @@ def configure(namespace: dict, argv: list[str]) -> dict:
         for key, value in settings(scope).items():
             _check_key(key, defaults)
             namespace[key] = _coerce(key, value, defaults[key])
-    return settings({k: namespace[k] for k in defaults})
+    values = settings({k: namespace[k] for k in defaults})
+    if limits is not None:
+        check_limits(values, limits, defaults)
+    return values

@@ -346,7 +346,8 @@ class GPT(nn.Module):
         logits = F.linear(x, self.lm_head.weight, self.vocab_bias if padded else None)  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        # reshape, not view: targets may be any (B, T) tensor, a strided slice such as x[:, 1:] included
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def crop_block_size(self, block_size: int) -> None:

@@ -9,10 +9,12 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -196,6 +198,22 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def on_master(work: Callable[[], None], device: str) -> None:
+    """Run `work` on rank 0 only (say, preparing data), the other ranks waiting. If it raises a UserError every
+    rank raises one, so none is left waiting at a later collective until the process-group timeout."""
+    problem = None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        try:
+            work()
+        except UserError as e:
+            problem = str(e)
+    failed = mean_across_ranks(float(problem is not None), device) > 0  # also the barrier
+    if problem is not None:
+        raise UserError(problem)
+    if failed:
+        raise UserError("rank 0 stopped with an error (printed above); the other ranks stop with it.")
+
+
 def mean_across_ranks(value: float, device: str) -> float:
     """The mean of a number over all ranks (the number itself in a single process)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -207,13 +225,34 @@ def mean_across_ranks(value: float, device: str) -> float:
 
 # -- checkpoints --------------------------------------------------------------------------------------
 
-def save_checkpoint(checkpoint: dict, path: Path) -> None:
-    """Write to a temporary file and rename it into place, so a crash never leaves half a checkpoint."""
+def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
+    """Create the folder if needed and make sure a file can be written in it, before any work is done."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        what = "is a file, not a folder" if path.is_file() else f"cannot be written to ({e.strerror or e})"
+        wanted = "a writable folder" if setting.endswith("dir") else "a path in a writable folder"
+        raise UserError(f"{setting} {path} {what}; pass --{setting}= {wanted}.") from None
+
+
+def save_checkpoint(checkpoint: dict, path: Path) -> None:
+    """Write to a temporary file and rename it into place, so a crash or a full disk never leaves half a
+    checkpoint: the previous one stays whole, and the temporary file is removed."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:  # a file object: a full disk is an OSError, not torch's bare RuntimeError
+            torch.save(checkpoint, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
+        raise UserError(f"could not save the checkpoint to {path} ({e.strerror or e}); {kept} - free disk space "
+                        f"or pass --out_dir= another folder, then resume.") from None
 
 
 def model_config_from(settings: dict) -> GPTConfig:
@@ -230,16 +269,32 @@ def model_from_checkpoint(checkpoint: dict, **overrides) -> GPT:
     return model
 
 
-def load_checkpoint(path: Path, map_location="cpu") -> dict:
-    """A checkpoint of tensors and plain types (weights_only), or one clear sentence on why it cannot load."""
+TRAINING_STATE = ("optimizer", "iter_num", "best_val_loss", "rng")  # what resuming needs beyond the weights
+
+
+def load_checkpoint(path: Path, map_location="cpu", for_training: bool = False) -> dict:
+    """A checkpoint of tensors and plain types (weights_only) in this project's format, or one clear sentence
+    on why it cannot load. `for_training`: it must also hold the optimizer, step and RNG state."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
                         f"checkpoint of this project - restore it or train again.") from None
+    if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
+        raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict with "
+                        f"'model' and 'model_config', as train.py writes them.")
+    if isinstance(checkpoint, dict) and "model_args" in checkpoint and "model_config" not in checkpoint:
+        raise UserError(f"{path} is a nanoGPT checkpoint ('model_args', not 'model_config'), which this project "
+                        f"does not read; train here or load GPT-2 weights with --init_from=gpt2.")
+    missing = [k for k in ("model", "model_config") + (TRAINING_STATE if for_training else ())
+               if not isinstance(checkpoint, dict) or k not in checkpoint]
+    if missing:
+        raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
+                        f"checkpoint written by train.py.")
+    return checkpoint
 
 
 # -- timing -------------------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ compile = False                   # torch.compile the model: slow to start, fast
 compare = ""                      # "manual,sdpa,flash" or "all": compare the same weights through each of them
 json = ""                         # write every number (settings, tokens, timings, errors) to this JSON file
 # -----------------------------------------------------------------------------
+LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_k": "[1, inf)",
+          "seed": "[0, inf)"}  # the allowed range of every numeric setting (top_k may also be None)
 
 # constants are underscored: configurator takes every public plain global for a setting
 _MIN_NUMERICS_TOKENS = 16  # a shorter prompt is too little text for the teacher-forced comparison
@@ -81,13 +83,6 @@ class Sampling:
     top_k: Optional[int]
     seed: int
 
-    def __post_init__(self):
-        if self.num_samples < 1 or self.max_new_tokens < 1:
-            raise UserError("num_samples and max_new_tokens must be at least 1.")
-        if self.temperature < 0 or (self.top_k is not None and self.top_k < 1):
-            raise UserError(f"temperature must be >= 0 and top_k None or >= 1, "
-                            f"got {self.temperature} and {self.top_k}.")
-
 
 # -----------------------------------------------------------------------------
 # model, tokenizer, prompt
@@ -98,9 +93,6 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
         ckpt = runtime.load_checkpoint(path)
-        missing = [key for key in ("model", "model_config") if key not in ckpt]
-        if missing:
-            raise UserError(f"checkpoint {path} has no {' or '.join(missing)}; it was not written by train.py.")
         model = runtime.model_from_checkpoint(ckpt, **overrides)
         tok = tokenizer_from_meta(ckpt.get("meta"), source=f"the meta of {path}")
         source = f"{path} (iter {ckpt.get('iter_num', '?')})"
@@ -392,35 +384,38 @@ def print_comparison(run: Run, report: dict) -> None:
 # -----------------------------------------------------------------------------
 
 def main(argv: Optional[list[str]] = None) -> int:
-    settings = configure(globals(), sys.argv[1:] if argv is None else argv)
-    dev = runtime.pick_device(device)
-    prec = runtime.pick_dtype(dtype, dev)
-    model, tok, source = load_model(init_from, out_dir, attn)
-    prompt = encode_prompt(tok, read_prompt(start))
-    s = Sampling(num_samples, max_new_tokens, temperature, top_k, seed)
+    settings = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    if settings["json"]:  # find out now, not after a long comparison
+        runtime.check_writable_dir(Path(settings["json"]).parent, "json")
+    dev = runtime.pick_device(settings["device"])
+    prec = runtime.pick_dtype(settings["dtype"], dev)
+    model, tok, source = load_model(settings["init_from"], settings["out_dir"], settings["attn"])
+    prompt = encode_prompt(tok, read_prompt(settings["start"]))
+    s = Sampling(*(settings[k] for k in ("num_samples", "max_new_tokens", "temperature", "top_k", "seed")))
     report = {"settings": settings, "device": dev, "device_name": runtime.device_name(dev), "dtype": prec,
               "source": source, "prompt_tokens": len(prompt)}
     print(f"{source}: {model.get_num_params() / 1e6:.2f}M parameters, {prec} on {runtime.device_name(dev)}")
-    if compare:
-        run = Run(dev, prec, reduced_dtype(dev, prec), s, prompt, compile)
-        names, skipped = resolve_compare(compare, run, model.config.head_size)
+    if settings["compare"]:
+        run = Run(dev, prec, reduced_dtype(dev, prec), s, prompt, settings["compile"])
+        names, skipped = resolve_compare(settings["compare"], run, model.config.head_size)
         report.update(run_compare(model.to(dev), tok, run, names, skipped))
         print_comparison(run, report)
     else:
         check_attention(model.config.attn, dev.split(":")[0], runtime.DTYPES[prec], 0.0, model.config.head_size,
                         needs_grad=False)
         model.to(dev)
-        if compile:
+        if settings["compile"]:
             model.compile()
-        samples, seconds = generate(model, prompt, dev, prec, s, warmup=full_warmup(model, s) if compile else 8)
+        warmup = full_warmup(model, s) if settings["compile"] else 8
+        samples, seconds = generate(model, prompt, dev, prec, s, warmup=warmup)
         print_samples(tok, prompt, samples)
         rate = tokens_per_s(seconds, s.max_new_tokens)
         texts = [tok.decode(prompt + sample) for sample in samples]
         report.update(attn=model.config.attn, samples=samples, texts=texts, tokens_per_s=rate)
         print(f"attn={model.config.attn}: {rate['median']:.1f} tokens/s (median of {s.num_samples} samples, "
               f"{rate['min']:.1f}-{rate['max']:.1f}) with the KV cache")
-    if json:
-        write_json(Path(json), report)
+    if settings["json"]:
+        write_json(Path(settings["json"]), report)
     return 0
 
 

@@ -35,7 +35,7 @@ out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go he
 eval_interval = 2000              # evaluate (and checkpoint) every this many iterations
 log_interval = 1                  # log training metrics every this many iterations
 eval_iters = 200                  # batches per split for each evaluation
-eval_only = False                 # evaluate once and exit
+eval_only = False                 # evaluate once (a resumed model at its step), write nothing, exit
 always_save_checkpoint = True     # save at every eval, not only when val loss improves
 init_from = "scratch"             # 'scratch', 'resume' (from out_dir), 'gpt2*', or a local Hugging Face directory
 max_seconds = 0.0                 # stop after this much training time (eval excluded), then evaluate and save; 0: off
@@ -78,7 +78,18 @@ parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank
 seed = 1337
 # -----------------------------------------------------------------------------
 
+# the allowed range of every numeric setting, checked before anything runs: "[1, inf)" is 1 or more
+LIMITS = {
+    "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[1, inf)", "max_seconds": "[0, inf)",
+    "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
+    "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
+    "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
+    "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
+    "min_lr": "[0, inf)", "seed": "[0, inf)",
+}
+DATA = Path(__file__).resolve().parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
+DATA_FILES = ("train.bin", "val.bin", "meta.json")
 
 
 def lr_at(it: int, s: dict) -> float:
@@ -95,17 +106,61 @@ def lr_at(it: int, s: dict) -> float:
 
 # -- data ---------------------------------------------------------------------------------------------
 
-def ensure_dataset(data_dir: Path, name: str, is_master: bool) -> None:
-    if (data_dir / "train.bin").exists() and (data_dir / "val.bin").exists():
+def dataset_dir(data_dir: str, name: str) -> Path:
+    """The folder the run reads: data_dir when given (it must exist), else data/<name> of a known dataset."""
+    if data_dir:
+        if not Path(data_dir).is_dir():
+            raise UserError(f"data_dir {data_dir} does not exist; pass --data_dir= the folder that holds "
+                            f"train.bin and val.bin.")
+        return Path(data_dir)
+    if not (DATA / name / "prepare.py").exists() and not (DATA / name / "train.bin").exists():
+        known = sorted(p.parent.name for p in DATA.glob("*/prepare.py"))
+        raise UserError(f"unknown dataset '{name}' (no data/{name}/); use one of {', '.join(known)}, "
+                        f"or --data_dir= a folder with train.bin and val.bin.")
+    return DATA / name
+
+
+def prepare_if_missing(data_dir: Path, name: str) -> None:
+    """Prepare an embedded dataset into its own folder when that folder holds none of its files. Existing data
+    (say a custom corpus prepared there with --input=) is never written over, and a data_dir is never prepared:
+    check_token_files speaks for it."""
+    missing = [f for f in ("train.bin", "val.bin") if not (data_dir / f).exists()]
+    if not missing or data_dir != DATA / name:
         return
-    prepare = Path(__file__).parent / "data" / name / "prepare.py"
-    if name not in EMBEDDED_DATASETS or not prepare.exists():
-        raise UserError(f"dataset '{name}' is not prepared ({data_dir}/train.bin is missing); "
+    if name not in EMBEDDED_DATASETS or any((data_dir / f).exists() for f in DATA_FILES):
+        raise UserError(f"dataset '{name}' is not prepared (data/{name}/{missing[0]} is missing); "
                         f"run: python data/{name}/prepare.py")
-    if is_master:  # the other ranks wait at the barrier in main()
-        print(f"preparing {name} (data/{name}/prepare.py) ...")
-        if subprocess.run([sys.executable, str(prepare)]).returncode != 0:
-            raise UserError(f"preparing dataset '{name}' failed; run python data/{name}/prepare.py to see why.")
+    print(f"preparing {name} (data/{name}/prepare.py) ...")
+    if subprocess.run([sys.executable, str(data_dir / "prepare.py"), f"--out_dir={data_dir}"]).returncode != 0:
+        raise UserError(f"preparing dataset '{name}' failed; run python data/{name}/prepare.py to see why.")
+
+
+def max_token_id(path: Path, chunk: int = 1 << 26) -> int:
+    """The largest id in a token file, read in chunks (128 MB each) so no split is ever held whole in memory."""
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    return max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
+
+
+def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
+    """Once, when the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them,
+    and only ids the model has embeddings for."""
+    for split in ("train", "val"):
+        path = data_dir / f"{split}.bin"
+        if not path.is_file():
+            raise UserError(f"{path} is missing; a dataset folder needs train.bin and val.bin "
+                            f"(python data/<name>/prepare.py writes both).")
+        size = path.stat().st_size
+        if size % 2:
+            raise UserError(f"{path} is {size:,} bytes, not a whole number of uint16 tokens; it is truncated or "
+                            f"not a token file - prepare the dataset again.")
+        if size // 2 <= block_size:
+            raise UserError(f"{path} has {size // 2:,} tokens, fewer than block_size+1={block_size + 1}; "
+                            f"use a smaller block_size or more data.")
+        top = max_token_id(path)
+        if top >= vocab_size:
+            raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "
+                            f"(0-{vocab_size - 1}); the data was tokenized for another vocabulary - check "
+                            f"{data_dir / 'meta.json'} or prepare the data again.")
 
 
 def read_meta(data_dir: Path) -> dict | None:
@@ -134,10 +189,7 @@ class Batches:
 
     def global_step(self, split: str, micro_steps: int, rank: int, world_size: int):
         """This rank's micro-batches of one optimizer step: a list of (x, y), each (B, T)."""
-        high = self.num_tokens(split) - self.block_size
-        if high < 1:
-            raise UserError(f"{self.data_dir}/{split}.bin has fewer than block_size+1={self.block_size + 1} "
-                            f"tokens; use a smaller block_size or more data.")
+        high = self.num_tokens(split) - self.block_size  # >= 1: check_token_files made sure
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
         return [self._windows(split, row) for row in mine]
@@ -238,9 +290,9 @@ def full_state(model: GPT, optimizer) -> tuple[dict, dict]:
 class MetricsLog:
     """Console, out_dir/metrics.jsonl, and wandb when enabled. Only the master rank writes."""
 
-    def __init__(self, s: dict, run_config: dict, enabled: bool):
+    def __init__(self, s: dict, run_config: dict, enabled: bool, to_file: bool = True):
         self.enabled, self.wandb = enabled, None
-        self.path = Path(s["out_dir"]) / "metrics.jsonl"
+        self.path = Path(s["out_dir"]) / "metrics.jsonl" if to_file else None
         if enabled and s["wandb_log"]:
             import wandb  # mode (online/offline/disabled) comes from WANDB_MODE, never hard-coded
             self.wandb = wandb.init(project=s["wandb_project"], name=s["wandb_run_name"], config=run_config)
@@ -250,9 +302,9 @@ class MetricsLog:
             return
         text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         print(text, flush=True)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "iter"}, step=metrics["iter"])
 
@@ -282,7 +334,9 @@ def estimate_loss(model, s: dict, data_dir: Path, ctx, d: runtime.Dist) -> dict:
 # -- training ------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    s = configure(globals(), sys.argv[1:] if argv is None else argv)
+    s = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    if s["parallel"] not in ("ddp", "fsdp"):
+        raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{s['parallel']}'.")
     d = runtime.init_distributed(runtime.pick_device(s["device"]))
     if s["gradient_accumulation_steps"] % d.world_size:
         raise UserError(f"gradient_accumulation_steps={s['gradient_accumulation_steps']} is not divisible by "
@@ -295,32 +349,40 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = True
     out = Path(s["out_dir"])
     ckpt_path = out / "ckpt.pt"
+    if not s["eval_only"]:  # evaluation writes nothing; training must be able to write its log and checkpoint
+        runtime.on_master(lambda: runtime.check_writable_dir(out), d.device)
 
-    data_dir = Path(s["data_dir"]) if s["data_dir"] else Path(__file__).parent / "data" / s["dataset"]
-    ensure_dataset(data_dir, s["dataset"], d.is_master)
-    if d.enabled:
-        torch.distributed.barrier()
+    data_dir = dataset_dir(s["data_dir"], s["dataset"])
+    runtime.on_master(lambda: prepare_if_missing(data_dir, s["dataset"]), d.device)
     meta = read_meta(data_dir)
     vocab_size = meta["vocab_size"] if meta else 50257
 
-    checkpoint = runtime.load_checkpoint(ckpt_path) if s["init_from"] == "resume" else None
+    resuming = s["init_from"] == "resume"
+    checkpoint = runtime.load_checkpoint(ckpt_path, for_training=not s["eval_only"]) if resuming else None
     model = build_model(s, vocab_size, checkpoint).to(d.device)
+    check_token_files(data_dir, model.config.vocab_size, s["block_size"])
     check_attention(model.config.attn, device_type, runtime.DTYPES[dtype], model.config.dropout,
-                    model.config.head_size, needs_grad=True)  # fail now, not after compiling
+                    model.config.head_size, needs_grad=not s["eval_only"])  # fail now, not after compiling
     torch.manual_seed(s["seed"] + d.rank)  # dropout differs per rank; the data generator does not
-    if s["parallel"] not in ("ddp", "fsdp"):
-        raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{s['parallel']}'.")
     raw_model = model
     model = parallelize(raw_model, s, d, dtype)  # FSDP shards raw_model's parameters in place
+    iter_num = checkpoint["iter_num"] if resuming else 0
+    ctx = runtime.autocast(d.device, dtype)
+    if s["eval_only"]:  # the loss of the weights as they are, at their step; nothing is written
+        losses = estimate_loss(model, s, data_dir, ctx, d)
+        log = MetricsLog(s, s, enabled=d.is_master, to_file=False)
+        log.log({"iter": iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"]})
+        log.close()
+        return 0
     optimizer = raw_model.configure_optimizers(s["weight_decay"], s["learning_rate"], (s["beta1"], s["beta2"]),
                                                device_type)
     scaler = runtime.grad_scaler(d.device, dtype)
     batches = Batches(data_dir, s["block_size"], s["batch_size"], seed=s["seed"])
-    iter_num, best_val_loss = 0, float("inf")
+    best_val_loss = float("inf")
     if checkpoint is not None:
         set_optimizer_state_dict(raw_model, optimizer, checkpoint["optimizer"], options=FULL_STATE)
         restore_rng(checkpoint["rng"], batches, d)
-        iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+        best_val_loss = checkpoint["best_val_loss"]
         checkpoint = None  # free the memory
     if d.enabled:
         local = [None] * d.world_size
@@ -329,7 +391,6 @@ def main(argv=None) -> int:
             print(f"parameter elements per rank ({s['parallel']}): {' '.join(map(str, local))} "
                   f"of {sum(p.numel() for p in raw_model.parameters())}")
 
-    ctx = runtime.autocast(d.device, dtype)
     tokens_per_iter = s["gradient_accumulation_steps"] * s["batch_size"] * s["block_size"]  # over all ranks
     run_config = {**s, "world_size": d.world_size, "device_name": runtime.device_name(d.device),
                   "resolved_dtype": dtype, "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
@@ -340,7 +401,8 @@ def main(argv=None) -> int:
               f"{run_config['device_name']}, world size {d.world_size}, {tokens_per_iter:,} tokens per iteration")
     peak = runtime.peak_flops(d.device, dtype)
     timer = runtime.StepTimer(d.device)
-    resumed_at = iter_num if s["init_from"] == "resume" else None
+    # a resumed run was evaluated (and saved) at this very step before it stopped: do not repeat it
+    resumed_at = iter_num if resuming else None
     try:
         while True:
             lr = lr_at(iter_num, s)
@@ -368,8 +430,6 @@ def main(argv=None) -> int:
                             "optimizer": optimizer_state, "iter_num": iter_num,
                             "best_val_loss": best_val_loss, "settings": s, "meta": meta, "rng": rng,
                         }, ckpt_path)
-                if s["eval_only"]:
-                    break
             if done:
                 break
 

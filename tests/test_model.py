@@ -145,6 +145,16 @@ def test_padded_loss_equals_unpadded_loss_for_the_same_weights():
     assert torch.allclose(padded(x, y)[1], unpadded(x, y)[1], rtol=0, atol=1e-6)
 
 
+def test_targets_may_be_a_strided_slice_of_the_token_tensor():
+    model = tiny_model()
+    tokens = batch(T=33)[0]  # (B, T + 1)
+    x, y = tokens[:, :-1], tokens[:, 1:]  # both views with row stride 33: neither is contiguous
+    assert not y.is_contiguous()
+    logits, loss = model(x, y)
+    expected = -logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).mean()  # mean next-token NLL, by hand
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-6)
+
+
 def test_gpt2_vocab_pads_to_50304():
     assert GPTConfig(pad_vocab=True).padded_vocab_size == 50304
     assert GPTConfig(pad_vocab=False).padded_vocab_size == 50257

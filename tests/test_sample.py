@@ -208,7 +208,7 @@ def test_first_divergence_names_the_sample_and_the_token():
     (["--start=FILE:no/such/prompt.txt"], "prompt file no/such/prompt.txt does not exist"),
     (["--out_dir=MISSING"], "no checkpoint at"),
     (["--out_dir=CORRUPT"], "cannot be read"),
-    (["--temperature=-1.0"], "temperature must be >= 0"),
+    (["--temperature=-1.0"], "temperature must be at least 0, got -1.0"),
 ], ids=["unknown-attn", "unrunnable-attn", "unknown-compare", "missing-prompt-file", "missing-checkpoint",
         "corrupt-checkpoint", "negative-temperature"])
 def test_bad_input_is_one_error_line_and_exit_code_2(char_ckpt, tmp_path, args, message):

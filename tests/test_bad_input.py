@@ -1,0 +1,258 @@
+"""Bad input and faults: nothing a user types costs them data (checkpoints, prepared datasets), and every mistake
+is one sentence that says what was wrong and what to do. Run in process through each script's main(argv)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bench
+import configurator
+import runtime
+import sample
+import train
+from conftest import REPO, TINY, metrics
+from model import GPT, GPTConfig, UserError
+
+
+def train_tiny(*args: str) -> int:
+    return train.main(TINY + list(args))
+
+
+@pytest.fixture()
+def trained(char_data, tmp_path):
+    """out_dir holding the checkpoint and metrics of two steps of a tiny model (evaluated and saved at step 2)."""
+    out = tmp_path / "out"
+    train_tiny(f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={out}")
+    return out
+
+
+def token_folder(path, train_ids, val_ids=None, vocab_size=None):
+    path.mkdir(parents=True)
+    np.asarray(train_ids, dtype=np.uint16).tofile(path / "train.bin")
+    if val_ids is not None:
+        np.asarray(val_ids, dtype=np.uint16).tofile(path / "val.bin")
+    if vocab_size is not None:
+        chars = [chr(ord("a") + i) for i in range(vocab_size)]
+        (path / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": vocab_size, "chars": chars}))
+    return path
+
+
+# -- data loss -------------------------------------------------------------------------------------------
+
+def test_eval_only_after_resume_evaluates_at_the_resumed_step_and_writes_nothing(trained, char_data, capsys):
+    before = {name: (trained / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
+    capsys.readouterr()
+    train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--eval_only=True", "--max_iters=100",
+               "--eval_interval=2", f"--out_dir={trained}")
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = printed.split()
+    assert fields[:2] == ["iter", "2"], printed
+    # the same fixed evaluation batches as the training run's evaluation at step 2, so the same loss
+    assert float(fields[fields.index("val/loss") + 1]) == pytest.approx(metrics(trained, "val/loss")[2], rel=1e-3)
+    assert {name: (trained / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in trained.iterdir()) == ["ckpt.pt", "metrics.jsonl"]
+
+
+def test_a_mistyped_data_dir_is_refused_and_the_custom_corpus_in_the_default_folder_survives(
+        char_data, tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    corpus = data / "shakespeare_char"  # the default folder, holding a corpus prepared with --input=
+    corpus.mkdir(parents=True)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        (corpus / name).write_bytes((char_data / name).read_bytes())
+    # a prepare script that would clobber the corpus if it were ever run
+    (corpus / "prepare.py").write_text("from pathlib import Path\n"
+                                       "for n in ('train.bin', 'val.bin', 'meta.json'):\n"
+                                       "    (Path(__file__).parent / n).write_text('overwritten')\n")
+    before = {p.name: p.read_bytes() for p in corpus.iterdir()}
+    monkeypatch.setattr(train, "DATA", data)
+    with pytest.raises(UserError, match=f"data_dir {data / 'shakespear_char'} does not exist"):
+        train_tiny("--dataset=shakespeare_char", f"--data_dir={data / 'shakespear_char'}",
+                   f"--out_dir={tmp_path / 'out'}")
+    (corpus / "val.bin").unlink()  # a half-prepared default folder is not prepared over either
+    del before["val.bin"]
+    with pytest.raises(UserError, match="data/shakespeare_char/val.bin is missing"):
+        train_tiny("--dataset=shakespeare_char", f"--out_dir={tmp_path / 'out'}")
+    assert {p.name: p.read_bytes() for p in corpus.iterdir()} == before
+
+
+def test_an_empty_default_folder_of_an_embedded_dataset_is_prepared_there(tmp_path, monkeypatch):
+    folder = tmp_path / "data" / "shakespeare_char"
+    folder.mkdir(parents=True)
+    (folder / "prepare.py").write_text((REPO / "data" / "shakespeare_char" / "prepare.py").read_text()
+                                       .replace("REPO_ROOT = HERE.parent.parent", f"REPO_ROOT = {str(REPO)!r}"))
+    monkeypatch.setattr(train, "DATA", tmp_path / "data")
+    train_tiny("--dataset=shakespeare_char", "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path / 'out'}")
+    assert json.loads((folder / "meta.json").read_text())["vocab_size"] > 60  # the packaged plays' characters
+    assert (tmp_path / "out" / "ckpt.pt").is_file()
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(trained, char_data):
+    before = (trained / "ckpt.pt").read_bytes()
+    # the temporary file is /dev/full: every write to it fails with the kernel's own "No space left on device"
+    os.symlink("/dev/full", trained / "ckpt.pt.tmp")
+    with pytest.raises(UserError, match=r"could not save the checkpoint .*No space left on device.*previous "
+                                        r"ckpt.pt is kept"):
+        train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",
+                   f"--out_dir={trained}")
+    assert (trained / "ckpt.pt").read_bytes() == before
+    assert runtime.load_checkpoint(trained / "ckpt.pt", for_training=True)["iter_num"] == 2
+    assert not os.path.lexists(trained / "ckpt.pt.tmp")
+
+
+# -- settings out of range --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, override, sentence", [
+    (train, "--batch_size=0", "batch_size must be at least 1, got 0"),
+    (train, "--batch_size=-4", "batch_size must be at least 1, got -4"),
+    (train, "--max_iters=-1", "max_iters must be at least 0, got -1"),
+    (train, "--eval_interval=0", "eval_interval must be at least 1"),
+    (train, "--eval_iters=0", "eval_iters must be at least 1"),
+    (train, "--log_interval=0", "log_interval must be at least 1"),
+    (train, "--gradient_accumulation_steps=0", "gradient_accumulation_steps must be at least 1"),
+    (train, "--learning_rate=-0.001", "learning_rate must be greater than 0, got -0.001"),
+    (train, "--dropout=1.0", "dropout must be at least 0 and less than 1, got 1.0"),
+    (train, "--beta2=1.5", "beta2 must be at least 0 and less than 1"),
+    (sample, "--num_samples=0", "num_samples must be at least 1"),
+    (sample, "--temperature=-0.5", "temperature must be at least 0"),
+    (sample, "--top_k=0", "top_k must be at least 1"),
+    (bench, "--iters=0", "iters must be at least 1"),
+    (bench, "--n_layer=-2", "n_layer must be at least 1"),
+    (bench, "--mem_budget_gb=0", "mem_budget_gb must be greater than 0"),
+])
+def test_a_numeric_setting_out_of_range_is_one_sentence_at_configuration_time(script, override, sentence):
+    with pytest.raises(UserError, match=sentence):
+        script.main([override])  # raised before any device, data or model is touched
+
+
+@pytest.mark.parametrize("script", [train, sample, bench])
+def test_every_numeric_setting_of_every_script_has_a_declared_range(script):
+    numeric = {k for k, v in configurator.settings(vars(script)).items() if type(v) in (int, float)}
+    assert numeric and numeric <= set(script.LIMITS)
+    assert configurator.configure(vars(script), [], script.LIMITS)  # the defaults are within their ranges
+
+
+def test_a_numeric_setting_without_a_range_is_a_programming_error():
+    with pytest.raises(RuntimeError, match="no LIMITS entry for numeric setting.*warmup"):
+        configurator.configure({"warmup": 10, "name": "x"}, [], {})
+
+
+def test_none_is_allowed_where_a_script_sizes_a_setting_itself_and_a_word_is_not_a_number():
+    limits = {"n_layer": "[1, inf)"}
+    assert configurator.configure({"n_layer": None}, [], limits) == {"n_layer": None}
+    with pytest.raises(UserError, match="n_layer must be a number, got 'deep'"):
+        configurator.configure({"n_layer": None}, ["--n_layer=deep"], limits)
+
+
+def test_the_command_line_prints_an_out_of_range_setting_as_one_line():
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "--gradient_accumulation_steps=0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: gradient_accumulation_steps must be at least 1, got 0; pass --gradient_accumulation_steps= a value "
+        "in [1, inf)."]
+
+
+# -- data files -------------------------------------------------------------------------------------------
+
+def test_train_bin_without_val_bin_is_named(tmp_path):
+    folder = token_folder(tmp_path / "d", np.arange(200) % 5, vocab_size=5)
+    with pytest.raises(UserError, match=r"val.bin is missing; a dataset folder needs train.bin and val.bin"):
+        train_tiny(f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}")
+
+
+def test_a_bin_that_is_not_whole_uint16_tokens_is_named(tmp_path):
+    folder = token_folder(tmp_path / "d", np.arange(200) % 5, np.arange(100) % 5, vocab_size=5)
+    with open(folder / "val.bin", "ab") as f:
+        f.write(b"\x01")  # a truncated or foreign file: 201 bytes
+    with pytest.raises(UserError, match=r"val.bin is 201 bytes, not a whole number of uint16 tokens"):
+        train_tiny(f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}")
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_before_training(tmp_path):
+    ids = np.arange(200) % 5
+    ids[150] = 9  # meta.json says 5 tokens
+    folder = token_folder(tmp_path / "d", ids, np.arange(100) % 5, vocab_size=5)
+    with pytest.raises(UserError, match=r"train.bin holds token id 9 but the model's vocabulary has 5 ids"):
+        train_tiny(f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_the_largest_token_id_is_found_across_read_chunks(tmp_path):
+    ids = np.zeros(1000, dtype=np.uint16)
+    ids[999] = 40000
+    ids.tofile(tmp_path / "t.bin")
+    assert train.max_token_id(tmp_path / "t.bin", chunk=64) == 40000
+
+
+def test_an_unknown_dataset_lists_the_datasets_that_exist(tmp_path):
+    with pytest.raises(UserError, match=r"unknown dataset 'shakespear' \(no data/shakespear/\); use one of "
+                                        r"openwebtext, shakespeare, shakespeare_char"):
+        train_tiny("--dataset=shakespear", f"--out_dir={tmp_path / 'out'}")
+
+
+def test_a_known_dataset_not_yet_prepared_names_its_prepare_command(tmp_path, monkeypatch):
+    (tmp_path / "data" / "openwebtext").mkdir(parents=True)
+    (tmp_path / "data" / "openwebtext" / "prepare.py").write_text("raise SystemExit('must not run')\n")
+    monkeypatch.setattr(train, "DATA", tmp_path / "data")
+    with pytest.raises(UserError, match=r"run: python data/openwebtext/prepare.py"):
+        train_tiny("--dataset=openwebtext", f"--out_dir={tmp_path / 'out'}")
+
+
+# -- out_dir ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["a file", "under a file", "unwritable"])
+def test_an_out_dir_that_cannot_be_written_is_refused_before_training(char_data, tmp_path, kind):
+    (tmp_path / "file").write_text("keep me")
+    out = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run",
+           "unwritable": "/proc/nanogpt-run"}[kind]  # /proc takes no new folders, not even from root
+    expected = "is a file, not a folder" if kind == "a file" else r"cannot be written to \(.+\)"
+    with pytest.raises(UserError, match=f"out_dir {out} {expected}; pass --out_dir= a writable folder"):
+        train_tiny(f"--data_dir={char_data}", f"--out_dir={out}")
+    assert (tmp_path / "file").read_text() == "keep me"
+
+
+# -- checkpoints that are not this project's ----------------------------------------------------------------
+
+@pytest.fixture()
+def tiny_model() -> GPT:
+    return GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
+
+
+def test_a_nanogpt_checkpoint_is_named_as_such(tiny_model, tmp_path):
+    # nanoGPT's train.py writes these keys (model_args, not model_config)
+    torch.save({"model": tiny_model.state_dict(), "optimizer": {}, "iter_num": 5, "best_val_loss": torch.tensor(1.5),
+                "model_args": dict(n_layer=1, n_head=2, n_embd=8, block_size=16, bias=True, vocab_size=11,
+                                   dropout=0.0), "config": {"batch_size": 12}}, tmp_path / "ckpt.pt")
+    with pytest.raises(UserError, match=r"is a nanoGPT checkpoint \('model_args', not 'model_config'\)"):
+        sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
+
+
+def test_a_bare_state_dict_is_named_as_such(tiny_model, char_data, tmp_path):
+    torch.save(tiny_model.state_dict(), tmp_path / "ckpt.pt")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    with pytest.raises(UserError, match="is a bare state dict"):
+        train_tiny("--init_from=resume", f"--data_dir={char_data}", f"--out_dir={tmp_path}")
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+def test_a_weights_only_checkpoint_samples_but_does_not_resume(tiny_model, char_data, tmp_path):
+    runtime.save_checkpoint({"model": tiny_model.state_dict(), "model_config": vars(tiny_model.config)},
+                            tmp_path / "ckpt.pt")
+    assert runtime.load_checkpoint(tmp_path / "ckpt.pt")["model_config"]["n_layer"] == 1
+    with pytest.raises(UserError, match="has no optimizer, iter_num, best_val_loss, rng; it is not a resumable"):
+        train_tiny(f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={tmp_path}")
+
+
+def test_bench_and_sample_check_where_they_write_before_any_work(tmp_path):
+    (tmp_path / "file").write_text("keep me")
+    with pytest.raises(UserError, match="out_dir .*file is a file, not a folder; pass --out_dir= a writable folder"):
+        bench.main([f"--out_dir={tmp_path / 'file'}", "--attn=manual"])
+    with pytest.raises(UserError, match="json .*file is a file, not a folder; pass --json= a path in a writable"):
+        sample.main([f"--json={tmp_path / 'file' / 'report.json'}", f"--out_dir={tmp_path / 'no_checkpoint'}"])
+    assert (tmp_path / "file").read_text() == "keep me"
