@@ -235,6 +235,19 @@ def test_openwebtext_refuses_empty_and_missing_data_files(tmp_path):
             owt.prepare(tmp_path / "out", data_files=files, num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
 
 
+@pytest.mark.parametrize("option, sentence", [
+    ("--num_proc=0", "num_proc must be at least 1, got 0"),
+    ("--val_fraction=1.0", "val_fraction must be greater than 0 and less than 1, got 1.0"),
+])
+def test_openwebtext_numeric_options_out_of_range_are_one_line(tmp_path, capsys, option, sentence):
+    owt = load_script("openwebtext")
+    (tmp_path / "c.txt").write_text("one\n\ntwo\n")
+    assert owt.main([option, f"--data_files={tmp_path / 'c.txt'}", f"--out_dir={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {sentence}; pass {option.split('=')[0]}= a "
+                                                            f"value in {owt.LIMITS[option[2:].split('=')[0]]}."]
+    assert not (tmp_path / "out").exists()
+
+
 # -----------------------------------------------------------------------------
 # failed runs never clobber earlier outputs
 

@@ -31,11 +31,13 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
 
 import tokenizer  # noqa: E402
+from configurator import check_limits  # noqa: E402
 from model import UserError  # noqa: E402
 
 DEFAULT_DATASET = "openwebtext"
 SEED = 2357  # the validation split nanoGPT holds out
 MAX_WRITE_SHARDS = 1024  # a split is written in this many contiguous shards (fewer for small corpora)
+LIMITS = {"num_proc": "[1, inf)", "val_fraction": "(0, 1)"}  # the allowed range of each numeric option
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 # token ids are stored as uint16 in datasets' cache too: a quarter of the disk of the default int64
 TOKENIZED_FEATURES = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
@@ -102,8 +104,6 @@ def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: 
 
 
 def split_corpus(ds: datasets.Dataset, val_fraction: float) -> dict[str, datasets.Dataset]:
-    if not 0 < val_fraction < 1:
-        raise UserError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
     n_val = max(1, math.ceil(val_fraction * ds.num_rows))  # a tiny corpus still gets one val document
     if n_val >= ds.num_rows:
         raise UserError(f"--val_fraction={val_fraction} leaves no training documents out of {ds.num_rows}; lower it")
@@ -158,9 +158,8 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
     Reads `data_files` when given, else the Hugging Face dataset `dataset` (default "openwebtext")."""
     if dataset and data_files is not None:
         raise UserError("pass either --dataset or --data_files, not both")
+    check_limits({"num_proc": num_proc, "val_fraction": val_fraction}, LIMITS, {})
     num_proc = default_num_proc() if num_proc is None else num_proc
-    if num_proc < 1:
-        raise UserError(f"--num_proc must be at least 1, got {num_proc}")
     tokenizer.gpt2_encoding()  # fail on bad vocabulary files here, with a clear message, not inside a worker
     ds, source = load_corpus(dataset, data_files, text_column, num_proc, cache_dir)
     splits = {name: tokenize(part, text_column, num_proc, name) for name, part in split_corpus(ds, val_fraction).items()}
