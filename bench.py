@@ -14,7 +14,7 @@ Settings left at None are sized for the device (SIZES). Ratios within one run ar
 iteration visits all rows in turn, so drift and noisy neighbours hit them alike.
 """
 
-import gc
+import functools
 import json
 import platform
 import sys
@@ -25,13 +25,13 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-from torch import profiler
-from torch.autograd import DeviceType
 from tqdm import tqdm
 
 import configurator
 import runtime
-from model import ATTENTION, GPT, GPTConfig, UserError, attention_names, attention_problem
+from audit import expected_kernels, kernel_of, profiled_run
+from model import ATTENTION, GPT, UserError, attention_names, attention_problem
+from runtime import Runtime
 
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone
@@ -87,36 +87,6 @@ SIZES = {
                 attn_batch=1, attn_heads=4, attn_seq_lens="256,512,1024,2048", attn_head_sizes="32,64"),
 }
 
-# The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and flex's autograd op.
-KERNEL_OPS = {
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
-    "aten::_scaled_dot_product_flash_attention": "flash",
-    "aten::_scaled_dot_product_efficient_attention": "efficient",
-    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
-    "aten::_scaled_dot_product_attention_math": "math",
-    "aten::_scaled_dot_product_attention_math_for_mps": "math",
-    "FlexAttentionAutogradOp": "flex",
-}
-FUSED = {"flash", "efficient", "cudnn"}
-
-
-def expected_kernels(attn: str, device_type: str) -> set[str]:
-    """The kernels an honest run of `attn` may show in the audit; anything else is a silent fallback."""
-    if attn == "manual":
-        return {"none"}  # no SDPA op at all: bmm, masked_fill, softmax
-    if attn == "sdpa_mask":
-        return FUSED | {"math"}  # the generic row: the mask leaves the choice to PyTorch
-    if attn == "sdpa":  # PyTorch picks by priority; on CPU the only fused kernel is flash
-        return FUSED if device_type == "cuda" else {"flash"}
-    return {attn}  # flash, efficient, cudnn, math, flex: forced
-
-
-def audit(op_names: set[str]) -> tuple[str, list[str]]:
-    """The attention kernel among the ops that ran: a label ('none' if no SDPA/flex op ran) and the op names."""
-    ops = sorted(name for name in op_names if name in KERNEL_OPS)
-    return "+".join(sorted({KERNEL_OPS[op] for op in ops})) or "none", ops
-
-
 # -- settings ------------------------------------------------------------------------------------------
 
 def as_list(value, cast=str) -> list:
@@ -128,12 +98,12 @@ def as_list(value, cast=str) -> list:
         raise UserError(f"cannot read {value!r} as a comma-separated list of {cast.__name__}.") from None
 
 
-def resolve(cfg: dict) -> dict:
+def resolve(cfg: dict) -> tuple[dict, Runtime]:
     """Settings left at None sized for the device, device/dtype picked, comma lists split and checked."""
     cfg = dict(cfg)
-    cfg["device"] = runtime.pick_device(cfg["device"])
-    cfg["dtype"] = runtime.pick_dtype(cfg["dtype"], cfg["device"])
-    for key, value in SIZES["cuda" if cfg["device"].startswith("cuda") else "cpu"].items():
+    rt = runtime.resolve_runtime(cfg["device"], cfg["dtype"])
+    cfg["device"], cfg["dtype"] = rt.device, rt.dtype
+    for key, value in SIZES["cuda" if rt.is_cuda else "cpu"].items():
         cfg[key] = value if cfg[key] is None else cfg[key]
         if isinstance(value, int) and type(cfg[key]) is not int:  # LIMITS checked the range already
             raise UserError(f"{key} must be a whole number, got {cfg[key]!r}.")
@@ -150,71 +120,62 @@ def resolve(cfg: dict) -> dict:
         cfg[key] = as_list(cfg[key], int)
         if not cfg[key] or min(cfg[key]) < 1:
             raise UserError(f"{key} must be positive whole numbers, comma-separated; got {cfg[key]!r}.")
-    return cfg
+    return cfg, rt
 
 
 # -- measuring -----------------------------------------------------------------------------------------
 
-def cpu_peak_bytes(prof: profiler.profile) -> int:
-    """The most tensor bytes live at once during a profiled region, beyond those live when it began.
-    With profile_memory=True the profiler records every allocation (+bytes) and free (-bytes); their running
-    sum in time order is the live tensor memory, the CPU twin of CUDA's max_memory_allocated. The process's
-    peak RSS would not do: it only grows, and it counts the allocator's caches, Python and the libraries.
-    (Frees of blocks allocated before the region are not recorded, so this can only err upwards.)"""
-    records = [e for e in prof.profiler.kineto_results.events()  # the raw records; prof.events() merges them
-               if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
-    live = peak = 0
-    for record in sorted(records, key=lambda e: e.start_ns()):
-        live += record.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-def profiled_run(call: Callable[[], None], device: str, trace: Optional[Path] = None) -> tuple[set[str], int]:
-    """Run `call` once under torch.profiler: (names of the ops it ran, the most tensor bytes it added)."""
-    cuda = device.startswith("cuda")
-    activities = [profiler.ProfilerActivity.CPU] + ([profiler.ProfilerActivity.CUDA] if cuda else [])
-    runtime.synchronize(device)
-    runtime.reset_peak_memory(device)
-    before = torch.cuda.memory_allocated(device) if cuda else 0
-    with profiler.profile(activities=activities, profile_memory=not cuda) as prof:
-        call()
-        runtime.synchronize(device)
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
-    added = round(runtime.peak_memory_gb(device) * 1e9) - before if cuda else cpu_peak_bytes(prof)
-    return {e.name() for e in prof.profiler.kineto_results.events()}, added
-
-
-def time_round_robin(calls: dict, iters: int, device: str, bar: tqdm) -> dict[str, list[float]]:
+def time_round_robin(calls: dict, iters: int, rt: Runtime, bar: tqdm, failed: dict) -> dict[str, list[float]]:
     """Milliseconds of each call, `iters` times: every iteration runs all calls in turn (starting one further
-    along each time), so drift and neighbours' load hit them alike. The device is synchronized around each."""
-    keys, ms = list(calls), {key: [] for key in calls}
+    along each time), so drift and neighbours' load hit them alike. The device is synchronized around each.
+    A call that runs out of memory is dropped, its reason put in `failed`."""
+    ms = {key: [] for key in calls if key not in failed}
     for i in range(iters):
-        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
-            runtime.synchronize(device)
+        keys = [k for k in ms if k not in failed]
+        for key in keys[i % len(keys):] + keys[:i % len(keys)] if keys else []:
+            rt.synchronize()
             t0 = time.perf_counter()
-            calls[key]()
-            runtime.synchronize(device)
-            ms[key].append((time.perf_counter() - t0) * 1e3)
+            try:
+                calls[key]()
+                rt.synchronize()
+                ms[key].append((time.perf_counter() - t0) * 1e3)
+            except Exception as e:
+                failed[key] = out_of_memory(e, rt)
             bar.update()
-    return ms
+    return {key: v for key, v in ms.items() if key not in failed}
 
 
-def measure(calls: dict, cfg: dict, bar: tqdm, name: str) -> dict[str, dict]:
-    """Warm each call up, profile one run of each (ops, memory, optional trace), then time them round-robin."""
-    out = {}
+def out_of_memory(e: Exception, rt: Runtime) -> str:
+    """The reason to report for an out-of-memory error (any other error is raised again), its memory freed."""
+    if not runtime.is_out_of_memory(e):
+        raise e
+    runtime.free_memory(rt)
+    return f"out of memory ({str(e).splitlines()[0][:100]})"
+
+
+def measure(calls: dict, cfg: dict, rt: Runtime, bar: tqdm, name: str, audits: Optional[dict] = None) -> dict:
+    """Warm each call up, profile one run of each (ops, memory, optional trace), then time them round-robin.
+    `audits` (compiled runs): eager twins of the calls, profiled for the kernel audit instead of the compiled
+    code, in which inductor decomposes the math kernel and generates flex's. A call that runs out of memory
+    comes back as {"status": "oom", "reason": ...}; the others still run."""
+    out, failed = {}, {}
     for key, call in calls.items():
-        for _ in range(cfg["warmup"]):
-            call()
-            bar.update()
         trace = Path(cfg["out_dir"]) / f"trace_{name}_{key}.json" if cfg["profile"] else None
-        ops, added = profiled_run(call, cfg["device"], trace)
-        bar.update()
-        out[key] = dict(ops=ops, added_bytes=added, trace=str(trace) if trace else None)
-    for key, ms in time_round_robin(calls, cfg["iters"], cfg["device"], bar).items():
+        try:
+            for _ in range(cfg["warmup"]):
+                call()
+            ops, added = profiled_run(call, rt, trace)
+            if audits is not None:
+                ops, _ = profiled_run(audits[key], rt)
+            out[key] = dict(ops=ops, added_bytes=added, trace=str(trace) if trace else None,
+                            kernel_audit="eager twin" if audits is not None else "this run")
+        except Exception as e:
+            failed[key] = out_of_memory(e, rt)
+        bar.update(cfg["warmup"] + 1)
+    for key, ms in time_round_robin(calls, cfg["iters"], rt, bar, failed).items():
         p25, p50, p75 = np.percentile(ms, [25, 50, 75])
         out[key].update(ms_per_iter=p50, ms_p25=p25, ms_p75=p75, ms_min=min(ms), ms_max=max(ms), ms_all=ms)
+    out.update({key: dict(status="oom", reason=reason) for key, reason in failed.items()})
     return out
 
 
@@ -225,70 +186,96 @@ def paired_speedup(base: dict, row: dict) -> float:
     return float(np.median(np.array(base["ms_all"]) / np.array(row["ms_all"])))
 
 
-def audited_row(row: dict, measured: dict, attn: str, device: str) -> dict:
+def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
     """A row with its timing, memory and audited kernel; kernel_ok is False on a silent fallback."""
-    kernel, ops = audit(measured.pop("ops"))
-    expected = expected_kernels(attn, device.split(":")[0])
+    if measured.get("status") == "oom":
+        row.update(measured)
+        return row
+    kernel, ops = kernel_of(measured.pop("ops"))
+    expected = expected_kernels(attn, rt.device_type)
     row.update(measured, kernel=kernel, kernel_ops=ops, kernel_expected=sorted(expected), kernel_ok=kernel in expected)
     return row
+
+
+def compiled(fn, cfg: dict):
+    """fn compiled when cfg asks for it. Each call is its own region (isolate_recompiles): rows share code
+    objects (GPT.forward, Module._call_impl), and past dynamo's recompile limit (8) later rows would silently
+    run eagerly."""
+    return torch.compile(fn, isolate_recompiles=True) if cfg["compile"] else fn
+
+
+def eager_reference(attn: str, cfg: dict, rt: Runtime) -> bool:
+    """True for a flex row that runs PyTorch's unfused eager reference: not compiled, and not on CUDA (where
+    model.py always compiles it)."""
+    return attn == "flex" and not cfg["compile"] and not rt.is_cuda
 
 
 # -- train mode ------------------------------------------------------------------------------------------
 
 @dataclass
 class Trainer:
+    """One model, optimizer and batch, shared by every attn row of one vocab setting: a row switches the
+    attention and takes real training steps. Rows sharing weights keep one model's memory, not one per row."""
     model: GPT
-    step: Callable[[], None]             # one training step: forward, backward, optimizer step
-    resident_bytes: Callable[[], int]    # tensors that live across steps: weights, optimizer state, the batch
+    forward: Callable                    # the model, or its compiled twin
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    batch: torch.Tensor                  # (2, B, T): inputs and targets
+    rt: Runtime
+
+    def step(self, attn: str) -> None:
+        """One training step through `attn`: forward, backward, optimizer step."""
+        self.model.set_attention(attn)
+        with self.rt.autocast():
+            _, loss = self.forward(*self.batch)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)  # gradients die with the step, so they count as step memory
+
+    def eager_pass(self, attn: str) -> None:
+        """Forward and backward through the uncompiled model, no update: what the kernel audit profiles."""
+        self.model.set_attention(attn)
+        with self.rt.autocast():
+            _, loss = self.model(*self.batch)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def resident_bytes(self) -> int:
+        """Tensors that live across steps: weights, buffers, optimizer state, the batch."""
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        tensors = [*self.model.parameters(), *self.model.buffers(), *state, self.batch]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build_trainer(cfg: dict, attn: str, pad_vocab: bool, batch_size: int) -> Trainer:
-    device, dtype = cfg["device"], cfg["dtype"]
-    runtime.seed_everything(cfg["seed"])  # the same weights for every attn
-    config = GPTConfig(block_size=cfg["seq_len"], vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"],
-                       n_head=cfg["n_head"], n_embd=cfg["n_embd"], dropout=cfg["dropout"], bias=cfg["bias"],
-                       attn=attn, pad_vocab=pad_vocab)
-    model = GPT(config).to(device)
-    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.split(":")[0])
-    scaler = runtime.grad_scaler(device, dtype)
-    tokens = torch.randint(cfg["vocab_size"], (2, batch_size, cfg["seq_len"]),
-                           generator=torch.Generator().manual_seed(cfg["seed"])).to(device)
-    x, y = tokens  # (B, T) each: random ids cost the same as text
-    forward = torch.compile(model) if cfg["compile"] else model
-
-    def step() -> None:
-        with runtime.autocast(device, dtype):
-            _, loss = forward(x, y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)  # gradients die with the step, so they count as step memory
-
-    def resident_bytes() -> int:
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), *state, tokens])
-
-    return Trainer(model, step, resident_bytes)
+def build_trainer(cfg: dict, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> Trainer:
+    runtime.seed_everything(cfg["seed"])  # the same weights whatever the row
+    config = runtime.model_config_from({**cfg, "block_size": cfg["seq_len"], "attn": attn, "pad_vocab": pad_vocab})
+    model = GPT(config).to(rt.device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
+    batch = torch.randint(cfg["vocab_size"], (2, batch_size, cfg["seq_len"]),
+                          generator=torch.Generator().manual_seed(cfg["seed"])).to(rt.device)  # random ids cost as text
+    return Trainer(model, compiled(model, cfg), optimizer, rt.grad_scaler(), batch, rt)
 
 
-def fits(cfg: dict, attn: str, pad_vocab: bool, batch_size: int) -> bool:
-    """Whether a training step at this batch size fits: on CUDA, no out-of-memory error; on CPU, resident
-    plus peak step tensor memory (as measured for the table) within mem_budget_gb."""
-    cuda, trainer = cfg["device"].startswith("cuda"), None
+def fits(cfg: dict, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> bool:
+    """Whether training at this batch size fits: two full steps (the second carries AdamW's state) without
+    running out of memory of any kind; on CPU also resident plus peak step memory within mem_budget_gb."""
+    trainer = None
     try:
-        trainer = build_trainer(cfg, attn, pad_vocab, batch_size)
-        trainer.step()  # creates the optimizer state, so the step measured next carries it like any later one
-        if cuda:
+        trainer = build_trainer(cfg, rt, attn, pad_vocab, batch_size)
+        trainer.step(attn)
+        if rt.is_cuda:
+            trainer.step(attn)
             return True
-        _, added = profiled_run(trainer.step, cfg["device"])
+        _, added = profiled_run(lambda: trainer.step(attn), rt)
         return trainer.resident_bytes() + added <= cfg["mem_budget_gb"] * 1e9
-    except torch.OutOfMemoryError:
+    except Exception as e:
+        out_of_memory(e, rt)  # raises anything else
         return False
     finally:
         del trainer  # the model and its memory go before the next probe
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        runtime.free_memory(rt)
 
 
 def max_batch_size(fits_batch: Callable[[int], bool], limit: int) -> int:
@@ -305,36 +292,42 @@ def max_batch_size(fits_batch: Callable[[int], bool], limit: int) -> int:
     return good
 
 
-def train_sweep(cfg: dict) -> list[dict]:
+def train_sweep(cfg: dict, rt: Runtime) -> list[dict]:
     """One row per attn x padding: timing, tokens/s, MFU, peak memory, speedup, audited kernel, skip reason."""
-    device, dtype = cfg["device"], cfg["dtype"]
     head_size, tokens = cfg["n_embd"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"]
-    rows, trainers = {}, {}
+    rows, trainers, calls, audits = {}, {}, {}, {}
     for a in cfg["attn"]:
-        problem = attention_problem(a, device.split(":")[0], runtime.DTYPES[dtype], cfg["dropout"], head_size, True)
+        problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg["dropout"], head_size, True,
+                                    cfg["seq_len"])
         for pad in cfg["padding"]:
             key = f"{a}_{'padded' if pad else 'unpadded'}"
-            rows[key] = dict(attn=a, pad_vocab=pad, status="skipped" if problem else "ok", reason=problem)
+            rows[key] = dict(attn=a, pad_vocab=pad, eager_reference=eager_reference(a, cfg, rt),
+                             status="skipped" if problem else "ok", reason=problem)
             if problem is None:
-                trainers[key] = build_trainer(cfg, a, pad, cfg["batch_size"])
-                rows[key]["vocab"] = trainers[key].model.config.padded_vocab_size
-    peak = runtime.peak_flops(device, dtype)
-    with tqdm(total=len(trainers) * (cfg["warmup"] + 1 + cfg["iters"]), desc="bench", file=sys.stderr) as bar:
-        measured = measure({key: t.step for key, t in trainers.items()}, cfg, bar, "train")
+                if pad not in trainers:
+                    trainers[pad] = build_trainer(cfg, rt, a, pad, cfg["batch_size"])
+                rows[key]["vocab"] = trainers[pad].model.config.padded_vocab_size
+                calls[key] = functools.partial(trainers[pad].step, a)
+                audits[key] = functools.partial(trainers[pad].eager_pass, a)
+    peak = rt.peak_flops
+    with tqdm(total=len(calls) * (cfg["warmup"] + 1 + cfg["iters"]), desc="bench", file=sys.stderr) as bar:
+        measured = measure(calls, cfg, rt, bar, "train", audits if cfg["compile"] else None)
     for key, m in measured.items():
-        row = audited_row(rows[key], m, rows[key]["attn"], device)
-        row["mem/peak_gb"] = (trainers[key].resident_bytes() + row.pop("added_bytes")) / 1e9
-        row["tokens_per_s"] = tokens / (row["ms_per_iter"] / 1e3)
-        row["mfu"] = trainers[key].model.estimate_mfu(row["tokens_per_s"], peak, cfg["seq_len"])
+        row = audited_row(rows[key], m, rows[key]["attn"], rt)
+        if row["status"] == "ok":
+            trainer = trainers[row["pad_vocab"]]
+            row["mem/peak_gb"] = (trainer.resident_bytes() + row.pop("added_bytes")) / 1e9
+            row["tokens_per_s"] = tokens / (row["ms_per_iter"] / 1e3)
+            row["mfu"] = trainer.model.estimate_mfu(row["tokens_per_s"], peak, cfg["seq_len"])
     for row in rows.values():
         base = rows.get(f"manual_{'padded' if row['pad_vocab'] else 'unpadded'}", {})
         if row["status"] == "ok" and base.get("status") == "ok":
             row["speedup_vs_manual"] = paired_speedup(base, row)
-    trainers.clear()  # the max-batch search below needs the memory
-    gc.collect()
+    calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
+    runtime.free_memory(rt)
     if cfg["max_batch"]:
         for row in tqdm([r for r in rows.values() if r["status"] == "ok"], desc="max batch", file=sys.stderr):
-            row["max_batch"] = max_batch_size(lambda b: fits(cfg, row["attn"], row["pad_vocab"], b),
+            row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b),
                                               cfg["max_batch_limit"])
     return list(rows.values())
 
@@ -352,29 +345,33 @@ def attention_call(fn, q, k, v, mask, dropout_p: float, backward: bool) -> Calla
     return call
 
 
-def attention_sweep(cfg: dict) -> list[dict]:
+def attention_sweep(cfg: dict, rt: Runtime) -> list[dict]:
     """One row per head size x sequence length x pass (fwd, fwd+bwd) x attn: time, added memory, kernel."""
-    device, torch_dtype = cfg["device"], runtime.DTYPES[cfg["dtype"]]
+    functions = {a: compiled(ATTENTION[a], cfg) for a in cfg["attn"]}
     cases = [(hs, T, bwd) for hs in cfg["attn_head_sizes"] for T in cfg["attn_seq_lens"] for bwd in (False, True)]
     rows = []
     total = len(cases) * len(cfg["attn"]) * (cfg["warmup"] + 1 + cfg["iters"])
     with tqdm(total=total, desc="attention", file=sys.stderr) as bar:
         for hs, T, backward in cases:
             shape = (cfg["attn_batch"], cfg["attn_heads"], T, hs)  # (B, nh, T, hs)
-            q, k, v = (torch.randn(shape, device=device, dtype=torch_dtype, requires_grad=backward) for _ in range(3))
-            mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T), True where allowed
-            here, calls = {}, {}
+            q, k, v = (torch.randn(shape, device=rt.device, dtype=rt.torch_dtype, requires_grad=backward)
+                       for _ in range(3))
+            mask = torch.ones(T, T, dtype=torch.bool, device=rt.device).tril()  # (T, T), True where allowed
+            here, calls, audits = {}, {}, {}
             for a in cfg["attn"]:
-                problem = attention_problem(a, device.split(":")[0], torch_dtype, cfg["dropout"], hs, backward)
-                here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward,
-                               status="skipped" if problem else "ok", reason=problem)
+                problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg["dropout"], hs, backward, T)
+                here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, eager_reference=eager_reference(
+                    a, cfg, rt), status="skipped" if problem else "ok", reason=problem)
                 if problem is None:
-                    calls[a] = attention_call(ATTENTION[a], q, k, v, mask, cfg["dropout"], backward)
+                    calls[a] = attention_call(functions[a], q, k, v, mask, cfg["dropout"], backward)
+                    audits[a] = attention_call(ATTENTION[a], q, k, v, mask, cfg["dropout"], backward)
                 else:
                     bar.update(cfg["warmup"] + 1 + cfg["iters"])
-            for a, m in measure(calls, cfg, bar, f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}").items():
-                audited_row(here[a], m, a, device)
-                here[a]["mem/peak_gb"] = here[a].pop("added_bytes") / 1e9  # beyond q, k, v themselves
+            name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}"
+            for a, m in measure(calls, cfg, rt, bar, name, audits if cfg["compile"] else None).items():
+                audited_row(here[a], m, a, rt)
+                if here[a]["status"] == "ok":
+                    here[a]["mem/peak_gb"] = here[a].pop("added_bytes") / 1e9  # beyond q, k, v themselves
             for row in here.values():
                 if row["status"] == "ok" and here["manual"]["status"] == "ok":
                     row["speedup_vs_manual"] = paired_speedup(here["manual"], row)
@@ -385,10 +382,10 @@ def attention_sweep(cfg: dict) -> list[dict]:
 # -- output ------------------------------------------------------------------------------------------------
 
 def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:
-    """A plain-text table; a skipped row shows its reason in place of the numbers."""
+    """A plain-text table; a skipped row (or one that ran out of memory) shows why in place of the numbers."""
     formats = list(columns.values())
     cells = [[f(row) for f in formats] if row["status"] == "ok"
-             else [f(row) for f in formats[:2]] + [f"skipped: {row['reason']}"] for row in rows]
+             else [f(row) for f in formats[:2]] + [f"{row['status']}: {row['reason']}"] for row in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells if len(c) == len(formats) or i < 2])
               for i, h in enumerate(columns)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
@@ -399,8 +396,12 @@ def kernel_cell(row: dict) -> str:
     return row["kernel"] + ("" if row["kernel_ok"] else f"  ! expected {'/'.join(row['kernel_expected'])}")
 
 
+def attn_cell(row: dict) -> str:
+    return row["attn"] + (" (eager reference)" if row.get("eager_reference") else "")
+
+
 TRAIN_COLUMNS = {
-    "attn": lambda r: r["attn"],
+    "attn": attn_cell,
     "vocab": lambda r: str(r.get("vocab", "padded" if r["pad_vocab"] else "unpadded")),
     "ms/iter": lambda r: f"{r['ms_per_iter']:.1f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.1f}",
@@ -412,7 +413,7 @@ TRAIN_COLUMNS = {
     "kernel": kernel_cell,
 }
 ATTENTION_COLUMNS = {
-    "attn": lambda r: r["attn"],
+    "attn": attn_cell,
     "case": lambda r: f"hs={r['head_size']} T={r['seq_len']} {'fwd+bwd' if r['backward'] else 'fwd'}",
     "ms": lambda r: f"{r['ms_per_iter']:.2f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.2f}",
@@ -458,29 +459,28 @@ def chart(path: Path, rows: list[dict], cfg: dict, env: dict) -> None:
     plt.close(fig)
 
 
-def environment(cfg: dict, argv: list[str]) -> dict:
-    device = cfg["device"]
-    return dict(device=device, device_name=runtime.device_name(device), torch=torch.__version__,
-                cuda=torch.version.cuda if device.startswith("cuda") else None, dtype=cfg["dtype"],
-                threads=torch.get_num_threads(), peak_flops=runtime.peak_flops(device, cfg["dtype"]),
+def environment(rt: Runtime, argv: list[str]) -> dict:
+    return dict(device=rt.device, device_name=rt.name, torch=torch.__version__,
+                cuda=torch.version.cuda if rt.is_cuda else None, dtype=rt.dtype,
+                threads=torch.get_num_threads(), peak_flops=rt.peak_flops,
                 python=platform.python_version(), platform=platform.platform(),
                 command=" ".join(["python", "bench.py", *argv]), time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
-def settings(argv: list[str]) -> dict:
+def settings(argv: list[str]) -> tuple[dict, Runtime]:
     """This module's settings with config files and --key=value overrides applied, resolved for the device."""
     return resolve(configurator.configure(globals(), argv, LIMITS))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = settings(argv)
+    cfg, rt = settings(argv)
     if cfg["threads"] > 0:
         torch.set_num_threads(cfg["threads"])
     out = Path(cfg["out_dir"])
     runtime.check_writable_dir(out)  # before the sweep, not after it
-    env = environment(cfg, argv)
-    rows = train_sweep(cfg) if cfg["mode"] == "train" else attention_sweep(cfg)
+    env = environment(rt, argv)
+    rows = train_sweep(cfg, rt) if cfg["mode"] == "train" else attention_sweep(cfg, rt)
     columns = TRAIN_COLUMNS if cfg["mode"] == "train" else ATTENTION_COLUMNS
     if not cfg["max_batch"]:
         columns = {k: v for k, v in columns.items() if k != "max batch"}

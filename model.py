@@ -9,6 +9,7 @@ Every implementation in ATTENTION computes the same causal attention; they diffe
 PyTorch runs. `attention_problem` is the one place that decides whether an implementation can run here.
 """
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -79,11 +80,20 @@ def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
     return _block_masks[key]
 
 
+@functools.cache
+def _compiled_flex_attention():
+    # FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in memory)
+    return torch.compile(flex_attention)
+
+
 def flex_causal_attention(q, k, v, causal_mask, dropout_p):
     if dropout_p > 0:
         raise UserError("attn='flex' has no attention dropout; set dropout=0.0 or pick another attn.")
     block_mask = None if causal_mask is None else _causal_block_mask(q.size(-2), k.size(-2), q.device)
-    return flex_attention(q, k, v, block_mask=block_mask)
+    # On CUDA always compiled (inside a compiled model dynamo traces flex_attention itself). On CPU only inside
+    # a compiled model (compile=True): compiling costs seconds per shape, and CPU flex is inference-only anyway.
+    compiled = q.is_cuda and not torch.compiler.is_compiling()
+    return (_compiled_flex_attention() if compiled else flex_attention)(q, k, v, block_mask=block_mask)
 
 
 ATTENTION: dict[str, AttentionFn] = {
@@ -111,9 +121,9 @@ def attention_names(spec) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                      needs_grad: bool) -> Optional[str]:
-    """None if `attn` runs here, else why not: we ask PyTorch by running it once on a tiny input, because
-    which kernel accepts which device/dtype/dropout/head size changes from release to release."""
+                      needs_grad: bool, seq_len: int = 64) -> Optional[str]:
+    """None if `attn` runs here, else why not: we ask PyTorch by running it once, because which kernel accepts
+    which device/dtype/dropout/head size/layout changes from release to release."""
     cpu = device_type == "cpu"
     if attn in ("efficient", "cudnn") and device_type != "cuda":
         return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
@@ -125,19 +135,27 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
         return "the CPU flash kernel does not support dropout"
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
-        return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad)
+        return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len)
 
 
 def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-           needs_grad: bool) -> Optional[str]:
-    q = torch.randn(1, 1, 8, head_size, device=device_type, dtype=dtype, requires_grad=needs_grad)
-    mask = torch.ones(8, 8, dtype=torch.bool, device=device_type).tril()
+           needs_grad: bool, seq_len: int) -> Optional[str]:
+    """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
+    sequence length (with backward when training), and for inference also a one-query decode step against a
+    slice of a longer KV cache. Kernels' limits differ between these layouts."""
+    T = seq_len
+    qkv = torch.randn(1, T, 3 * head_size, device=device_type, dtype=dtype, requires_grad=needs_grad)
+    q, k, v = (t.view(1, T, 1, head_size).transpose(1, 2) for t in qkv.split(head_size, dim=2))  # (1, 1, T, hs)
+    mask = torch.ones(T, T, dtype=torch.bool, device=device_type).tril()  # (T, T)
     try:
         with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
             warnings.simplefilter("always")
-            y = ATTENTION[attn](q, q, q, mask, dropout_p)
+            y = ATTENTION[attn](q, k, v, mask, dropout_p)
             if needs_grad:
                 y.sum().backward()
+            else:
+                cache = torch.randn(2, 1, T + 8, head_size, device=device_type, dtype=dtype)  # (k|v, 1, T + 8, hs)
+                ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
     except (RuntimeError, NotImplementedError) as e:
         # CUDA warns a header ("Flash attention kernel not used because:") and then the reason itself
         reasons = [line for w in caught for line in str(w.message).splitlines()[:1] if not line.endswith("because:")]
@@ -147,13 +165,14 @@ def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, he
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                    needs_grad: bool) -> None:
-    """Raise UserError, naming what can run instead, if `attn` cannot run with these settings."""
-    problem = attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad)
+                    needs_grad: bool, seq_len: int = 64, problem: Optional[str] = None) -> None:
+    """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (or if the
+    caller already knows the `problem`, say a kernel that refused a real call)."""
+    problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len)
     if problem is None:
         return
-    runnable = [a for a in ATTENTION
-                if attention_problem(a, device_type, dtype, dropout_p, head_size, needs_grad) is None]
+    runnable = [a for a in ATTENTION if a != attn and
+                attention_problem(a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len) is None]
     dtype_name = str(dtype).removeprefix("torch.")
     mode = "training" if needs_grad else "inference"
     raise UserError(f"attn='{attn}' cannot run for {mode} on {device_type} in {dtype_name} with dropout={dropout_p} "
@@ -225,11 +244,14 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
-        self.attn = config.attn
-        self.attention = ATTENTION[config.attn]
+        self.set_attention(config.attn)
         # not persistent: it is derived, so neither checkpoints nor DDP's broadcast need to carry it
         causal = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
         self.register_buffer("causal_mask", causal, persistent=False)
+
+    def set_attention(self, attn: str) -> None:
+        self.attn_name = attn                # a key of ATTENTION, for checks and messages
+        self.attention = ATTENTION[attn]     # the function that computes it
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, C = x.size()
@@ -239,8 +261,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         dropout_p = self.attn_dropout if self.training else 0.0
+        block_size = self.causal_mask.size(0)
         if not torch.compiler.is_compiling():  # compiled code was checked when it was traced
-            check_attention(self.attn, q.device.type, q.dtype, dropout_p, hs, q.requires_grad)
+            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, block_size)
         start = 0
         if kv_cache is not None:
             start = kv_cache.length
@@ -251,7 +274,13 @@ class CausalSelfAttention(nn.Module):
             mask = self.causal_mask[:T, :T]
         else:
             raise ValueError("a KV cache is filled by one prefill from position 0, then one position per step")
-        y = self.attention(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
+        try:
+            y = self.attention(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
+        except RuntimeError as e:  # a kernel refusing a shape or layout the probe did not meet
+            if torch.compiler.is_compiling() or "No available kernel" not in str(e):
+                raise
+            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, block_size,
+                            problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -349,6 +378,13 @@ class GPT(nn.Module):
         # reshape, not view: targets may be any (B, T) tensor, a strided slice such as x[:, 1:] included
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def set_attention(self, attn: str) -> "GPT":
+        """Read the same weights through another attention implementation, in place; returns the model."""
+        self.config = dataclasses.replace(self.config, attn=attn)  # checks the name
+        for block in self.transformer.h:
+            block.attn.set_attention(attn)
+        return self
 
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context, e.g. to fine-tune GPT-2 (1024) at a shorter block_size."""

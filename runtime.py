@@ -5,6 +5,7 @@ wrapper that turns a UserError into one line.
 """
 
 import functools
+import gc
 import os
 import platform
 import resource
@@ -24,20 +25,23 @@ from model import GPT, GPTConfig, UserError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# -- device and precision ----------------------------------------------------------------------------
+# -- device and precision: one Runtime, resolved once and shared by train, sample and bench ---------------
 
 def pick_device(device: str = "auto") -> str:
-    """'auto' is cuda > mps > cpu; anything else is checked and kept."""
+    """'auto' is cuda > mps > cpu; anything else is checked and kept. CUDA always gets its index ('cuda:0')."""
     if device == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        return "mps" if torch.backends.mps.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     kind = device.split(":")[0]
     available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if kind not in available:
         raise UserError(f"unknown device '{device}'; use auto, cpu, cuda, cuda:N or mps.")
     if not available[kind]:
         raise UserError(f"device '{device}' is not available on this machine; use --device=auto or --device=cpu.")
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    if kind == "cuda" and not int(device.split(":")[1]) < torch.cuda.device_count():
+        raise UserError(f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} GPU(s); "
+                        f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
     return device
 
 
@@ -50,6 +54,12 @@ def cpu_has_amx_bf16() -> bool:
         return False
 
 
+def cuda_has_bf16() -> bool:
+    """Native bf16 (Ampere and later). torch counts emulation as support by default, which on a V100 or T4
+    would pick slow emulated bf16 over fp16 with loss scaling."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def pick_dtype(dtype: str, device: str) -> str:
     """'auto' is bf16 where the hardware runs it fast, fp16 (with a GradScaler) on older GPUs, fp32 otherwise."""
     if dtype != "auto":
@@ -58,105 +68,170 @@ def pick_dtype(dtype: str, device: str) -> str:
         return dtype
     kind = device.split(":")[0]
     if kind == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "bfloat16" if cuda_has_bf16() else "float16"
     if kind == "cpu" and cpu_has_amx_bf16():
         return "bfloat16"
     return "float32"
 
 
-def autocast(device: str, dtype: str):
-    """Mixed precision for the forward pass; fp32 runs without autocast."""
-    if dtype == "float32":
-        return nullcontext()
-    return torch.autocast(device_type=device.split(":")[0], dtype=DTYPES[dtype])
+@dataclass(frozen=True)
+class Runtime:
+    """Where and in what precision a script runs. Made once by resolve_runtime(); every script asks it rather
+    than parsing device strings itself."""
+    device: str  # "cpu", "cuda:N" or "mps"
+    dtype: str   # a key of DTYPES: the autocast dtype, or float32 for none
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def autocast(self):
+        """Mixed precision for the forward pass; fp32 runs without autocast."""
+        if self.dtype == "float32":
+            return nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.torch_dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """fp16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so a clock read afterwards measures it."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        elif self.device_type == "mps":
+            torch.mps.synchronize()
+
+    @functools.cached_property
+    def name(self) -> str:
+        if self.is_cuda:
+            return torch.cuda.get_device_name(self.device)
+        if self.device_type == "mps":
+            return "Apple MPS"
+        n = torch.get_num_threads()
+        threads = f"{n} thread{'s' if n != 1 else ''}"
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+        return f"{model or platform.processor() or 'CPU'} ({threads})"
+
+    @functools.cached_property
+    def peak_flops(self) -> float:
+        """Peak FLOP/s in this dtype, the denominator of MFU: the datasheet for a known GPU, else measured."""
+        listed = datasheet_peak_flops(self.name, self.dtype) if self.is_cuda else None
+        return listed or measured_matmul_flops(self)
+
+    def reset_peak_memory(self) -> None:
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_allocated(self) -> int:
+        """Bytes CUDA tensors hold now (0 elsewhere: CPU memory is read from the profiler, see audit.py)."""
+        return torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
+
+    def peak_memory_gb(self) -> float:
+        """CUDA: the most memory tensors held since the last reset. CPU: the process's peak resident set, which
+        only grows (bench.py measures per-step tensor memory on CPU with the profiler instead)."""
+        if self.is_cuda:
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        if self.device_type == "mps":
+            return torch.mps.driver_allocated_memory() / 1e9
+        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
 
-def grad_scaler(device: str, dtype: str) -> torch.amp.GradScaler:
-    """fp16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op."""
-    return torch.amp.GradScaler(device.split(":")[0], enabled=dtype == "float16")
+def resolve_runtime(device: str = "auto", dtype: str = "auto") -> Runtime:
+    """Pick the device and dtype, make a cuda:N device current (so nothing lands on GPU 0), and let fp32
+    matmuls use TF32 tensor cores: the one place these are set, for every script alike."""
+    device = pick_device(device)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return Runtime(device, pick_dtype(dtype, device))
+
+
+# How running out of device memory reads when it is not a torch.OutOfMemoryError: cuBLAS and cuDNN failing to
+# allocate their workspace, or CUDA's own error from an allocation outside the caching allocator.
+OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in OOM_MESSAGES))
+
+
+def free_memory(rt: "Runtime") -> None:
+    """Let go of what a failed or finished attempt held: unreachable tensors, then CUDA's cached blocks."""
+    gc.collect()
+    if rt.is_cuda:
+        torch.cuda.empty_cache()
 
 
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA too
 
 
-def synchronize(device: str) -> None:
-    """Wait for queued device work, so a clock read afterwards measures it."""
-    kind = device.split(":")[0]
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-    elif kind == "mps":
-        torch.mps.synchronize()
+# -- peak FLOP/s ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuPeak:
+    words: tuple[str, ...]  # all must be words of the upper-cased device name, '-' read as a space
+    half: float             # dense bf16/fp16 tensor-core TFLOP/s (sparsity figures halved)
+    fp32: float             # dense TF32 tensor-core TFLOP/s (TF32 is on, see resolve_runtime); plain FP32 without
+    bf16: bool = True       # False: bf16 would be emulated, so it has no datasheet peak
 
 
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    if device.startswith("mps"):
-        return "Apple MPS"
-    n = torch.get_num_threads()
-    threads = f"{n} thread{'s' if n != 1 else ''}"
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} ({threads})"
-    return f"{platform.processor() or 'CPU'} ({threads})"
+# Vendors' datasheets, matched against torch.cuda.get_device_name() strings such as "NVIDIA H100 80GB HBM3"
+# (the SXM part), "NVIDIA A100-SXM4-40GB", "Tesla V100-PCIE-32GB". Most specific first.
+GPU_PEAKS = [
+    GpuPeak(("B200",), 2250, 1100), GpuPeak(("GH200",), 989.4, 494.7),
+    GpuPeak(("H200", "NVL"), 835.5, 417.5), GpuPeak(("H200",), 989.4, 494.7),
+    GpuPeak(("H100", "NVL"), 835.5, 417.5), GpuPeak(("H100", "PCIE"), 756.5, 378.0), GpuPeak(("H100",), 989.4, 494.7),
+    GpuPeak(("H800", "PCIE"), 756.5, 378.0), GpuPeak(("H800",), 989.4, 494.7),
+    GpuPeak(("A100",), 312, 156),  # SXM4 and PCIe, 40 and 80 GB alike
+    GpuPeak(("L40S",), 362, 183), GpuPeak(("L40",), 181, 90.5), GpuPeak(("L4",), 121, 60), GpuPeak(("A10",), 125, 62.5),
+    GpuPeak(("RTX", "4090"), 165.2, 82.6), GpuPeak(("RTX", "3090", "TI"), 80, 40), GpuPeak(("RTX", "3090"), 71, 35.6),
+    GpuPeak(("V100S",), 130, 16.4, bf16=False), GpuPeak(("V100", "PCIE"), 112, 14, bf16=False),
+    GpuPeak(("V100",), 125, 15.7, bf16=False), GpuPeak(("T4",), 65, 8.1, bf16=False),
+]
 
 
-# -- memory and peak FLOP/s ------------------------------------------------------------------------------
-
-def reset_peak_memory(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_gb(device: str) -> float:
-    """CUDA: the most memory tensors held since the last reset. CPU: the process's peak resident set, which
-    only grows (bench.py measures per-run tensor memory on CPU with the profiler instead)."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    if device.startswith("mps"):
-        return torch.mps.driver_allocated_memory() / 1e9
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
-
-
-# Dense (no sparsity) peak tensor-core FLOP/s from the vendors' datasheets, by name fragment; bf16 and fp16 alike.
-# fp32 runs compare against the fp32 peak measured below, since TF32 use depends on settings.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100": 756e12, "GH200": 989e12,
-    "A100": 312e12, "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
-}
+def datasheet_peak_flops(name: str, dtype: str) -> float | None:
+    """The datasheet peak of a GPU by its device name, in FLOP/s; None for a GPU (or dtype) not listed."""
+    words = set(name.upper().replace("-", " ").split())
+    for peak in GPU_PEAKS:
+        if words.issuperset(peak.words):
+            if dtype == "bfloat16" and not peak.bf16:
+                return None
+            return 1e12 * (peak.fp32 if dtype == "float32" else peak.half)
+    return None
 
 
 @functools.lru_cache(maxsize=None)
-def measured_matmul_flops(device: str, dtype: str, n: int = 1024, seconds: float = 1.0) -> float:
-    """The best FLOP/s of an n x n matmul in `dtype` here: the practical peak of a CPU or an unknown GPU."""
+def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
+    """The best FLOP/s of large square matmuls in rt's dtype: the practical peak of a CPU or an unlisted GPU.
+    On a GPU many matmuls run between two synchronizations, so launch latency is not what gets measured."""
+    n, calls = (8192, 20) if rt.is_cuda else (1024, 3)
     with torch.random.fork_rng(devices=[]):  # leave the global RNG where training expects it
-        a = torch.randn(n, n, dtype=DTYPES[dtype]).to(device)
-        b = torch.randn(n, n, dtype=DTYPES[dtype]).to(device)
+        a, b = (torch.randn(n, n).to(rt.device, rt.torch_dtype) for _ in range(2))
+    a @ b  # the first call pays for setup
     best = float("inf")
-    deadline = time.perf_counter() + seconds
-    for i in range(1000):
-        synchronize(device)
+    for _ in range(repeats):
+        rt.synchronize()
         t0 = time.perf_counter()
-        a @ b
-        synchronize(device)
-        if i > 0:  # the first call pays for setup
-            best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > deadline and i > 2:
-            break
+        for _ in range(calls):
+            a @ b
+        rt.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls)
     return 2 * n ** 3 / best
-
-
-def peak_flops(device: str, dtype: str) -> float:
-    """Peak FLOP/s of this device in this dtype, the denominator of MFU."""
-    if device.startswith("cuda") and dtype != "float32":
-        name = torch.cuda.get_device_name(device)
-        for fragment, flops in GPU_PEAK_FLOPS.items():  # most specific fragments come first
-            if fragment in name:
-                return flops
-    return measured_matmul_flops(device, dtype)
 
 
 # -- distributed -----------------------------------------------------------------------------------
@@ -302,8 +377,8 @@ def load_checkpoint(path: Path, map_location="cpu", for_training: bool = False) 
 class StepTimer:
     """Wall time of training steps only: pause it around evaluation and checkpointing."""
 
-    def __init__(self, device: str):
-        self.device = device
+    def __init__(self, rt: Runtime):
+        self.rt = rt
         self.total = 0.0                    # seconds of training so far, for max_seconds
         self.window, self.steps = 0.0, 0    # since the last read, for ms per step
         self._t0 = None
@@ -313,12 +388,12 @@ class StepTimer:
         return self._t0 is not None
 
     def start(self) -> None:
-        synchronize(self.device)
+        self.rt.synchronize()
         self._t0 = time.perf_counter()
 
     def pause(self) -> None:
         if self._t0 is not None:
-            synchronize(self.device)
+            self.rt.synchronize()
             seconds = time.perf_counter() - self._t0
             self.total += seconds
             self.window += seconds

@@ -251,11 +251,11 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def parallelize(model: GPT, s: dict, d: runtime.Dist, dtype: str) -> torch.nn.Module:
+def parallelize(model: GPT, s: dict, d: runtime.Dist, rt: runtime.Runtime) -> torch.nn.Module:
     """Compile and wrap for the world we run in. FSDP2: each block is a unit (gathered for its forward and
     backward, then freed), then the root holds the embeddings, final norm and tied lm_head."""
     if d.enabled and s["parallel"] == "fsdp":
-        mp = MixedPrecisionPolicy(param_dtype=runtime.DTYPES[dtype], reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=rt.torch_dtype, reduce_dtype=torch.float32)
         for block in model.transformer.h:
             if s["compile"]:
                 block.compile()  # per block: whole-model compile would trace through FSDP's hooks
@@ -263,7 +263,9 @@ def parallelize(model: GPT, s: dict, d: runtime.Dist, dtype: str) -> torch.nn.Mo
         return fully_shard(model, mp_policy=mp)
     compiled = torch.compile(model) if s["compile"] else model
     if d.enabled:
-        return DDP(compiled, device_ids=[d.local_rank] if d.device.startswith("cuda") else None)
+        # the only buffers (causal masks, the padded-vocab bias) are derived and alike on every rank: DDP's
+        # default would broadcast them from rank 0 before every forward
+        return DDP(compiled, device_ids=[d.local_rank] if rt.is_cuda else None, broadcast_buffers=False)
     return compiled
 
 
@@ -338,15 +340,12 @@ def main(argv=None) -> int:
     if s["parallel"] not in ("ddp", "fsdp"):
         raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{s['parallel']}'.")
     d = runtime.init_distributed(runtime.pick_device(s["device"]))
+    rt = runtime.resolve_runtime(d.device, s["dtype"])
     if s["gradient_accumulation_steps"] % d.world_size:
         raise UserError(f"gradient_accumulation_steps={s['gradient_accumulation_steps']} is not divisible by "
                         f"the {d.world_size} ranks; make it a multiple of the world size.")
     micro_steps = s["gradient_accumulation_steps"] // d.world_size
-    dtype = runtime.pick_dtype(s["dtype"], d.device)
-    device_type = d.device.split(":")[0]
     torch.manual_seed(s["seed"])  # the same initial weights on every rank (FSDP shards each rank's own copy)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
     out = Path(s["out_dir"])
     ckpt_path = out / "ckpt.pt"
     if not s["eval_only"]:  # evaluation writes nothing; training must be able to write its log and checkpoint
@@ -361,13 +360,13 @@ def main(argv=None) -> int:
     checkpoint = runtime.load_checkpoint(ckpt_path, for_training=not s["eval_only"]) if resuming else None
     model = build_model(s, vocab_size, checkpoint).to(d.device)
     check_token_files(data_dir, model.config.vocab_size, s["block_size"])
-    check_attention(model.config.attn, device_type, runtime.DTYPES[dtype], model.config.dropout,
-                    model.config.head_size, needs_grad=not s["eval_only"])  # fail now, not after compiling
+    check_attention(model.config.attn, rt.device_type, rt.torch_dtype, model.config.dropout,
+                    model.config.head_size, not s["eval_only"], s["block_size"])  # now, not after compiling
     torch.manual_seed(s["seed"] + d.rank)  # dropout differs per rank; the data generator does not
     raw_model = model
-    model = parallelize(raw_model, s, d, dtype)  # FSDP shards raw_model's parameters in place
+    model = parallelize(raw_model, s, d, rt)  # FSDP shards raw_model's parameters in place
     iter_num = checkpoint["iter_num"] if resuming else 0
-    ctx = runtime.autocast(d.device, dtype)
+    ctx = rt.autocast()
     if s["eval_only"]:  # the loss of the weights as they are, at their step; nothing is written
         losses = estimate_loss(model, s, data_dir, ctx, d)
         log = MetricsLog(s, s, enabled=d.is_master, to_file=False)
@@ -375,8 +374,8 @@ def main(argv=None) -> int:
         log.close()
         return 0
     optimizer = raw_model.configure_optimizers(s["weight_decay"], s["learning_rate"], (s["beta1"], s["beta2"]),
-                                               device_type)
-    scaler = runtime.grad_scaler(d.device, dtype)
+                                               rt.device_type)
+    scaler = rt.grad_scaler()
     batches = Batches(data_dir, s["block_size"], s["batch_size"], seed=s["seed"])
     best_val_loss = float("inf")
     if checkpoint is not None:
@@ -392,15 +391,16 @@ def main(argv=None) -> int:
                   f"of {sum(p.numel() for p in raw_model.parameters())}")
 
     tokens_per_iter = s["gradient_accumulation_steps"] * s["batch_size"] * s["block_size"]  # over all ranks
-    run_config = {**s, "world_size": d.world_size, "device_name": runtime.device_name(d.device),
-                  "resolved_dtype": dtype, "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
+    run_config = {**s, "world_size": d.world_size, "device_name": rt.name,
+                  "resolved_dtype": rt.dtype, "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter, "num_params": raw_model.get_num_params()}
     log = MetricsLog(s, run_config, enabled=d.is_master)
     if d.is_master:
-        print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {dtype} on "
-              f"{run_config['device_name']}, world size {d.world_size}, {tokens_per_iter:,} tokens per iteration")
-    peak = runtime.peak_flops(d.device, dtype)
-    timer = runtime.StepTimer(d.device)
+        print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
+              f"{rt.name}, world size {d.world_size}, {tokens_per_iter:,} tokens per iteration")
+    peak_flops = rt.peak_flops  # measured on CPU and unlisted GPUs: before the clock starts
+    timer = runtime.StepTimer(rt)
+    steps_run = 0  # optimizer steps taken by this process
     # a resumed run was evaluated (and saved) at this very step before it stopped: do not repeat it
     resumed_at = iter_num if resuming else None
     try:
@@ -433,13 +433,15 @@ def main(argv=None) -> int:
             if done:
                 break
 
-            if not timer.running:
+            # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
+            timed = not (s["compile"] and steps_run == 0)
+            if timed and not timer.running:
                 timer.start()
             loss_sum = torch.zeros((), device=d.device)
             micro_batches = batches.global_step("train", micro_steps, d.rank, d.world_size)
             for micro, (x, y) in enumerate(micro_batches):
                 with gradient_sync(model, sync=micro == micro_steps - 1):
-                    if device_type == "cuda":  # pinned memory lets the copy overlap with compute
+                    if rt.is_cuda:  # pinned memory lets the copy overlap with compute
                         x, y = x.pin_memory(), y.pin_memory()
                     with ctx:
                         _, loss = model(x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True))
@@ -451,7 +453,9 @@ def main(argv=None) -> int:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            timer.step()
+            if timed:
+                timer.step()
+            steps_run += 1
             iter_num += 1
 
             if iter_num % s["log_interval"] == 0:
@@ -460,11 +464,12 @@ def main(argv=None) -> int:
                 if not math.isfinite(loss):
                     raise UserError(f"training loss is {loss} at iter {iter_num}; training diverged (try a lower "
                                     f"learning_rate or grad_clip); the last good checkpoint in {out} is kept.")
-                tokens_per_s = tokens_per_iter * steps / seconds
-                log.log({"iter": iter_num, "train/loss": loss, "lr": lr, "ms_per_iter": 1000 * seconds / steps,
-                         "tokens_per_s": tokens_per_s,
-                         "mfu": raw_model.estimate_mfu(tokens_per_s / d.world_size, peak, s["block_size"]),
-                         "mem/peak_gb": runtime.peak_memory_gb(d.device)})
+                metrics = {"iter": iter_num, "train/loss": loss, "lr": lr}
+                if steps:  # none when the only step since the last log was the compiling one
+                    tokens_per_s = tokens_per_iter * steps / seconds
+                    metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s,
+                                   mfu=raw_model.estimate_mfu(tokens_per_s / d.world_size, peak_flops, s["block_size"]))
+                log.log({**metrics, "mem/peak_gb": rt.peak_memory_gb()})
         if d.enabled and s["parallel"] == "ddp":
             digests = [None] * d.world_size
             torch.distributed.all_gather_object(digests, parameter_digest(raw_model))

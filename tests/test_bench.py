@@ -10,8 +10,10 @@ import matplotlib.image
 import pytest
 import torch
 
+import audit
 import bench
 from model import ATTENTION
+from runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny model that still runs a real training step of every CPU-trainable implementation in well under a second.
@@ -86,11 +88,11 @@ def test_audit_names_the_cpu_flash_kernel_for_sdpa_and_flash_and_none_for_manual
 
 
 def test_audit_labels_and_expectations():
-    assert bench.audit({"aten::bmm", "aten::_softmax"}) == ("none", [])
-    assert bench.audit({"aten::_scaled_dot_product_efficient_attention", "aten::mm"})[0] == "efficient"
-    assert bench.expected_kernels("sdpa", "cuda") == {"flash", "efficient", "cudnn"}
-    assert bench.expected_kernels("sdpa", "cpu") == {"flash"}
-    assert bench.expected_kernels("manual", "cpu") == {"none"}
+    assert audit.kernel_of({"aten::bmm", "aten::_softmax"}) == ("none", [])
+    assert audit.kernel_of({"aten::_scaled_dot_product_efficient_attention", "aten::mm"})[0] == "efficient"
+    assert audit.expected_kernels("sdpa", "cuda") == {"flash", "efficient", "cudnn"}
+    assert audit.expected_kernels("sdpa", "cpu") == {"flash"}
+    assert audit.expected_kernels("manual", "cpu") == {"none"}
 
 
 def test_sdpa_with_dropout_on_cpu_falls_back_to_math_and_is_flagged(tmp_path, capsys):
@@ -109,7 +111,7 @@ def test_cpu_step_memory_is_the_peak_of_live_tensor_bytes():
         b = torch.ones(1_000_000)   # 4 MB more: 8 MB live
         del a, b
         torch.ones(500_000)         # 2 MB after both were freed: the peak stays 8 MB
-    _, added = bench.profiled_run(call, "cpu")
+    _, added = audit.profiled_run(call, Runtime("cpu", "float32"))
     assert 8_000_000 <= added < 8_100_000
 
 

@@ -20,6 +20,7 @@ CHARS = list("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz
 CHAR_META = {"tokenizer": "char", "vocab_size": len(CHARS), "chars": CHARS}
 TINY = dict(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
 CPU_RUNNABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math", "flex"]
+CPU_FP32 = runtime.Runtime("cpu", "float32")
 SAMPLING = sample.Sampling(num_samples=2, max_new_tokens=45, temperature=0.9, top_k=20, seed=7)
 
 
@@ -69,11 +70,11 @@ def test_the_same_seed_prints_the_same_text_twice(char_ckpt):
 def test_kv_cache_and_cache_free_paths_give_the_same_tokens_past_block_size(char_ckpt):
     model, tok, _ = sample.load_model("resume", str(char_ckpt), None)
     prompt = sample.encode_prompt(tok, "To be")
-    cached, _ = sample.generate(model, prompt, "cpu", "float32", SAMPLING, use_cache=True)
-    plain, _ = sample.generate(model, prompt, "cpu", "float32", SAMPLING, use_cache=False)
+    cached, _ = sample.generate(model, prompt, CPU_FP32, SAMPLING, use_cache=True)
+    plain, _ = sample.generate(model, prompt, CPU_FP32, SAMPLING, use_cache=False)
     assert cached == plain
     assert [len(s) for s in cached] == [45, 45] and cached[0] != cached[1]  # 5 + 45 > block_size=32
-    other_seed, _ = sample.generate(model, prompt, "cpu", "float32", dataclasses.replace(SAMPLING, seed=8))
+    other_seed, _ = sample.generate(model, prompt, CPU_FP32, dataclasses.replace(SAMPLING, seed=8))
     assert other_seed != cached
 
 
@@ -81,7 +82,7 @@ def test_char_checkpoint_decodes_with_its_own_characters(char_ckpt):
     model, tok, source = sample.load_model("resume", str(char_ckpt), "flash")
     assert isinstance(tok, CharTokenizer) and tok.chars == CHARS
     assert model.config.attn == "flash" and "iter 7" in source
-    samples, _ = sample.generate(model, tok.encode("To be"), "cpu", "float32", SAMPLING)
+    samples, _ = sample.generate(model, tok.encode("To be"), CPU_FP32, SAMPLING)
     ids = [i for s in samples for i in s]
     assert max(ids) < len(CHARS)
     assert set(tok.decode(ids)) <= set(CHARS)
@@ -97,7 +98,7 @@ def test_bpe_checkpoint_without_meta_never_emits_padded_ids(tmp_path):
     assert isinstance(tok, GPT2Tokenizer) and model.config.padded_vocab_size == 50304
     prompt = sample.encode_prompt(tok, "Hello world")
     assert prompt == [15496, 995]
-    samples, _ = sample.generate(model, prompt, "cpu", "float32", dataclasses.replace(SAMPLING, max_new_tokens=20))
+    samples, _ = sample.generate(model, prompt, CPU_FP32, dataclasses.replace(SAMPLING, max_new_tokens=20))
     assert max(i for s in samples for i in s) < 50257
     assert tok.decode(prompt + samples[0]).startswith("Hello world")
 
@@ -109,7 +110,7 @@ def test_gpt2_weights_from_a_local_hf_directory_sample_with_gpt2_bpe(tmp_path):
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
     model, tok, source = sample.load_model(str(tmp_path), "unused", "math")
     assert isinstance(tok, GPT2Tokenizer) and model.config.attn == "math" and source == str(tmp_path)
-    samples, _ = sample.generate(model, tok.encode("<|endoftext|>"), "cpu", "float32", SAMPLING)
+    samples, _ = sample.generate(model, tok.encode("<|endoftext|>"), CPU_FP32, SAMPLING)
     assert max(i for s in samples for i in s) < 50257
 
 
@@ -153,7 +154,7 @@ def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(ch
 def test_reference_logits_are_large_enough_for_a_relative_bound_and_errors_of_equal_logits_are_zero(char_ckpt):
     model, tok, _ = sample.load_model("resume", str(char_ckpt), None)
     x = torch.tensor([sample.numerics_ids(tok, tok.encode("T"), model.config.block_size)])
-    ref = sample.forced_logits(sample.with_attn(model, "manual").double(), x, "cpu", "float32")
+    ref = sample.forced_logits(sample.with_attn(model, "manual").double(), x, CPU_FP32)
     assert ref.abs().max().item() > 2.0
     errors = sample.logit_errors(ref, ref)
     assert errors["max_abs"] == 0 and errors["kl_mean"] == 0
@@ -178,14 +179,14 @@ def test_pre_scaling_by_a_power_of_two_rounds_nothing():
 
 
 def test_compare_names_are_checked_and_unrunnable_ones_skipped_with_the_reason():
-    run = sample.Run("cpu", "float32", "bfloat16", SAMPLING, [0], False)
-    names, skipped = sample.resolve_compare("sdpa, manual,sdpa,efficient", run, head_size=16)
+    run = sample.Run(CPU_FP32, "bfloat16", SAMPLING, [0], False)
+    names, skipped = sample.resolve_compare("sdpa, manual,sdpa,efficient", run, GPTConfig(**TINY))
     assert names == ["sdpa", "manual", "efficient"]  # in the order given, each once
     assert skipped == {"efficient": "the memory-efficient kernel is CUDA-only"}
     with pytest.raises(UserError, match="unknown attn 'fast'; use all or a comma-separated list"):
-        sample.resolve_compare("manual,fast", run, head_size=16)
+        sample.resolve_compare("manual,fast", run, GPTConfig(**TINY))
     with pytest.raises(UserError, match="none of efficient, cudnn can run"):
-        sample.resolve_compare("efficient,cudnn", run, head_size=16)
+        sample.resolve_compare("efficient,cudnn", run, GPTConfig(**TINY))
 
 
 def test_the_settings_are_the_commented_globals_only():
