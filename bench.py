@@ -133,12 +133,8 @@ def time_round_robin(calls: dict, iters: int, rt: Runtime, bar: tqdm, failed: di
     for i in range(iters):
         keys = [k for k in ms if k not in failed]
         for key in keys[i % len(keys):] + keys[:i % len(keys)] if keys else []:
-            rt.synchronize()
-            t0 = time.perf_counter()
             try:
-                calls[key]()
-                rt.synchronize()
-                ms[key].append((time.perf_counter() - t0) * 1e3)
+                ms[key].append(runtime.time_call(calls[key], rt)[1] * 1e3)
             except Exception as e:
                 failed[key] = out_of_memory(e, rt)
             bar.update()
@@ -198,10 +194,8 @@ def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
 
 
 def compiled(fn, cfg: dict):
-    """fn compiled when cfg asks for it. Each call is its own region (isolate_recompiles): rows share code
-    objects (GPT.forward, Module._call_impl), and past dynamo's recompile limit (8) later rows would silently
-    run eagerly."""
-    return torch.compile(fn, isolate_recompiles=True) if cfg["compile"] else fn
+    """fn compiled when cfg asks for it, with a recompile count of its own (see runtime.compile_isolated)."""
+    return runtime.compile_isolated(fn) if cfg["compile"] else fn
 
 
 def eager_reference(attn: str, cfg: dict, rt: Runtime) -> bool:
@@ -255,7 +249,7 @@ def build_trainer(cfg: dict, rt: Runtime, attn: str, pad_vocab: bool, batch_size
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
     batch = torch.randint(cfg["vocab_size"], (2, batch_size, cfg["seq_len"]),
                           generator=torch.Generator().manual_seed(cfg["seed"])).to(rt.device)  # random ids cost as text
-    return Trainer(model, compiled(model, cfg), optimizer, rt.grad_scaler(), batch, rt)
+    return Trainer(model, compiled(model.forward, cfg), optimizer, rt.grad_scaler(), batch, rt)
 
 
 def fits(cfg: dict, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> bool:

@@ -6,6 +6,7 @@ wrapper that turns a UserError into one line.
 
 import functools
 import gc
+import inspect
 import os
 import platform
 import resource
@@ -15,13 +16,14 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from model import GPT, GPTConfig, UserError
 
+T = TypeVar("T")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -175,6 +177,23 @@ def free_memory(rt: "Runtime") -> None:
         torch.cuda.empty_cache()
 
 
+def compile_isolated(fn, recompile_limit: int = 8):
+    """torch.compile a function, or a module in place, with a recompile count of its own. Many compiled models
+    share one code object (GPT.forward, Module._call_impl), and dynamo counts recompiles per code object: past
+    its limit (8) later models silently run eagerly. Generation meets many shapes (prefill, decode, cache
+    refills, two dtypes), so sample.py asks for a higher limit. torch without per-call limits (before 2.13) gets
+    a higher shared limit instead."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        options = {"isolate_recompiles": True, "recompile_limit": recompile_limit}
+    else:
+        options = {}
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * recompile_limit)
+    if isinstance(fn, torch.nn.Module):
+        fn.compile(**options)  # in place: methods such as generate() then reach the compiled forward
+        return fn
+    return torch.compile(fn, **options)
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA too
 
@@ -223,14 +242,11 @@ def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
     with torch.random.fork_rng(devices=[]):  # leave the global RNG where training expects it
         a, b = (torch.randn(n, n).to(rt.device, rt.torch_dtype) for _ in range(2))
     a @ b  # the first call pays for setup
-    best = float("inf")
-    for _ in range(repeats):
-        rt.synchronize()
-        t0 = time.perf_counter()
+
+    def matmuls() -> None:
         for _ in range(calls):
             a @ b
-        rt.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls)
+    best = min(time_call(matmuls, rt)[1] for _ in range(repeats)) / calls
     return 2 * n ** 3 / best
 
 
@@ -373,6 +389,16 @@ def load_checkpoint(path: Path, map_location="cpu", for_training: bool = False) 
 
 
 # -- timing -------------------------------------------------------------------------------------------
+
+def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
+    """What `call` returns and the seconds it took, its queued device work included (the device is synchronized
+    before and after). The one clock of train, sample and bench."""
+    rt.synchronize()
+    t0 = time.perf_counter()
+    result = call()
+    rt.synchronize()
+    return result, time.perf_counter() - t0
+
 
 class StepTimer:
     """Wall time of training steps only: pause it around evaluation and checkpointing."""

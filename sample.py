@@ -19,7 +19,6 @@ import json as jsonlib
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -161,12 +160,10 @@ def generate(model: GPT, prompt: list[int], rt: Runtime, s: Sampling, use_cache:
     with rt.autocast():
         model.generate(x, warmup, s.temperature, s.top_k, torch.Generator(rt.device), use_cache)
         for _ in range(s.num_samples):
-            rt.synchronize()
-            t0 = time.perf_counter()
-            y = model.generate(x, s.max_new_tokens, s.temperature, s.top_k, generator, use_cache)  # (1, T + new)
-            rt.synchronize()
-            seconds.append(time.perf_counter() - t0)
-            samples.append(y[0, len(prompt):].tolist())
+            y, took = runtime.time_call(
+                lambda: model.generate(x, s.max_new_tokens, s.temperature, s.top_k, generator, use_cache), rt)
+            seconds.append(took)
+            samples.append(y[0, len(prompt):].tolist())  # y: (1, T + new)
     return samples, seconds
 
 
@@ -323,8 +320,8 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
             print(f"=== {name}: skipped, {skipped[name]}")
             continue
         twin = with_attn(model, name)
-        if run.compile:  # each twin its own region: they share GPT.forward, and dynamo allows 8 recompiles of it
-            twin.compile(isolate_recompiles=True)
+        if run.compile:
+            runtime.compile_isolated(twin, recompile_limit=64)
         try:
             result = compare_one(twin, run, first)
         except UserError as e:  # a kernel that refused a shape only the real run met: skip the row, not the run

@@ -11,6 +11,7 @@ Every setting below can be set in a config file or overridden with --key=value.
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -262,11 +263,15 @@ def parallelize(model: GPT, s: dict, d: runtime.Dist, rt: runtime.Runtime) -> to
             fully_shard(block, mp_policy=mp)
         return fully_shard(model, mp_policy=mp)
     compiled = torch.compile(model) if s["compile"] else model
-    if d.enabled:
-        # the only buffers (causal masks, the padded-vocab bias) are derived and alike on every rank: DDP's
-        # default would broadcast them from rank 0 before every forward
-        return DDP(compiled, device_ids=[d.local_rank] if rt.is_cuda else None, broadcast_buffers=False)
-    return compiled
+    return wrap_ddp(compiled, rt, d.local_rank) if d.enabled else compiled
+
+
+def wrap_ddp(model: torch.nn.Module, rt: runtime.Runtime, local_rank: int) -> DDP:
+    # the only buffers (causal masks, the padded-vocab bias) are derived and alike on every rank: DDP's default
+    # would broadcast them from rank 0 before every forward (~13 MB at GPT-2 size). torch 2.13 renamed the switch.
+    new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    no_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+    return DDP(model, device_ids=[local_rank] if rt.is_cuda else None, **no_sync)
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool):

@@ -9,6 +9,8 @@ dataset = "openwebtext"
 batch_size = 12
 block_size = 1024
 gradient_accumulation_steps = 5 * 8
+# the post's fast path: 50257 -> 50304, a multiple of 64, so lm_head's matmul gets aligned tensor-core tiles
+pad_vocab = True
 
 # 600k iterations: ~300B tokens
 max_iters = 600000

@@ -1,9 +1,11 @@
 """bench.py: the sweep runs and reports every row, the kernel audit sees what really ran (and flags a silent
 fallback), memory is measured per step, and fused attention fits a larger batch. No test asserts a speed."""
 
+import functools
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import matplotlib.image
@@ -55,7 +57,7 @@ def test_sweep_has_a_row_per_attn_and_padding_with_time_throughput_memory_and_ke
     assert {row["attn"] for row in ran} == {"manual", "sdpa_mask", "sdpa", "flash", "math"}
     for row in ran:
         assert row["ms_p25"] <= row["ms_per_iter"] <= row["ms_p75"] and len(row["ms_all"]) == 2
-        assert row["tokens_per_s"] > 0 and row["mfu"] > 0 and row["mem/peak_gb"] > 0
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["mem/peak_gb"] > 0
         assert row["kernel"] and row["kernel_ok"]
         assert row["vocab"] == (128 if row["pad_vocab"] else 101)
     assert rows[("manual", False)]["speedup_vs_manual"] == 1.0
@@ -144,6 +146,7 @@ def test_attention_mode_measures_forward_and_backward_and_manual_needs_more_memo
                        "--attn_head_sizes=16", "--attn_heads=2")
     rows = rows_by(result, "attn", "backward")
     assert rows[("flex", False)]["status"] == "ok" and rows[("flex", False)]["kernel"] == "flex"
+    assert rows[("flex", False)]["eager_reference"] and not rows[("flash", False)]["eager_reference"]
     assert rows[("flex", True)]["status"] == "skipped"  # no backward on CPU
     for backward in (False, True):
         assert rows[("flash", backward)]["kernel"] == "flash"
@@ -176,3 +179,88 @@ def test_speedup_pairs_iterations_so_drift_that_hits_every_row_cancels():
     manual = {"ms_all": [100.0, 1000.0, 100.0]}   # the machine got 10x slower during iteration 2
     fused = {"ms_all": [50.0, 500.0, 60.0]}
     assert bench.paired_speedup(manual, fused) == 2.0
+
+
+# -- compiled rows ------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def no_recompile_fallback(monkeypatch):
+    """Dynamo raises instead of silently running a row eagerly past its recompile limit; its eager backend keeps
+    compilation fast (the recompile bookkeeping is dynamo's, whatever the backend)."""
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_compiled_sweep_runs_every_cpu_row_compiled(tmp_path, no_recompile_fallback):
+    result = run_bench(tmp_path, "--compile=True")  # 5 trainable attns x 2 paddings: more rows than the limit, 8
+    ran = [row for row in result["rows"] if row["status"] == "ok"]
+    assert len(ran) == 10 and all(row["kernel_ok"] for row in ran)
+
+
+@pytest.mark.slow
+def test_compiled_rows_are_audited_through_an_eager_twin_so_inductor_decompositions_are_not_fallbacks(tmp_path):
+    result = run_bench(tmp_path, "--compile=True", "--attn=math,sdpa", "--padding=off", "--iters=1")
+    rows = rows_by(result, "attn")
+    assert rows[("math",)]["kernel"] == "math" and rows[("sdpa",)]["kernel"] == "flash"
+    assert all(row["kernel_ok"] and row["kernel_audit"] == "eager twin" for row in rows.values())
+    attention = run_bench(tmp_path, "--compile=True", "--mode=attention", "--attn=flex", "--attn_seq_lens=128",
+                          "--attn_head_sizes=16", "--attn_heads=2", "--iters=1")
+    flex = rows_by(attention, "attn", "backward")[("flex", False)]
+    assert flex["status"] == "ok" and flex["kernel"] == "flex" and not flex["eager_reference"]
+    torch._dynamo.reset()
+
+
+# -- out of memory --------------------------------------------------------------------------------------------
+
+def test_a_row_that_runs_out_of_memory_is_reported_and_the_others_finish(tmp_path, monkeypatch, capsys):
+    step = bench.Trainer.step
+
+    def step_or_oom(self, attn):
+        if attn == "math":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        step(self, attn)
+    monkeypatch.setattr(bench.Trainer, "step", step_or_oom)
+    rows = rows_by(run_bench(tmp_path, "--attn=manual,math,sdpa", "--padding=off"), "attn")
+    assert rows[("math",)]["status"] == "oom" and "Tried to allocate 9.00 GiB" in rows[("math",)]["reason"]
+    assert rows[("manual",)]["status"] == rows[("sdpa",)]["status"] == "ok"
+    assert "oom: out of memory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each_probe(monkeypatch, device):
+    probes = []
+
+    class Trainer:  # stands in for a real one: the second step (the first with AdamW's state) runs out
+        def __init__(self, batch_size):
+            self.batch_size, self.steps = batch_size, 0
+
+        def step(self, attn):
+            self.steps += 1
+            if self.batch_size > 5 and self.steps == 2:
+                raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+            if self.batch_size > 40:
+                raise RuntimeError("CUDA error: out of memory")
+
+        def resident_bytes(self):
+            return 0
+
+    def build_trainer(cfg, rt, attn, pad_vocab, batch_size):
+        assert all(probe() is None for probe in probes)  # the previous probe's trainer is gone
+        trainer = Trainer(batch_size)
+        probes.append(weakref.ref(trainer))
+        return trainer
+    monkeypatch.setattr(bench, "build_trainer", build_trainer)
+    cfg = {"mem_budget_gb": 1.0}
+    rt = bench.Runtime(device, "float32")
+    assert bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), limit=64) == 5
+    assert len(probes) > 3
+
+
+def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatch):
+    def build_trainer(cfg, rt, attn, pad_vocab, batch_size):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(bench, "build_trainer", build_trainer)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        bench.fits({"mem_budget_gb": 1.0}, bench.Runtime("cpu", "float32"), "manual", False, 4)

@@ -1,6 +1,7 @@
 """sample.py: reproducible samples, the KV cache changes nothing, every implementation compared, clear errors."""
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import configurator
+import model as model_module
 import runtime
 import sample
 from model import GPT, GPTConfig, UserError
@@ -224,3 +226,47 @@ def test_bad_input_is_one_error_line_and_exit_code_2(char_ckpt, tmp_path, args, 
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+# -- compiled comparisons and kernels that refuse at run time ---------------------------------------------------
+
+@pytest.mark.slow
+def test_compare_with_compile_runs_every_implementation_compiled(char_ckpt, monkeypatch, capsys):
+    # dynamo raises rather than running later twins eagerly past its recompile limit; eager backend: fast
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    try:
+        assert sample.main([f"--out_dir={char_ckpt}", "--compare=all", "--compile=True", "--dtype=float32",
+                            "--num_samples=1", "--max_new_tokens=12", "--start=To be"]) == 0
+    finally:
+        torch._dynamo.reset()
+    out = capsys.readouterr().out
+    assert all(f"=== {name}: " in out and f"=== {name}: skipped" not in out for name in CPU_RUNNABLE)
+
+
+def refusing_prefills(attention):
+    """An attention function whose kernel refuses prefills shorter than the block (T=32), as a fused kernel can
+    refuse a shape or layout at run time: the probe (full length, and one-query decode) still passes."""
+    def refusing(q, k, v, causal_mask, dropout_p):
+        if 1 < q.size(-2) < TINY["block_size"]:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return attention(q, k, v, causal_mask, dropout_p)
+    return refusing
+
+
+def test_a_kernel_refusing_a_real_call_is_one_sentence(monkeypatch):
+    monkeypatch.setitem(model_module.ATTENTION, "math", refusing_prefills(model_module.ATTENTION["math"]))
+    model = confident_char_model().set_attention("math")
+    model(torch.zeros(1, TINY["block_size"], dtype=torch.long))  # the shape the probe met runs
+    with pytest.raises(UserError, match=r"attn='math' cannot run for inference on cpu in float32 .*PyTorch refused "
+                                        r"q of shape \(1, 2, 5, 16\) at run time; use one of manual, sdpa_mask"):
+        with torch.no_grad():
+            model(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_compare_skips_an_implementation_that_refuses_at_run_time_and_finishes(char_ckpt, monkeypatch, capsys):
+    monkeypatch.setitem(model_module.ATTENTION, "math", refusing_prefills(model_module.ATTENTION["math"]))
+    assert sample.main([f"--out_dir={char_ckpt}", "--compare=manual,math,sdpa", "--dtype=float32",
+                        "--num_samples=1", "--max_new_tokens=10", "--start=To be"]) == 0
+    out = capsys.readouterr().out
+    assert "=== math: skipped, attn='math' cannot run" in out and "=== sdpa: tokens identical to manual's" in out

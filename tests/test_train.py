@@ -102,11 +102,14 @@ def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_config_loss_falls_and_compile_trains(char_data, tmp_path):
+def test_quickstart_config_loss_falls_and_compile_trains_with_compilation_left_out_of_the_timing(char_data, tmp_path):
     run_train(["config/train_shakespeare_char_cpu.py", f"--data_dir={char_data}", "--max_iters=30",
-               "--eval_interval=30", "--eval_iters=5", "--compile=True", f"--out_dir={tmp_path}"])
+               "--eval_interval=30", "--eval_iters=5", "--compile=True", "--log_interval=1", f"--out_dir={tmp_path}"])
     val = metrics(tmp_path, "val/loss")
     assert val[30] < val[0] - 0.5
+    # step 1 compiles: it trains (its loss is logged) but has no ms/iter, and the timed steps start after it
+    assert sorted(metrics(tmp_path, "train/loss")) == list(range(1, 31))
+    assert sorted(metrics(tmp_path, "ms_per_iter")) == list(range(2, 31))
 
 
 # -- bad input --------------------------------------------------------------------------------------------
@@ -195,6 +198,12 @@ def test_config_files_apply_in_order_and_are_checked_too(tmp_path):
         configure(settings_namespace(), [str(tmp_path / "bad.py")])
     with pytest.raises(UserError, match="config file 'nope.py' not found"):
         configure(settings_namespace(), ["nope.py"])
+
+
+def test_the_gpt2_recipe_pads_the_vocabulary_as_the_posts_fast_path():
+    import train
+    settings = configure(vars(train), [str(Path(train.__file__).parent / "config" / "train_gpt2.py")], train.LIMITS)
+    assert settings["pad_vocab"] is True  # 50257 -> 50304: aligned lm_head tiles for the command it serves
 
 
 def test_train_script_reports_configurator_errors_in_one_line():

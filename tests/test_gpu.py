@@ -1,0 +1,141 @@
+"""The GPU acceptance suite: what only a GPU can show, in one command and well under 10 minutes on one GPU.
+
+    python -m pytest tests -m gpu -v
+
+Skipped, with the reason, where CUDA is absent. Every test runs in process on cuda:0 except the multi-GPU ones.
+"""
+
+import json
+import math
+import string
+
+import pytest
+import torch
+
+import bench
+import runtime
+import sample
+import train
+from conftest import TINY, metrics, run_train
+from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m pytest -m gpu)")]
+# head size 64 (GPT-2's), so every fused kernel is in play; small enough for seconds per run
+GPU = [a.replace("--device=cpu", "--device=cuda").replace("--n_embd=32", "--n_embd=128")
+       for a in TINY if not a.startswith("--dtype")]
+# bf16 logits against fp32 manual, relative to the largest logit: bf16 keeps 8 bits of mantissa (~4e-3 per
+# rounding) and a 2-layer model compounds a handful of them
+BF16_TOLERANCE = 3e-2
+
+
+def runs(attn: str, dtype: torch.dtype, dropout: float = 0.0, training: bool = True) -> bool:
+    return attention_problem(attn, "cuda", dtype, dropout, 64, training, 32) is None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("attn", list(ATTENTION))
+def test_every_attention_trains_in_reduced_precision_or_says_why_not(char_data, tmp_path, attn, dtype):
+    args = GPU + [f"--data_dir={char_data}", f"--attn={attn}", f"--dtype={dtype}", "--max_iters=4",
+                  "--eval_interval=4", f"--out_dir={tmp_path}"]
+    if not runs(attn, runtime.DTYPES[dtype]):
+        with pytest.raises(UserError, match=f"attn='{attn}' cannot run for training on cuda"):
+            train.main(args)
+        return
+    assert train.main(args) == 0
+    losses = metrics(tmp_path, "train/loss")
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+    assert 0 < metrics(tmp_path, "mem/peak_gb")[4]  # torch.cuda.max_memory_allocated, recorded per log line
+
+
+def test_logits_of_every_implementation_agree_with_fp32_manual_within_the_bf16_tolerance():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256, attn="manual")).cuda().eval()
+    x = torch.randint(512, (2, 256), device="cuda")
+    with torch.no_grad():
+        reference = model(x, x)[0].float()  # fp32, TF32 matmuls as every script runs them
+        for attn in ATTENTION:
+            if not runs(attn, torch.bfloat16, training=False):
+                continue
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model.set_attention(attn)(x, x)[0].float()
+            scaled = ((logits - reference).abs().max() / reference.abs().max()).item()
+            assert scaled <= BF16_TOLERANCE, (attn, scaled)
+
+
+@pytest.fixture(scope="module")
+def default_bench(tmp_path_factory) -> dict:
+    """`python bench.py` as a user runs it: GPT-2 124M, B=8, T=1024, every attn, padded and not."""
+    out = tmp_path_factory.mktemp("bench")
+    assert bench.main([f"--out_dir={out}"]) == 0
+    assert (out / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads((out / "train.json").read_text())
+
+
+def test_the_audit_names_the_cuda_kernel_each_row_really_ran(default_bench):
+    rows = {(r["attn"], r["pad_vocab"]): r for r in default_bench["rows"]}
+    for attn in ("flash", "efficient", "cudnn", "math"):
+        row = rows[(attn, False)]
+        assert row["status"] != "ok" or (row["kernel"] == attn and row["kernel_ok"]), row
+    assert rows[("flash", False)]["status"] == "ok"
+    assert rows[("sdpa_mask", False)]["kernel"] != "flash"  # an explicit mask rules the flash kernel out
+    assert rows[("manual", False)]["kernel"] == "none"
+
+
+def test_mfu_is_between_1_and_100_percent_and_peak_memory_is_recorded(default_bench):
+    ran = [r for r in default_bench["rows"] if r["status"] == "ok"]
+    assert ran and all(0.01 < r["mfu"] < 1.0 and r["mem/peak_gb"] > 0 for r in ran), \
+        [(r["attn"], r["mfu"], r["mem/peak_gb"]) for r in ran]
+
+
+def test_compile_and_flex_train_together(char_data, tmp_path):
+    assert train.main(GPU + [f"--data_dir={char_data}", "--attn=flex", "--compile=True", "--dtype=bfloat16",
+                             "--max_iters=20", "--eval_interval=20", f"--out_dir={tmp_path}"]) == 0
+    val = metrics(tmp_path, "val/loss")
+    assert val[20] < val[0]
+
+
+def test_resume_continues_the_same_losses_in_fp32(char_data, tmp_path):
+    common = GPU + [f"--data_dir={char_data}", "--attn=manual", "--dtype=float32", "--eval_interval=3"]
+    train.main(common + ["--max_iters=6", f"--out_dir={tmp_path / 'straight'}"])
+    train.main(common + ["--max_iters=3", f"--out_dir={tmp_path / 'stopped'}"])
+    train.main(common + ["--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path / 'stopped'}"])
+    straight, resumed = metrics(tmp_path / "straight", "train/loss"), metrics(tmp_path / "stopped", "train/loss")
+    for i in (4, 5, 6):  # CUDA's embedding backward adds with atomics, so allow its last-bit wobble
+        assert resumed[i] == pytest.approx(straight[i], abs=1e-5)
+
+
+def test_sample_compare_all_finishes_on_the_gpu(tmp_path, capsys):
+    chars = sorted(set("\n .,;:!?'-" + string.ascii_letters))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=128))
+    runtime.save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "iter_num": 1,
+                             "meta": {"tokenizer": "char", "vocab_size": len(chars), "chars": chars}},
+                            tmp_path / "ckpt.pt")
+    assert sample.main([f"--out_dir={tmp_path}", "--compare=all", "--num_samples=1", "--max_new_tokens=80",
+                        "--start=To be", f"--json={tmp_path / 'compare.json'}"]) == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert set(report["implementations"]) | set(report["skipped"]) == set(ATTENTION)
+    assert all(r["cache_equals_no_cache"] for r in report["implementations"].values())
+
+
+def test_the_max_batch_search_returns_a_batch_that_really_trains():
+    cfg, rt = bench.settings(["--attn=manual", "--seq_len=2048", "--max_batch_limit=256"])
+    found = bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), cfg["max_batch_limit"])
+    assert 1 <= found < 256  # manual attention at T=2048 runs out of memory well before 256
+    trainer = bench.build_trainer(cfg, rt, "manual", False, found)
+    for _ in range(3):
+        trainer.step("manual")
+    rt.synchronize()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gpus_match_one_process_with_the_same_global_batch(char_data, tmp_path, parallel):
+    common = GPU + [f"--data_dir={char_data}", "--dtype=float32", "--attn=manual", "--max_iters=4",
+                    "--eval_interval=100", "--gradient_accumulation_steps=2"]
+    run_train(common + [f"--out_dir={tmp_path / 'one'}"])
+    run_train(common + [f"--parallel={parallel}", f"--out_dir={tmp_path / 'two'}"], nproc=2)
+    one, two = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
+    for it in one:
+        assert two[it] == pytest.approx(one[it], abs=1e-4)  # NCCL's reduction order differs from one process

@@ -1,0 +1,173 @@
+"""runtime.py and audit.py: the device, precision and peak FLOP/s every script shares, out-of-memory detection,
+rank-0 failures that stop every rank, and a profiler that keeps the console clean. The GPU-only branches are
+reached here by standing in for torch.cuda's answers; tests/test_gpu.py runs them for real."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import audit
+import bench
+import runtime
+import sample
+import train
+from conftest import REPO
+from model import GPT, GPTConfig, UserError
+
+# -- peak FLOP/s ----------------------------------------------------------------------------------------
+
+# torch.cuda.get_device_name() as each GPU reports itself -> dense bf16/fp16 and fp32 (TF32) peak, TFLOP/s
+DEVICE_NAMES = {
+    "NVIDIA A100-SXM4-40GB": (312, 156), "NVIDIA A100-SXM4-80GB": (312, 156),
+    "NVIDIA A100-PCIE-40GB": (312, 156), "NVIDIA A100 80GB PCIe": (312, 156),
+    "NVIDIA H100 80GB HBM3": (989.4, 494.7), "NVIDIA H100 PCIe": (756.5, 378), "NVIDIA H100 NVL": (835.5, 417.5),
+    "NVIDIA H200": (989.4, 494.7), "NVIDIA GH200 480GB": (989.4, 494.7), "NVIDIA H800": (989.4, 494.7),
+    "NVIDIA B200": (2250, 1100), "NVIDIA L4": (121, 60), "NVIDIA L40S": (362, 183), "NVIDIA A10": (125, 62.5),
+    "NVIDIA GeForce RTX 4090": (165.2, 82.6), "NVIDIA GeForce RTX 3090": (71, 35.6),
+    "Tesla V100-SXM2-16GB": (125, 15.7), "Tesla V100-PCIE-32GB": (112, 14), "Tesla T4": (65, 8.1),
+}
+
+
+@pytest.mark.parametrize("name", DEVICE_NAMES)
+def test_datasheet_peaks_match_the_names_gpus_really_report(name):
+    half, fp32 = DEVICE_NAMES[name]
+    assert runtime.datasheet_peak_flops(name, "float16") == pytest.approx(half * 1e12)
+    assert runtime.datasheet_peak_flops(name, "float32") == pytest.approx(fp32 * 1e12)
+
+
+def test_an_h100_sxm_is_not_read_as_the_pcie_part_nor_an_a10_as_an_a100():
+    assert runtime.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
+    assert runtime.datasheet_peak_flops("NVIDIA A10", "bfloat16") == pytest.approx(125e12)
+    assert runtime.datasheet_peak_flops("NVIDIA L40S", "bfloat16") != runtime.datasheet_peak_flops("NVIDIA L4", "bfloat16")
+
+
+def test_gpus_without_native_bf16_and_unlisted_gpus_have_no_datasheet_peak():
+    assert runtime.datasheet_peak_flops("Tesla T4", "bfloat16") is None  # emulated: measured instead
+    assert runtime.datasheet_peak_flops("NVIDIA A10G", "bfloat16") is None
+    assert runtime.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
+
+
+def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches():
+    """MFU cannot read over 100% for lack of a real peak: the measured one is at least the rate of the kind of
+    matmul the model itself runs (here 1024 x 384 @ 384 x 1536, best of several)."""
+    rt = runtime.Runtime("cpu", "float32")
+    a, b = torch.randn(1024, 384), torch.randn(384, 1536)
+    a @ b
+    best = min(runtime.time_call(lambda: a @ b, rt)[1] for _ in range(20))
+    assert runtime.measured_matmul_flops(rt) >= 0.5 * (2 * 1024 * 384 * 1536 / best)  # 0.5: a noisy machine
+
+
+# -- device and precision ----------------------------------------------------------------------------
+
+@pytest.fixture()
+def fake_cuda(monkeypatch):
+    """torch.cuda answering as a machine with 2 GPUs of the given bf16 support would; set_device recorded."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    return calls
+
+
+def test_dtype_auto_on_a_gpu_that_only_emulates_bf16_picks_fp16(fake_cuda, monkeypatch):
+    # a V100 or T4: torch says bf16 is "supported" when emulation counts, and not otherwise
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert runtime.pick_dtype("auto", "cuda:0") == "float16"
+    assert sample.reduced_dtype(runtime.Runtime("cuda:0", "float32")) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
+    assert runtime.pick_dtype("auto", "cuda:0") == "bfloat16"
+
+
+def test_cuda_n_becomes_the_current_device_so_nothing_lands_on_gpu_0(fake_cuda):
+    assert runtime.resolve_runtime("cuda:1", "float32").device == "cuda:1"
+    assert fake_cuda == ["cuda:1"]
+    assert runtime.pick_device("cuda") == "cuda:0"  # always with its index
+    with pytest.raises(UserError, match=r"device 'cuda:5' does not exist: this machine has 2 GPU\(s\)"):
+        runtime.pick_device("cuda:5")
+
+
+def test_tf32_is_set_in_one_place_that_every_script_goes_through(monkeypatch, tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runtime.resolve_runtime("cpu", "float32")
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+    class Resolved(Exception):
+        pass
+
+    def resolve_runtime(device, dtype):
+        raise Resolved
+    monkeypatch.setattr(runtime, "resolve_runtime", resolve_runtime)
+    for script in (train, sample, bench):
+        with pytest.raises(Resolved):
+            script.main([f"--out_dir={tmp_path}"])
+
+
+# -- out of memory ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+])
+def test_every_flavour_of_running_out_of_device_memory_is_recognised(error):
+    assert runtime.is_out_of_memory(error)
+
+
+def test_other_errors_are_not_taken_for_out_of_memory():
+    assert not runtime.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not runtime.is_out_of_memory(ValueError("out of memory"))  # not a device error
+
+
+# -- rank 0 failing -------------------------------------------------------------------------------------------
+
+def test_when_rank_0_fails_to_prepare_every_rank_stops_with_it(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+import runtime
+from model import UserError
+
+def work():
+    raise UserError("preparing dataset 'x' failed")
+
+d = runtime.init_distributed("cpu")
+try:
+    runtime.on_master(work, d.device)
+except UserError as e:
+    print(f"rank {{d.rank}}: {{e}}")
+runtime.destroy_distributed()
+""")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "rank 0: preparing dataset 'x' failed" in result.stdout
+    assert "rank 1: rank 0 stopped with an error (printed above); the other ranks stop with it." in result.stdout
+
+
+def test_ddp_does_not_broadcast_the_derived_buffers_before_every_forward(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
+        assert torch.nn.parallel.DistributedDataParallel(model).will_sync_module_buffers()  # DDP's default
+        assert not train.wrap_ddp(model, runtime.Runtime("cpu", "float32"), local_rank=0).will_sync_module_buffers()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+# -- the profiler ---------------------------------------------------------------------------------------------
+
+def test_the_profiler_banner_stays_off_the_console_and_other_stderr_lines_get_through(capfd):
+    def call():
+        torch.ones(10) + 1
+        os.write(2, b"a real warning\n")
+    ops, _ = audit.profiled_run(call, runtime.Runtime("cpu", "float32"))
+    err = capfd.readouterr().err
+    assert "aten::add" in ops
+    assert "USDT" not in err and "a real warning" in err
