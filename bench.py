@@ -30,7 +30,8 @@ from tqdm import tqdm
 import configurator
 import runtime
 from audit import expected_kernels, kernel_of, profiled_run
-from model import ATTENTION, GPT, UserError, attention_names, attention_problem
+from errors import UserError
+from model import ATTENTION, GPT, attention_names, attention_problem
 from runtime import Runtime
 
 # mode

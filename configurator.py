@@ -15,7 +15,7 @@ import math
 import re
 from pathlib import Path
 
-from model import UserError
+from errors import UserError
 
 PLAIN_TYPES = (bool, int, float, str, tuple, list, type(None))
 

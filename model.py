@@ -25,9 +25,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-
-class UserError(ValueError):
-    """Bad input from a user. The message says what was wrong and how to fix it; scripts print it alone."""
+from errors import UserError
 
 
 # -----------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from model import GPT, GPTConfig, UserError
+from errors import UserError
+from model import GPT, GPTConfig
 
 T = TypeVar("T")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

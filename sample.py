@@ -29,7 +29,8 @@ from torch.nn import functional as F
 import runtime
 from configurator import configure
 from runtime import Runtime
-from model import ATTENTION, GPT, GPTConfig, UserError, attention_names, attention_problem, check_attention
+from errors import UserError
+from model import ATTENTION, GPT, GPTConfig, attention_names, attention_problem, check_attention
 from tokenizer import CharTokenizer, Tokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-from model import UserError
+from errors import UserError
 
 TOKEN_DTYPE = np.uint16  # every .bin file holds token ids in this dtype, native (little-endian) order
 GPT2_VOCAB_SIZE = 50257

@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import runtime
 from configurator import configure
-from model import GPT, UserError, check_attention
+from errors import UserError
+from model import GPT, check_attention
 
 # I/O
 out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go here

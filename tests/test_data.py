@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import textdata
 import tokenizer
 from model import UserError
 
@@ -38,7 +39,7 @@ def plays_prepared(char_prep, tmp_path_factory):
     """shakespeare_char prepared from the packaged plays, once for the module: (out_dir, text, report)."""
     out_dir = tmp_path_factory.mktemp("shakespeare_char")
     report = char_prep.prepare(out_dir)
-    return out_dir, char_prep.shakespeare_text(), report
+    return out_dir, textdata.shakespeare_text(), report
 
 
 # -----------------------------------------------------------------------------
@@ -136,7 +137,7 @@ def test_play_markdown_becomes_speaker_lines_without_markup(char_prep):
         "**FRANCISCO**  \n_\\[Aside]_  \nNay, answer me:  \n\\--stand, and unfold yourself.\n\n"
         "*Exit.*\n\nStill Francisco, after his exit.\n"
     )
-    assert char_prep.play_to_text(markdown) == (
+    assert textdata.play_to_text(markdown) == (
         "BERNARDO:\nWho's there?\n\n"
         "FRANCISCO:\nNay, answer me:\n--stand, and unfold yourself.\nStill Francisco, after his exit."
     )
@@ -298,3 +299,9 @@ def test_an_unwritable_out_dir_is_one_clear_error(tmp_path):
     (tmp_path / "input.txt").write_text("some text to prepare\n" * 5)
     with pytest.raises(UserError, match="could not write"):
         load_script("shakespeare").prepare(tmp_path / "a_file" / "out", str(tmp_path / "input.txt"))
+
+
+def test_preparing_data_and_reading_settings_do_not_import_torch():
+    code = ("import sys; import configurator, errors, textdata, tokenizer; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60).returncode == 0

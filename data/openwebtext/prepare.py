@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import tokenizer  # noqa: E402
 from configurator import check_limits  # noqa: E402
-from model import UserError  # noqa: E402
+from errors import UserError  # noqa: E402
 
 DEFAULT_DATASET = "openwebtext"
 SEED = 2357  # the validation split nanoGPT holds out

