@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import configurator
 import runtime
 from audit import expected_kernels, kernel_of, profiled_run
+from configurator import Settings, configure
 from errors import UserError
-from model import ATTENTION, GPT, attention_names, attention_problem
+from model import ATTENTION, GPT, GPTConfig, attention_names, attention_problem
 from runtime import Runtime
 
 # mode
@@ -99,28 +99,28 @@ def as_list(value, cast=str) -> list:
         raise UserError(f"cannot read {value!r} as a comma-separated list of {cast.__name__}.") from None
 
 
-def resolve(cfg: dict) -> tuple[dict, Runtime]:
+def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     """Settings left at None sized for the device, device/dtype picked, comma lists split and checked."""
-    cfg = dict(cfg)
-    rt = runtime.resolve_runtime(cfg["device"], cfg["dtype"])
-    cfg["device"], cfg["dtype"] = rt.device, rt.dtype
+    rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
+    cfg.device, cfg.dtype = rt.device, rt.dtype
     for key, value in SIZES["cuda" if rt.is_cuda else "cpu"].items():
-        cfg[key] = value if cfg[key] is None else cfg[key]
-        if isinstance(value, int) and type(cfg[key]) is not int:  # LIMITS checked the range already
-            raise UserError(f"{key} must be a whole number, got {cfg[key]!r}.")
-    if cfg["mode"] not in ("train", "attention"):
-        raise UserError(f"mode must be 'train' or 'attention', got '{cfg['mode']}'.")
-    cfg["attn"] = attention_names(cfg["attn"])
-    if "manual" not in cfg["attn"]:
-        cfg["attn"].insert(0, "manual")  # the baseline every speedup is measured against
-    words = as_list(cfg["padding"])
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+        if isinstance(value, int) and type(getattr(cfg, key)) is not int:  # LIMITS checked the range already
+            raise UserError(f"{key} must be a whole number, got {getattr(cfg, key)!r}.")
+    if cfg.mode not in ("train", "attention"):
+        raise UserError(f"mode must be 'train' or 'attention', got '{cfg.mode}'.")
+    cfg.attn = attention_names(cfg.attn)
+    if "manual" not in cfg.attn:
+        cfg.attn.insert(0, "manual")  # the baseline every speedup is measured against
+    words = as_list(cfg.padding)
     if not words or set(words) - {"off", "on"}:
-        raise UserError(f"padding must be off, on or off,on; got '{cfg['padding']}'.")
-    cfg["padding"] = [w == "on" for w in dict.fromkeys(words)]
+        raise UserError(f"padding must be off, on or off,on; got '{cfg.padding}'.")
+    cfg.padding = [w == "on" for w in dict.fromkeys(words)]
     for key in ("attn_seq_lens", "attn_head_sizes"):
-        cfg[key] = as_list(cfg[key], int)
-        if not cfg[key] or min(cfg[key]) < 1:
-            raise UserError(f"{key} must be positive whole numbers, comma-separated; got {cfg[key]!r}.")
+        setattr(cfg, key, as_list(getattr(cfg, key), int))
+        if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
+            raise UserError(f"{key} must be positive whole numbers, comma-separated; got {getattr(cfg, key)!r}.")
     return cfg, rt
 
 
@@ -150,16 +150,16 @@ def out_of_memory(e: Exception, rt: Runtime) -> str:
     return f"out of memory ({str(e).splitlines()[0][:100]})"
 
 
-def measure(calls: dict, cfg: dict, rt: Runtime, bar: tqdm, name: str, audits: Optional[dict] = None) -> dict:
+def measure(calls: dict, cfg: Settings, rt: Runtime, bar: tqdm, name: str, audits: Optional[dict] = None) -> dict:
     """Warm each call up, profile one run of each (ops, memory, optional trace), then time them round-robin.
     `audits` (compiled runs): eager twins of the calls, profiled for the kernel audit instead of the compiled
     code, in which inductor decomposes the math kernel and generates flex's. A call that runs out of memory
     comes back as {"status": "oom", "reason": ...}; the others still run."""
     out, failed = {}, {}
     for key, call in calls.items():
-        trace = Path(cfg["out_dir"]) / f"trace_{name}_{key}.json" if cfg["profile"] else None
+        trace = Path(cfg.out_dir) / f"trace_{name}_{key}.json" if cfg.profile else None
         try:
-            for _ in range(cfg["warmup"]):
+            for _ in range(cfg.warmup):
                 call()
             ops, added = profiled_run(call, rt, trace)
             if audits is not None:
@@ -168,8 +168,8 @@ def measure(calls: dict, cfg: dict, rt: Runtime, bar: tqdm, name: str, audits: O
                             kernel_audit="eager twin" if audits is not None else "this run")
         except Exception as e:
             failed[key] = out_of_memory(e, rt)
-        bar.update(cfg["warmup"] + 1)
-    for key, ms in time_round_robin(calls, cfg["iters"], rt, bar, failed).items():
+        bar.update(cfg.warmup + 1)
+    for key, ms in time_round_robin(calls, cfg.iters, rt, bar, failed).items():
         p25, p50, p75 = np.percentile(ms, [25, 50, 75])
         out[key].update(ms_per_iter=p50, ms_p25=p25, ms_p75=p75, ms_min=min(ms), ms_max=max(ms), ms_all=ms)
     out.update({key: dict(status="oom", reason=reason) for key, reason in failed.items()})
@@ -194,15 +194,15 @@ def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
     return row
 
 
-def compiled(fn, cfg: dict):
+def compiled(fn, cfg: Settings):
     """fn compiled when cfg asks for it, with a recompile count of its own (see runtime.compile_isolated)."""
-    return runtime.compile_isolated(fn) if cfg["compile"] else fn
+    return runtime.compile_isolated(fn) if cfg.compile else fn
 
 
-def eager_reference(attn: str, cfg: dict, rt: Runtime) -> bool:
+def eager_reference(attn: str, cfg: Settings, rt: Runtime) -> bool:
     """True for a flex row that runs PyTorch's unfused eager reference: not compiled, and not on CUDA (where
     model.py always compiles it)."""
-    return attn == "flex" and not cfg["compile"] and not rt.is_cuda
+    return attn == "flex" and not cfg.compile and not rt.is_cuda
 
 
 # -- train mode ------------------------------------------------------------------------------------------
@@ -243,17 +243,17 @@ class Trainer:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build_trainer(cfg: dict, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> Trainer:
-    runtime.seed_everything(cfg["seed"])  # the same weights whatever the row
-    config = runtime.model_config_from({**cfg, "block_size": cfg["seq_len"], "attn": attn, "pad_vocab": pad_vocab})
+def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> Trainer:
+    runtime.seed_everything(cfg.seed)  # the same weights whatever the row
+    config = GPTConfig.from_settings({**cfg.as_dict(), "block_size": cfg.seq_len, "attn": attn, "pad_vocab": pad_vocab})
     model = GPT(config).to(rt.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
-    batch = torch.randint(cfg["vocab_size"], (2, batch_size, cfg["seq_len"]),
-                          generator=torch.Generator().manual_seed(cfg["seed"])).to(rt.device)  # random ids cost as text
+    batch = torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len),
+                          generator=torch.Generator().manual_seed(cfg.seed)).to(rt.device)  # random ids cost as text
     return Trainer(model, compiled(model.forward, cfg), optimizer, rt.grad_scaler(), batch, rt)
 
 
-def fits(cfg: dict, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> bool:
+def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> bool:
     """Whether training at this batch size fits: two full steps (the second carries AdamW's state) without
     running out of memory of any kind; on CPU also resident plus peak step memory within mem_budget_gb."""
     trainer = None
@@ -264,7 +264,7 @@ def fits(cfg: dict, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) ->
             trainer.step(attn)
             return True
         _, added = profiled_run(lambda: trainer.step(attn), rt)
-        return trainer.resident_bytes() + added <= cfg["mem_budget_gb"] * 1e9
+        return trainer.resident_bytes() + added <= cfg.mem_budget_gb * 1e9
     except Exception as e:
         out_of_memory(e, rt)  # raises anything else
         return False
@@ -287,43 +287,43 @@ def max_batch_size(fits_batch: Callable[[int], bool], limit: int) -> int:
     return good
 
 
-def train_sweep(cfg: dict, rt: Runtime) -> list[dict]:
+def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     """One row per attn x padding: timing, tokens/s, MFU, peak memory, speedup, audited kernel, skip reason."""
-    head_size, tokens = cfg["n_embd"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"]
+    head_size, tokens = cfg.n_embd // cfg.n_head, cfg.batch_size * cfg.seq_len
     rows, trainers, calls, audits = {}, {}, {}, {}
-    for a in cfg["attn"]:
-        problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg["dropout"], head_size, True,
-                                    cfg["seq_len"])
-        for pad in cfg["padding"]:
+    for a in cfg.attn:
+        problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
+                                    cfg.seq_len)
+        for pad in cfg.padding:
             key = f"{a}_{'padded' if pad else 'unpadded'}"
             rows[key] = dict(attn=a, pad_vocab=pad, eager_reference=eager_reference(a, cfg, rt),
                              status="skipped" if problem else "ok", reason=problem)
             if problem is None:
                 if pad not in trainers:
-                    trainers[pad] = build_trainer(cfg, rt, a, pad, cfg["batch_size"])
+                    trainers[pad] = build_trainer(cfg, rt, a, pad, cfg.batch_size)
                 rows[key]["vocab"] = trainers[pad].model.config.padded_vocab_size
                 calls[key] = functools.partial(trainers[pad].step, a)
                 audits[key] = functools.partial(trainers[pad].eager_pass, a)
     peak = rt.peak_flops
-    with tqdm(total=len(calls) * (cfg["warmup"] + 1 + cfg["iters"]), desc="bench", file=sys.stderr) as bar:
-        measured = measure(calls, cfg, rt, bar, "train", audits if cfg["compile"] else None)
+    with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr) as bar:
+        measured = measure(calls, cfg, rt, bar, "train", audits if cfg.compile else None)
     for key, m in measured.items():
         row = audited_row(rows[key], m, rows[key]["attn"], rt)
         if row["status"] == "ok":
             trainer = trainers[row["pad_vocab"]]
             row["mem/peak_gb"] = (trainer.resident_bytes() + row.pop("added_bytes")) / 1e9
             row["tokens_per_s"] = tokens / (row["ms_per_iter"] / 1e3)
-            row["mfu"] = trainer.model.estimate_mfu(row["tokens_per_s"], peak, cfg["seq_len"])
+            row["mfu"] = trainer.model.estimate_mfu(row["tokens_per_s"], peak, cfg.seq_len)
     for row in rows.values():
         base = rows.get(f"manual_{'padded' if row['pad_vocab'] else 'unpadded'}", {})
         if row["status"] == "ok" and base.get("status") == "ok":
             row["speedup_vs_manual"] = paired_speedup(base, row)
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
     runtime.free_memory(rt)
-    if cfg["max_batch"]:
+    if cfg.max_batch:
         for row in tqdm([r for r in rows.values() if r["status"] == "ok"], desc="max batch", file=sys.stderr):
             row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b),
-                                              cfg["max_batch_limit"])
+                                              cfg.max_batch_limit)
     return list(rows.values())
 
 
@@ -340,30 +340,30 @@ def attention_call(fn, q, k, v, mask, dropout_p: float, backward: bool) -> Calla
     return call
 
 
-def attention_sweep(cfg: dict, rt: Runtime) -> list[dict]:
+def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     """One row per head size x sequence length x pass (fwd, fwd+bwd) x attn: time, added memory, kernel."""
-    functions = {a: compiled(ATTENTION[a], cfg) for a in cfg["attn"]}
-    cases = [(hs, T, bwd) for hs in cfg["attn_head_sizes"] for T in cfg["attn_seq_lens"] for bwd in (False, True)]
+    functions = {a: compiled(ATTENTION[a], cfg) for a in cfg.attn}
+    cases = [(hs, T, bwd) for hs in cfg.attn_head_sizes for T in cfg.attn_seq_lens for bwd in (False, True)]
     rows = []
-    total = len(cases) * len(cfg["attn"]) * (cfg["warmup"] + 1 + cfg["iters"])
+    total = len(cases) * len(cfg.attn) * (cfg.warmup + 1 + cfg.iters)
     with tqdm(total=total, desc="attention", file=sys.stderr) as bar:
         for hs, T, backward in cases:
-            shape = (cfg["attn_batch"], cfg["attn_heads"], T, hs)  # (B, nh, T, hs)
+            shape = (cfg.attn_batch, cfg.attn_heads, T, hs)  # (B, nh, T, hs)
             q, k, v = (torch.randn(shape, device=rt.device, dtype=rt.torch_dtype, requires_grad=backward)
                        for _ in range(3))
             mask = torch.ones(T, T, dtype=torch.bool, device=rt.device).tril()  # (T, T), True where allowed
             here, calls, audits = {}, {}, {}
-            for a in cfg["attn"]:
-                problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg["dropout"], hs, backward, T)
+            for a in cfg.attn:
+                problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward, T)
                 here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, eager_reference=eager_reference(
                     a, cfg, rt), status="skipped" if problem else "ok", reason=problem)
                 if problem is None:
-                    calls[a] = attention_call(functions[a], q, k, v, mask, cfg["dropout"], backward)
-                    audits[a] = attention_call(ATTENTION[a], q, k, v, mask, cfg["dropout"], backward)
+                    calls[a] = attention_call(functions[a], q, k, v, mask, cfg.dropout, backward)
+                    audits[a] = attention_call(ATTENTION[a], q, k, v, mask, cfg.dropout, backward)
                 else:
-                    bar.update(cfg["warmup"] + 1 + cfg["iters"])
+                    bar.update(cfg.warmup + 1 + cfg.iters)
             name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}"
-            for a, m in measure(calls, cfg, rt, bar, name, audits if cfg["compile"] else None).items():
+            for a, m in measure(calls, cfg, rt, bar, name, audits if cfg.compile else None).items():
                 audited_row(here[a], m, a, rt)
                 if here[a]["status"] == "ok":
                     here[a]["mem/peak_gb"] = here[a].pop("added_bytes") / 1e9  # beyond q, k, v themselves
@@ -418,24 +418,24 @@ ATTENTION_COLUMNS = {
 }
 
 
-def chart(path: Path, rows: list[dict], cfg: dict, env: dict) -> None:
+def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
     """The post's figure: ms per training step per attn, unpadded and padded side by side, IQR whiskers
     (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
-    if cfg["mode"] == "train":
-        series = {f"vocab {'padded' if p else 'unpadded'}": {"pad_vocab": p} for p in cfg["padding"]}
-        title = (f"{env['device_name']}, {cfg['dtype']}\n{cfg['n_layer']} layers, n_embd {cfg['n_embd']}, "
-                 f"B={cfg['batch_size']}, T={cfg['seq_len']}: ms per training step (lower is better)")
+    if cfg.mode == "train":
+        series = {f"vocab {'padded' if p else 'unpadded'}": {"pad_vocab": p} for p in cfg.padding}
+        title = (f"{env['device_name']}, {cfg.dtype}\n{cfg.n_layer} layers, n_embd {cfg.n_embd}, "
+                 f"B={cfg.batch_size}, T={cfg.seq_len}: ms per training step (lower is better)")
     else:
-        hs = cfg["attn_head_sizes"][0]
-        series = {f"T={T}": {"seq_len": T, "head_size": hs, "backward": True} for T in cfg["attn_seq_lens"]}
-        title = f"{env['device_name']}, {cfg['dtype']}\nattention forward+backward, hs={hs} (lower is better)"
+        hs = cfg.attn_head_sizes[0]
+        series = {f"T={T}": {"seq_len": T, "head_size": hs, "backward": True} for T in cfg.attn_seq_lens}
+        title = f"{env['device_name']}, {cfg.dtype}\nattention forward+backward, hs={hs} (lower is better)"
     ok = [r for r in rows if r["status"] == "ok"]
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}
-    groups = [a for a in cfg["attn"] if any(a in by_attn for by_attn in bars.values())]
+    groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * len(groups) * len(bars)), 4))
     width = 0.8 / len(bars)
     for i, (label, by_attn) in enumerate(bars.items()):
@@ -447,7 +447,7 @@ def chart(path: Path, rows: list[dict], cfg: dict, env: dict) -> None:
     ax.set_xticks(np.arange(len(groups)), groups)
     ax.set_ylabel("ms (median, IQR whiskers)")
     ax.set_title(title, fontsize=9)
-    ax.set_yscale("log" if cfg["mode"] == "attention" else "linear")  # sequence lengths span orders of magnitude
+    ax.set_yscale("log" if cfg.mode == "attention" else "linear")  # sequence lengths span orders of magnitude
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -462,33 +462,33 @@ def environment(rt: Runtime, argv: list[str]) -> dict:
                 command=" ".join(["python", "bench.py", *argv]), time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
-def settings(argv: list[str]) -> tuple[dict, Runtime]:
+def settings(argv: list[str]) -> tuple[Settings, Runtime]:
     """This module's settings with config files and --key=value overrides applied, resolved for the device."""
-    return resolve(configurator.configure(globals(), argv, LIMITS))
+    return resolve(configure(globals(), argv, LIMITS))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg, rt = settings(argv)
-    if cfg["threads"] > 0:
-        torch.set_num_threads(cfg["threads"])
-    out = Path(cfg["out_dir"])
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
     runtime.check_writable_dir(out)  # before the sweep, not after it
     env = environment(rt, argv)
-    rows = train_sweep(cfg, rt) if cfg["mode"] == "train" else attention_sweep(cfg, rt)
-    columns = TRAIN_COLUMNS if cfg["mode"] == "train" else ATTENTION_COLUMNS
-    if not cfg["max_batch"]:
+    rows = train_sweep(cfg, rt) if cfg.mode == "train" else attention_sweep(cfg, rt)
+    columns = TRAIN_COLUMNS if cfg.mode == "train" else ATTENTION_COLUMNS
+    if not cfg.max_batch:
         columns = {k: v for k, v in columns.items() if k != "max batch"}
-    print(f"{env['device_name']}, torch {env['torch']}, {cfg['dtype']}: {env['command']}")
+    print(f"{env['device_name']}, torch {env['torch']}, {cfg.dtype}: {env['command']}")
     print(format_table(rows, columns))
     for row in rows:
         if row["status"] == "ok" and not row["kernel_ok"]:
             print(f"! {row['attn']} ran {row['kernel']} ({', '.join(row['kernel_ops']) or 'no SDPA op'}), not "
                   f"{' or '.join(row['kernel_expected'])}: a fused kernel refused these settings and PyTorch fell "
                   f"back without a word (dropout, a mask, the dtype or the head size)")
-    (out / f"{cfg['mode']}.json").write_text(json.dumps(dict(environment=env, config=cfg, rows=rows), indent=1))
-    chart(out / f"{cfg['mode']}.png", rows, cfg, env)
-    print(f"wrote {out / (cfg['mode'] + '.json')} and {out / (cfg['mode'] + '.png')}")
+    (out / f"{cfg.mode}.json").write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), rows=rows), indent=1))
+    chart(out / f"{cfg.mode}.png", rows, cfg, env)
+    print(f"wrote {out / (cfg.mode + '.json')} and {out / (cfg.mode + '.png')}")
     return 0
 
 

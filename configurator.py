@@ -1,7 +1,8 @@
 """
 Settings for train.py, sample.py and bench.py: each script keeps its settings as module globals with a comment
 each, declares the allowed range of every numeric one in LIMITS, then calls
-`configure(globals(), sys.argv[1:], LIMITS)`, which returns the settings and leaves the globals as they were.
+`cfg = configure(globals(), argv, LIMITS)`, which returns the settings as an object (cfg.batch_size) and leaves
+the globals as they were.
 
     python train.py config/train_shakespeare_char.py --batch_size=32 --attn=flash
 
@@ -14,6 +15,7 @@ import difflib
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from errors import UserError
 
@@ -84,7 +86,14 @@ def check_limits(values: dict, limits: dict[str, str], defaults: dict) -> None:
                             f"pass --{key}= a value in {spec}.")
 
 
-def configure(namespace: dict, argv: list[str], limits: dict[str, str] | None = None) -> dict:
+class Settings(SimpleNamespace):
+    """A script's settings, read as attributes: cfg.batch_size."""
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def configure(namespace: dict, argv: list[str], limits: dict[str, str] | None = None) -> Settings:
     """The settings of a script whose defaults are the plain globals of `namespace`, with config files and
     --key=value overrides applied and checked against `limits`. `namespace` itself is left untouched, so a
     script's main() can run again in the same process with its defaults."""
@@ -113,4 +122,4 @@ def configure(namespace: dict, argv: list[str], limits: dict[str, str] | None = 
     values = settings({k: namespace[k] for k in defaults})
     if limits is not None:
         check_limits(values, limits, defaults)
-    return values
+    return Settings(**values)

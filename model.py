@@ -207,6 +207,11 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}.")
 
+    @classmethod
+    def from_settings(cls, settings: dict) -> "GPTConfig":
+        """The config a script's settings name (n_layer, n_embd, attn, pad_vocab, ...; other keys are ignored)."""
+        return cls(**{f.name: settings[f.name] for f in dataclasses.fields(cls) if f.name in settings})
+
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
@@ -351,10 +356,10 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None):
+                kv_cache: Optional[KVCache] = None, all_positions: bool = False):
         """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf.
         With targets: (B, T, V) logits and the mean cross-entropy (targets of -1 are ignored).
-        Without: logits for the last position only, (B, 1, V)."""
+        Without: logits for the last position only, (B, 1, V), or for every position with all_positions."""
         B, T = idx.size()
         start = kv_cache.length if kv_cache is not None else 0
         if start + T > self.config.block_size:
@@ -367,7 +372,7 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.length += T
         x = self.transformer.ln_f(x)
-        if targets is None:
+        if targets is None and not all_positions:
             x = x[:, [-1], :]  # (B, 1, C): only the next token is needed
         padded = self.config.padded_vocab_size > self.config.vocab_size
         logits = F.linear(x, self.lm_head.weight, self.vocab_bias if padded else None)  # (B, T, V)

@@ -1,7 +1,7 @@
 """
-What train.py, sample.py and bench.py would otherwise each write again: device and dtype choice, autocast,
-seeding, process-group setup and teardown, checkpoint files, peak FLOP/s, memory, timing, and the top-level
-wrapper that turns a UserError into one line.
+What train.py, sample.py and bench.py would otherwise each write again: the Runtime (device, dtype, autocast,
+grad scaler, TF32, peak FLOP/s, memory), compiling, out-of-memory handling, process-group setup and teardown,
+the one clock, and the top-level wrapper that turns a UserError into one line.
 """
 
 import functools
@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError
-from model import GPT, GPTConfig
 
 T = TypeVar("T")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -255,6 +254,7 @@ def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
 
 @dataclass
 class Dist:
+    """This process's place among the ranks (one rank of one when not under torchrun) and its device."""
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -265,7 +265,7 @@ class Dist:
         return self.rank == 0
 
     @property
-    def enabled(self) -> bool:
+    def is_distributed(self) -> bool:
         return self.world_size > 1
 
 
@@ -315,7 +315,7 @@ def mean_across_ranks(value: float, device: str) -> float:
     return t.item() / dist.get_world_size()
 
 
-# -- checkpoints --------------------------------------------------------------------------------------
+# -- files ------------------------------------------------------------------------------------------------
 
 def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
     """Create the folder if needed and make sure a file can be written in it, before any work is done."""
@@ -328,65 +328,6 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
         what = "is a file, not a folder" if path.is_file() else f"cannot be written to ({e.strerror or e})"
         wanted = "a writable folder" if setting.endswith("dir") else "a path in a writable folder"
         raise UserError(f"{setting} {path} {what}; pass --{setting}= {wanted}.") from None
-
-
-def save_checkpoint(checkpoint: dict, path: Path) -> None:
-    """Write to a temporary file and rename it into place, so a crash or a full disk never leaves half a
-    checkpoint: the previous one stays whole, and the temporary file is removed."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:  # a file object: a full disk is an OSError, not torch's bare RuntimeError
-            torch.save(checkpoint, f)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
-        raise UserError(f"could not save the checkpoint to {path} ({e.strerror or e}); {kept} - free disk space "
-                        f"or pass --out_dir= another folder, then resume.") from None
-
-
-def model_config_from(settings: dict) -> GPTConfig:
-    """The GPTConfig named by a script's settings (n_layer, n_embd, attn, pad_vocab, ...)."""
-    return GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings})
-
-
-def model_from_checkpoint(checkpoint: dict, **overrides) -> GPT:
-    """The model a checkpoint holds, optionally read through another attn (or with another dropout).
-    A checkpoint is {"model": state dict, "model_config": dict(GPTConfig), ...}: see train.py."""
-    config = GPTConfig(**{**checkpoint["model_config"], **overrides})
-    model = GPT(config)
-    model.load_state_dict(checkpoint["model"])
-    return model
-
-
-TRAINING_STATE = ("optimizer", "iter_num", "best_val_loss", "rng")  # what resuming needs beyond the weights
-
-
-def load_checkpoint(path: Path, map_location="cpu", for_training: bool = False) -> dict:
-    """A checkpoint of tensors and plain types (weights_only) in this project's format, or one clear sentence
-    on why it cannot load. `for_training`: it must also hold the optimizer, step and RNG state."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
-    try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
-                        f"checkpoint of this project - restore it or train again.") from None
-    if isinstance(checkpoint, dict) and checkpoint and all(torch.is_tensor(v) for v in checkpoint.values()):
-        raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict with "
-                        f"'model' and 'model_config', as train.py writes them.")
-    if isinstance(checkpoint, dict) and "model_args" in checkpoint and "model_config" not in checkpoint:
-        raise UserError(f"{path} is a nanoGPT checkpoint ('model_args', not 'model_config'), which this project "
-                        f"does not read; train here or load GPT-2 weights with --init_from=gpt2.")
-    missing = [k for k in ("model", "model_config") + (TRAINING_STATE if for_training else ())
-               if not isinstance(checkpoint, dict) or k not in checkpoint]
-    if missing:
-        raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
-                        f"checkpoint written by train.py.")
-    return checkpoint
 
 
 # -- timing -------------------------------------------------------------------------------------------

@@ -5,18 +5,10 @@ $ python sample.py --out_dir=out-shakespeare-char
 $ python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --num_samples=5 --max_new_tokens=100
 $ python sample.py --out_dir=out-shakespeare-char --compare=all --num_samples=1 --json=compare.json
 
---compare tests the claim of PyTorch's post "Accelerating Large Language Models with Accelerated Transformers":
-the original attention and SDPA give no noticeable difference in samples, though their outputs are not
-bit-identical (its Appendix A: SDPA scales q and k each by d^-1/4 before multiplying them). Per implementation
-it samples with the same seed (identical tokens? first difference?), times generation with and without the
-KV cache, measures teacher-forced logits against a float64 reference (max |dlogit|, KL) in fp32 and in a
-reduced dtype, and runs Appendix A's formulations on one layer's q, k, v.
+--compare runs compare.py: the claim of PyTorch's post that the original attention and SDPA sample alike.
 """
 
-import copy
-import itertools
 import json as jsonlib
-import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -24,14 +16,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.nn import functional as F
 
 import runtime
-from configurator import configure
-from runtime import Runtime
+from checkpoint import Checkpoint
+from configurator import Settings, configure
 from errors import UserError
-from model import ATTENTION, GPT, GPTConfig, attention_names, attention_problem, check_attention
-from tokenizer import CharTokenizer, Tokenizer, tokenizer_from_meta
+from model import GPT, check_attention
+from runtime import Runtime
+from tokenizer import Tokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -56,25 +48,6 @@ json = ""                         # write every number (settings, tokens, timing
 LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_k": "[1, inf)",
           "seed": "[0, inf)"}  # the allowed range of every numeric setting (top_k may also be None)
 
-# constants are underscored: configurator takes every public plain global for a setting
-_MIN_NUMERICS_TOKENS = 16  # a shorter prompt is too little text for the teacher-forced comparison
-_DEFAULT_TEXT = """To be, or not to be, that is the question:
-Whether 'tis nobler in the mind to suffer
-The slings and arrows of outrageous fortune,
-Or to take arms against a sea of troubles
-And by opposing end them. To die: to sleep;
-No more; and by a sleep to say we end
-The heart-ache and the thousand natural shocks
-That flesh is heir to, 'tis a consummation
-Devoutly to be wish'd. To die, to sleep;
-To sleep: perchance to dream: ay, there's the rub;
-For in that sleep of death what dreams may come
-When we have shuffled off this mortal coil,
-Must give us pause: there's the respect
-That makes calamity of so long life.
-"""
-FORMULATIONS = {"a": "q.kT then scale (nanoGPT)", "b": "q, k pre-scaled by d^-1/4", "c": "SDPA",
-                "d": "SDPA's math backend"}
 
 
 @dataclass
@@ -91,24 +64,20 @@ class Sampling:
 
 def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, Tokenizer, str]:
     """The model (fp32, eval mode, on CPU), the tokenizer of its data, and where both came from."""
-    overrides = {} if attn is None else {"attn": attn}
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
-        ckpt = runtime.load_checkpoint(path)
-        model = runtime.model_from_checkpoint(ckpt, **overrides)
-        tok = tokenizer_from_meta(ckpt.get("meta"), source=f"the meta of {path}")
-        source = f"{path} (iter {ckpt.get('iter_num', '?')})"
+        checkpoint = Checkpoint.load(path)
+        model = checkpoint.build_model()
+        tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")
+        source = f"{path} (iter {checkpoint.iter_num})"
     else:
-        model, tok, source = GPT.from_pretrained(init_from, **overrides), tokenizer_from_meta(None), init_from
+        model, tok, source = GPT.from_pretrained(init_from), tokenizer_from_meta(None), init_from
+    if attn is not None:
+        model.set_attention(attn)
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
                         f"{tok.vocab_size} tokens; sample from a checkpoint trained on this tokenizer's data.")
     return model.eval(), tok, source
-
-
-def with_attn(model: GPT, attn: str) -> GPT:
-    """A copy of the same weights, read through another attention implementation."""
-    return copy.deepcopy(model).set_attention(attn).eval()
 
 
 def read_prompt(start: str) -> str:
@@ -129,23 +98,6 @@ def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
         raise UserError("the prompt is empty; pass --start=TEXT or --start=FILE:path "
                         "(for GPT-2 BPE, --start='<|endoftext|>' starts from nothing).")
     return ids
-
-
-def numerics_ids(tok: Tokenizer, prompt: list[int], block_size: int) -> list[int]:
-    """The text for teacher-forced logits: the prompt if long enough, else _DEFAULT_TEXT; at most block_size."""
-    if len(prompt) < _MIN_NUMERICS_TOKENS:
-        text = _DEFAULT_TEXT
-        if isinstance(tok, CharTokenizer):  # a character vocabulary may lack some of its characters
-            text = "".join(c for c in text if c in tok.stoi)
-        prompt = tok.encode(text) or prompt
-    return prompt[:block_size]
-
-
-def reduced_dtype(rt: Runtime) -> str:
-    """The reduced precision reported next to fp32: the run's, else bf16 (fp16 on GPUs without native bf16)."""
-    if rt.dtype != "float32":
-        return rt.dtype
-    return "float16" if rt.is_cuda and not runtime.cuda_has_bf16() else "bfloat16"
 
 
 # -----------------------------------------------------------------------------
@@ -179,15 +131,6 @@ def tokens_per_s(seconds: list[float], new_tokens: int) -> dict:
             "max": new_tokens / min(seconds)}
 
 
-def first_divergence(reference: list[list[int]], samples: list[list[int]]) -> Optional[dict]:
-    """The first (sample, new token) index where the samples differ from the reference; None if identical."""
-    for i, (ref, other) in enumerate(zip(reference, samples)):
-        for j, (a, b) in enumerate(zip(ref, other)):
-            if a != b:
-                return {"sample": i, "token": j}
-    return None
-
-
 def print_samples(tok: Tokenizer, prompt: list[int], samples: list[list[int]]) -> None:
     for sample in samples:
         print(tok.decode(prompt + sample))
@@ -195,231 +138,43 @@ def print_samples(tok: Tokenizer, prompt: list[int], samples: list[list[int]]) -
 
 
 # -----------------------------------------------------------------------------
-# numerics
-
-def forced_logits(model: GPT, x: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    """Teacher-forced logits over the real vocabulary, (T, vocab_size) in float64 (padded columns dropped)."""
-    with torch.no_grad(), rt.autocast():
-        logits, _ = model(x, x)  # targets only to get the logits of every position, (1, T, padded V)
-    return logits[0, :, :model.config.vocab_size].double()
-
-
-def logit_errors(logits: torch.Tensor, ref: torch.Tensor) -> dict:
-    """max |dlogit|, the same over max(1, max |reference logit|), and KL(reference || logits) per position."""
-    max_abs = (logits - ref).abs().max().item()
-    log_p, log_q = F.log_softmax(ref, dim=-1), F.log_softmax(logits, dim=-1)  # (T, V)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)  # (T,) rounding can make it a hair negative
-    return {"max_abs": max_abs, "scaled": max_abs / max(1.0, ref.abs().max().item()),
-            "kl_mean": kl.mean().item(), "kl_max": kl.max().item()}
-
-
-def layer_qkv(model: GPT, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v, each (1, nh, T, hs), as block `layer` computes them for x (fp32, no autocast)."""
-    captured = []
-    hook = model.transformer.h[layer].attn.c_attn.register_forward_hook(lambda m, i, out: captured.append(out))
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        hook.remove()
-    B, T, _ = captured[0].shape
-    cfg = model.config
-    q, k, v = captured[0].split(cfg.n_embd, dim=2)  # each (B, T, C)
-    return tuple(t.view(B, T, cfg.n_head, cfg.head_size).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-
-
-def formulations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Appendix A: the same causal attention written three ways, each (B, nh, T, hs); SDPA twice, as PyTorch
-    dispatches it and forced onto the math backend, the one the post describes."""
-    d = q.size(-1)
-    mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()  # (T, T)
-
-    def attend(scores: torch.Tensor) -> torch.Tensor:  # scores (B, nh, T, T)
-        return F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
-
-    return {
-        "a": attend((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))),
-        "b": attend((q * d ** -0.25) @ (k * d ** -0.25).transpose(-2, -1)),
-        "c": F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "d": ATTENTION["math"](q, k, v, mask, 0.0),
-    }
-
-
-def appendix_a(qkv: tuple[torch.Tensor, ...], dtype: str) -> dict:
-    """Each formulation in `dtype` against (a) in float64, and each pair against the other."""
-    ref = formulations(*(t.double() for t in qkv))["a"]
-    ys = formulations(*(t.to(runtime.DTYPES[dtype]) for t in qkv))
-    pairs = {}
-    for a, b in itertools.combinations(ys, 2):
-        pairs[f"{a}-{b}"] = {"max_abs": (ys[a] - ys[b]).abs().max().item(), "allclose": torch.allclose(ys[a], ys[b])}
-    return {"vs_float64": {n: (y.double() - ref).abs().max().item() for n, y in ys.items()}, "pairwise": pairs}
-
-
-# -----------------------------------------------------------------------------
-# comparison
-
-@dataclass
-class Run:
-    """What every implementation in a comparison runs with."""
-    rt: Runtime
-    reduced: str  # the reduced precision reported next to fp32
-    sampling: Sampling
-    prompt: list[int]
-    compile: bool
-    x: Optional[torch.Tensor] = None  # (1, T) the teacher-forced text
-    ref_logits: Optional[torch.Tensor] = None  # (T, vocab_size) float64 logits of x through attn='manual'
-
-    def problem(self, attn: str, dtype: str, config: GPTConfig) -> Optional[str]:
-        return attention_problem(attn, self.rt.device_type, runtime.DTYPES[dtype], 0.0, config.head_size, False,
-                                 config.block_size)
-
-
-def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str], dict[str, str]]:
-    """The implementations asked for, in order, and why those that cannot run here are skipped."""
-    names = attention_names(compare)
-    skipped = {n: p for n in names if (p := run.problem(n, run.rt.dtype, config))}
-    if len(skipped) == len(names):
-        raise UserError(f"none of {', '.join(names)} can run on {run.rt.device} in {run.rt.dtype}; try --compare=all.")
-    return names, skipped
-
-
-def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
-    """Generation with and without the KV cache, and teacher-forced logits, of one implementation."""
-    s = run.sampling
-    warmup = full_warmup(model, s)
-    cached, t_cached = generate(model, run.prompt, run.rt, s, True, warmup)
-    plain, t_plain = generate(model, run.prompt, run.rt, s, False, warmup)
-    first = cached if first is None else first
-    result = {"samples": cached, "identical_to_first": cached == first,
-              "first_divergence": first_divergence(first, cached), "cache_equals_no_cache": cached == plain,
-              "tokens_per_s": tokens_per_s(t_cached, s.max_new_tokens),
-              "tokens_per_s_no_cache": tokens_per_s(t_plain, s.max_new_tokens), "logits": {}}
-    for dt in ("float32", run.reduced):
-        problem = run.problem(model.config.attn, dt, model.config)
-        result["logits"][dt] = ({"skipped": problem} if problem else
-                                logit_errors(forced_logits(model, run.x, Runtime(run.rt.device, dt)), run.ref_logits))
-    return result
-
-
-def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped: dict[str, str]) -> dict:
-    """Every runnable implementation in turn, its samples printed as they come; returns all the numbers."""
-    ids = numerics_ids(tok, run.prompt, model.config.block_size)
-    run.x = torch.tensor([ids], dtype=torch.long, device=run.rt.device)  # (1, T)
-    ref_device = "cpu" if run.rt.device_type == "mps" else run.rt.device  # MPS has no float64
-    ref_model = with_attn(model, "manual").double().to(ref_device)
-    run.ref_logits = forced_logits(ref_model, run.x.to(ref_device), Runtime(ref_device, "float32")).to(run.rt.device)
-    del ref_model
-    layer = model.config.n_layer // 2
-    qkv = layer_qkv(model, run.x, layer)
-    report = {"order": names, "skipped": skipped, "implementations": {}, "numerics_tokens": len(ids),
-              "reduced_dtype": run.reduced,
-              "appendix_a": {"layer": layer, "head_size": model.config.head_size,
-                             **{dt: appendix_a(qkv, dt) for dt in ("float32", run.reduced)}}}
-    first_name, first = None, None
-    for name in names:
-        if name in skipped:
-            print(f"=== {name}: skipped, {skipped[name]}")
-            continue
-        twin = with_attn(model, name)
-        if run.compile:
-            runtime.compile_isolated(twin, recompile_limit=64)
-        try:
-            result = compare_one(twin, run, first)
-        except UserError as e:  # a kernel that refused a shape only the real run met: skip the row, not the run
-            skipped[name] = str(e)  # the same dict as report["skipped"]
-            print(f"=== {name}: skipped, {e}")
-            continue
-        result["texts"] = [tok.decode(run.prompt + sample) for sample in result["samples"]]
-        div = result["first_divergence"]
-        if first is None:
-            first_name, first, verdict = name, result["samples"], "the reference tokens"
-        elif div is None:
-            verdict = f"tokens identical to {first_name}'s"
-        else:
-            verdict = f"tokens differ from {first_name}'s at sample {div['sample']}, new token {div['token']}"
-        print(f"=== {name}: {verdict}")
-        print_samples(tok, run.prompt, result["samples"])
-        report["implementations"][name] = result
-    return report
-
-
-def print_comparison(run: Run, report: dict) -> None:
-    """The summary tables: generation, teacher-forced logits, Appendix A."""
-    s, gens, dts = run.sampling, report["implementations"], ("float32", run.reduced)
-    first = next(iter(gens))
-    print(f"\n== generation: {s.num_samples} sample(s) x {s.max_new_tokens} new tokens, seed {s.seed}, "
-          f"{run.rt.dtype} on {run.rt.device}; tokens compared with {first}'s")
-    print(f"{'attn':<10} {'tokens':<30} {'tok/s cache':>12} {'tok/s no cache':>15}  cache = no cache")
-    for name in report["order"]:
-        if name in report["skipped"]:
-            print(f"{name:<10} skipped: {report['skipped'][name]}")
-            continue
-        g, div = gens[name], gens[name]["first_divergence"]
-        tokens = ("reference" if name == first else "identical" if div is None
-                  else f"differ at s{div['sample']} t{div['token']}")
-        if div is not None:  # name the first earlier implementation that drew the same tokens
-            twin = next((o for o in list(gens)[1:list(gens).index(name)] if gens[o]["samples"] == g["samples"]), None)
-            tokens += f", = {twin}" if twin else ""
-        print(f"{name:<10} {tokens:<30} {g['tokens_per_s']['median']:>12.1f} "
-              f"{g['tokens_per_s_no_cache']['median']:>15.1f}  {'yes' if g['cache_equals_no_cache'] else 'NO'}")
-    print(f"\n== teacher-forced logits on {report['numerics_tokens']} tokens vs float64 manual "
-          f"(scaled = max|dlogit| / max(1, max|ref logit|); KL(ref||impl) in nats/token, mean over positions)")
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    columns = [f"{short[dt]} {col}" for dt in dts for col in ("max|dlogit|", "scaled", "KL")]
-    print(f"{'attn':<10}" + "".join(f"{c:>17}" for c in columns))
-    for name, g in gens.items():
-        cells = []
-        for dt in dts:
-            e = g["logits"][dt]
-            cells += ([f"{'n/a':>17}"] * 3 if "skipped" in e else
-                      [f"{e['max_abs']:>17.2e}", f"{e['scaled']:>17.2e}", f"{e['kl_mean']:>17.2e}"])
-        print(f"{name:<10}" + "".join(cells))
-    a = report["appendix_a"]
-    print(f"\n== Appendix A on layer {a['layer']}'s q, k, v (T={report['numerics_tokens']}, d={a['head_size']}): "
-          + "; ".join(f"({k}) {v}" for k, v in FORMULATIONS.items()))
-    print(f"{'':<12}" + "".join(f"{short[dt] + ' max|dy|':>16}{'allclose':>10}" for dt in dts))
-    rows = [(f"({k}) vs f64", [(a[dt]["vs_float64"][k], "") for dt in dts]) for k in FORMULATIONS]
-    rows += [(pair, [(a[dt]["pairwise"][pair]["max_abs"], a[dt]["pairwise"][pair]["allclose"]) for dt in dts])
-             for pair in a["float32"]["pairwise"]]
-    for label, cells in rows:
-        print(f"{label:<12}" + "".join(f"{value:>16.2e}{str(close):>10}" for value, close in cells))
-
-
-# -----------------------------------------------------------------------------
 
 def main(argv: Optional[list[str]] = None) -> int:
-    settings = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    if settings["json"]:  # find out now, not after a long comparison
-        runtime.check_writable_dir(Path(settings["json"]).parent, "json")
-    rt = runtime.resolve_runtime(settings["device"], settings["dtype"])
-    model, tok, source = load_model(settings["init_from"], settings["out_dir"], settings["attn"])
-    prompt = encode_prompt(tok, read_prompt(settings["start"]))
-    s = Sampling(*(settings[k] for k in ("num_samples", "max_new_tokens", "temperature", "top_k", "seed")))
-    report = {"settings": settings, "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    if cfg.json:  # find out now, not after a long comparison
+        runtime.check_writable_dir(Path(cfg.json).parent, "json")
+    rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
+    model, tok, source = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
+    prompt = encode_prompt(tok, read_prompt(cfg.start))
+    sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
+    report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
               "source": source, "prompt_tokens": len(prompt)}
     print(f"{source}: {model.get_num_params() / 1e6:.2f}M parameters, {rt.dtype} on {rt.name}")
-    if settings["compare"]:
-        run = Run(rt, reduced_dtype(rt), s, prompt, settings["compile"])
-        names, skipped = resolve_compare(settings["compare"], run, model.config)
-        report.update(run_compare(model.to(rt.device), tok, run, names, skipped))
-        print_comparison(run, report)
+    if cfg.compare:
+        import compare  # the comparison harness imports this module: only now, when it is asked for
+        report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile))
     else:
-        check_attention(model.config.attn, rt.device_type, rt.torch_dtype, 0.0, model.config.head_size,
-                        needs_grad=False, seq_len=model.config.block_size)
-        model.to(rt.device)
-        if settings["compile"]:
-            model.compile()
-        warmup = full_warmup(model, s) if settings["compile"] else 8
-        samples, seconds = generate(model, prompt, rt, s, warmup=warmup)
-        print_samples(tok, prompt, samples)
-        rate = tokens_per_s(seconds, s.max_new_tokens)
-        texts = [tok.decode(prompt + sample) for sample in samples]
-        report.update(attn=model.config.attn, samples=samples, texts=texts, tokens_per_s=rate)
-        print(f"attn={model.config.attn}: {rate['median']:.1f} tokens/s (median of {s.num_samples} samples, "
-              f"{rate['min']:.1f}-{rate['max']:.1f}) with the KV cache")
-    if settings["json"]:
-        write_json(Path(settings["json"]), report)
+        report.update(sample(model, tok, rt, sampling, prompt, cfg.compile))
+    if cfg.json:
+        write_json(Path(cfg.json), report)
     return 0
+
+
+def sample(model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int], compile: bool) -> dict:
+    """Print num_samples samples and the generation speed; return the tokens, texts and tokens/s."""
+    check_attention(model.config.attn, rt.device_type, rt.torch_dtype, 0.0, model.config.head_size,
+                    needs_grad=False, seq_len=model.config.block_size)
+    model.to(rt.device)
+    if compile:
+        model.compile()
+    warmup = full_warmup(model, sampling) if compile else 8
+    samples, seconds = generate(model, prompt, rt, sampling, warmup=warmup)
+    print_samples(tok, prompt, samples)
+    rate = tokens_per_s(seconds, sampling.max_new_tokens)
+    print(f"attn={model.config.attn}: {rate['median']:.1f} tokens/s (median of {sampling.num_samples} samples, "
+          f"{rate['min']:.1f}-{rate['max']:.1f}) with the KV cache")
+    return dict(attn=model.config.attn, samples=samples, texts=[tok.decode(prompt + x) for x in samples],
+                tokens_per_s=rate)
 
 
 def write_json(path: Path, report: dict) -> None:

@@ -10,7 +10,6 @@ Every setting below can be set in a config file or overridden with --key=value.
 """
 
 import dataclasses
-import hashlib
 import inspect
 import json
 import math
@@ -28,9 +27,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import runtime
-from configurator import configure
+from checkpoint import Checkpoint
+from configurator import Settings, configure
 from errors import UserError
-from model import GPT, check_attention
+from model import GPT, GPTConfig, check_attention
+from runtime import Dist, Runtime
 
 # I/O
 out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go here
@@ -94,16 +95,16 @@ EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from
 DATA_FILES = ("train.bin", "val.bin", "meta.json")
 
 
-def lr_at(it: int, s: dict) -> float:
+def lr_at(it: int, cfg: Settings) -> float:
     """Linear warmup for warmup_iters, cosine decay to min_lr until lr_decay_iters, then min_lr."""
-    if not s["decay_lr"]:
-        return s["learning_rate"]
-    if it < s["warmup_iters"]:
-        return s["learning_rate"] * (it + 1) / (s["warmup_iters"] + 1)
-    if it > s["lr_decay_iters"]:
-        return s["min_lr"]
-    ratio = (it - s["warmup_iters"]) / max(1, s["lr_decay_iters"] - s["warmup_iters"])
-    return s["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (s["learning_rate"] - s["min_lr"])
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it > cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -186,12 +187,11 @@ class Batches:
                                for i in offsets.tolist()])  # (B, T + 1): inputs and targets in one read
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
 
-    def num_tokens(self, split: str) -> int:
-        return os.path.getsize(self.data_dir / f"{split}.bin") // 2
-
-    def global_step(self, split: str, micro_steps: int, rank: int, world_size: int):
-        """This rank's micro-batches of one optimizer step: a list of (x, y), each (B, T)."""
-        high = self.num_tokens(split) - self.block_size  # >= 1: check_token_files made sure
+    def micro_batches(self, split: str, micro_steps: int, rank: int = 0,
+                      world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of one optimizer step's global batch: micro_steps pairs (x, y), each (B, T)."""
+        tokens = os.path.getsize(self.data_dir / f"{split}.bin") // 2
+        high = tokens - self.block_size  # >= 1: check_token_files made sure
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
         return [self._windows(split, row) for row in mine]
@@ -199,75 +199,62 @@ class Batches:
 
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------
 
-def build_model(s: dict, vocab_size: int, checkpoint: dict | None) -> GPT:
+def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -> GPT:
     if checkpoint is not None:  # resume: the weights decide the shape; attn and dropout are this run's
-        model = runtime.model_from_checkpoint(checkpoint, attn=s["attn"], dropout=s["dropout"])
+        model = checkpoint.build_model(attn=cfg.attn, dropout=cfg.dropout)
         if model.config.vocab_size != vocab_size:
             raise UserError(f"the checkpoint's vocab_size is {model.config.vocab_size} but dataset "
-                            f"'{s['dataset']}' has {vocab_size}; resume with the dataset it was trained on.")
-    elif s["init_from"] == "scratch":
-        model = GPT(runtime.model_config_from({**s, "vocab_size": vocab_size}))
+                            f"'{cfg.dataset}' has {vocab_size}; resume with the dataset it was trained on.")
+    elif cfg.init_from == "scratch":
+        model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": vocab_size}))
     else:
-        model = GPT.from_pretrained(s["init_from"], attn=s["attn"], pad_vocab=s["pad_vocab"], dropout=s["dropout"])
+        model = GPT.from_pretrained(cfg.init_from, attn=cfg.attn, pad_vocab=cfg.pad_vocab, dropout=cfg.dropout)
         if model.config.vocab_size != vocab_size:
-            raise UserError(f"{s['init_from']} has vocab_size {model.config.vocab_size} but dataset "
-                            f"'{s['dataset']}' has {vocab_size}; use a GPT-2 tokenized dataset.")
-    if s["block_size"] > model.config.block_size:
-        raise UserError(f"block_size={s['block_size']} is larger than the model's {model.config.block_size}; "
+            raise UserError(f"{cfg.init_from} has vocab_size {model.config.vocab_size} but dataset "
+                            f"'{cfg.dataset}' has {vocab_size}; use a GPT-2 tokenized dataset.")
+    if cfg.block_size > model.config.block_size:
+        raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}; "
                         f"use --block_size={model.config.block_size} or less.")
-    if s["block_size"] < model.config.block_size:
-        model.crop_block_size(s["block_size"])
+    if cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
     return model
 
 
-def rng_state(batches: Batches, d: runtime.Dist) -> dict:
+def rng_state(batches: Batches, ranks: Dist, rt: Runtime) -> dict:
     """Every rank's dropout RNG (collective: all ranks call it) and the shared data generator."""
-    mine = torch.cat([torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if d.device.startswith("cuda") else []))
+    mine = torch.cat([torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if rt.is_cuda else []))
     per_rank = [mine]
-    if d.enabled:
-        per_rank = [None] * d.world_size
+    if ranks.is_distributed:
+        per_rank = [None] * ranks.world_size
         torch.distributed.all_gather_object(per_rank, mine)
     return {"per_rank": per_rank, "data": batches.generator.get_state()}
 
 
-def restore_rng(state: dict, batches: Batches, d: runtime.Dist) -> None:
+def restore_rng(state: dict, batches: Batches, ranks: Dist, rt: Runtime) -> None:
     batches.generator.set_state(state["data"])
-    if len(state["per_rank"]) != d.world_size:
+    if len(state["per_rank"]) != ranks.world_size:
         return  # another world size: dropout streams cannot continue, the seeds set in main() stand
-    saved, cpu_size = state["per_rank"][d.rank], torch.get_rng_state().numel()
+    saved, cpu_size = state["per_rank"][ranks.rank], torch.get_rng_state().numel()
     torch.set_rng_state(saved[:cpu_size])
-    if d.device.startswith("cuda") and saved.numel() > cpu_size:
+    if rt.is_cuda and saved.numel() > cpu_size:
         torch.cuda.set_rng_state(saved[cpu_size:])
 
 
-def local_numel(p: torch.Tensor) -> int:
-    """Elements this rank stores: its shard of an FSDP parameter, or all of a replicated one."""
-    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-
-
-def parameter_digest(model: torch.nn.Module) -> str:
-    """A hash of every parameter's bytes: equal on all ranks if DDP kept them in step."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def parallelize(model: GPT, s: dict, d: runtime.Dist, rt: runtime.Runtime) -> torch.nn.Module:
+def parallelize(model: GPT, cfg: Settings, ranks: Dist, rt: Runtime) -> torch.nn.Module:
     """Compile and wrap for the world we run in. FSDP2: each block is a unit (gathered for its forward and
     backward, then freed), then the root holds the embeddings, final norm and tied lm_head."""
-    if d.enabled and s["parallel"] == "fsdp":
+    if ranks.is_distributed and cfg.parallel == "fsdp":
         mp = MixedPrecisionPolicy(param_dtype=rt.torch_dtype, reduce_dtype=torch.float32)
         for block in model.transformer.h:
-            if s["compile"]:
+            if cfg.compile:
                 block.compile()  # per block: whole-model compile would trace through FSDP's hooks
             fully_shard(block, mp_policy=mp)
         return fully_shard(model, mp_policy=mp)
-    compiled = torch.compile(model) if s["compile"] else model
-    return wrap_ddp(compiled, rt, d.local_rank) if d.enabled else compiled
+    compiled = torch.compile(model) if cfg.compile else model
+    return wrap_ddp(compiled, rt, ranks.local_rank) if ranks.is_distributed else compiled
 
 
-def wrap_ddp(model: torch.nn.Module, rt: runtime.Runtime, local_rank: int) -> DDP:
+def wrap_ddp(model: torch.nn.Module, rt: Runtime, local_rank: int) -> DDP:
     # the only buffers (causal masks, the padded-vocab bias) are derived and alike on every rank: DDP's default
     # would broadcast them from rank 0 before every forward (~13 MB at GPT-2 size). torch 2.13 renamed the switch.
     new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -287,23 +274,17 @@ def gradient_sync(model: torch.nn.Module, sync: bool):
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_state(model: GPT, optimizer) -> tuple[dict, dict]:
-    """Unsharded model and optimizer state (collective: every rank calls it), keyed by parameter name, so
-    a checkpoint loads the same under one process, DDP or FSDP."""
-    return get_model_state_dict(model, options=FULL_STATE), get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
-
-
-# -- logging -------------------------------------------------------------------------------------------
+# -- logging and evaluation ------------------------------------------------------------------------------
 
 class MetricsLog:
     """Console, out_dir/metrics.jsonl, and wandb when enabled. Only the master rank writes."""
 
-    def __init__(self, s: dict, run_config: dict, enabled: bool, to_file: bool = True):
+    def __init__(self, cfg: Settings, run_config: dict, enabled: bool, to_file: bool = True):
         self.enabled, self.wandb = enabled, None
-        self.path = Path(s["out_dir"]) / "metrics.jsonl" if to_file else None
-        if enabled and s["wandb_log"]:
+        self.path = Path(cfg.out_dir) / "metrics.jsonl" if to_file else None
+        if enabled and cfg.wandb_log:
             import wandb  # mode (online/offline/disabled) comes from WANDB_MODE, never hard-coded
-            self.wandb = wandb.init(project=s["wandb_project"], name=s["wandb_run_name"], config=run_config)
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run_config)
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -322,169 +303,188 @@ class MetricsLog:
 
 
 @torch.no_grad()
-def estimate_loss(model, s: dict, data_dir: Path, ctx, d: runtime.Dist) -> dict:
+def estimate_loss(model, cfg: Settings, data_dir: Path, ranks: Dist, rt: Runtime) -> dict:
     """Mean loss over eval_iters batches per split, the same batches at every evaluation (a fixed seed),
     different ones per rank, averaged over ranks."""
     model.eval()
     out = {}
     for split in ("train", "val"):
-        batches = Batches(data_dir, s["block_size"], s["batch_size"], seed=s["seed"] + 1000 + d.rank)
+        batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + ranks.rank)
         losses = []
-        for x, y in batches.global_step(split, s["eval_iters"], 0, 1):
-            with ctx:
-                _, loss = model(x.to(d.device), y.to(d.device))
+        for x, y in batches.micro_batches(split, cfg.eval_iters):  # this rank's own batches, seeded by rank
+            with rt.autocast():
+                _, loss = model(x.to(rt.device), y.to(rt.device))
             losses.append(loss.item())
-        out[split] = runtime.mean_across_ranks(sum(losses) / len(losses), d.device)
+        out[split] = runtime.mean_across_ranks(sum(losses) / len(losses), ranks.device)
     model.train()
     return out
 
 
 # -- training ------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
-    s = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    if s["parallel"] not in ("ddp", "fsdp"):
-        raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{s['parallel']}'.")
-    d = runtime.init_distributed(runtime.pick_device(s["device"]))
-    rt = runtime.resolve_runtime(d.device, s["dtype"])
-    if s["gradient_accumulation_steps"] % d.world_size:
-        raise UserError(f"gradient_accumulation_steps={s['gradient_accumulation_steps']} is not divisible by "
-                        f"the {d.world_size} ranks; make it a multiple of the world size.")
-    micro_steps = s["gradient_accumulation_steps"] // d.world_size
-    torch.manual_seed(s["seed"])  # the same initial weights on every rank (FSDP shards each rank's own copy)
-    out = Path(s["out_dir"])
-    ckpt_path = out / "ckpt.pt"
-    if not s["eval_only"]:  # evaluation writes nothing; training must be able to write its log and checkpoint
-        runtime.on_master(lambda: runtime.check_writable_dir(out), d.device)
+@dataclasses.dataclass
+class Trainer:
+    """What the loop works with: the settings, where it runs, the model (raw and wrapped), its optimizer and
+    data, the log, and where training stands."""
+    cfg: Settings
+    ranks: Dist
+    rt: Runtime
+    raw_model: GPT
+    model: torch.nn.Module               # compiled, DDP- or FSDP-wrapped
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    batches: Batches
+    data_dir: Path
+    meta: dict | None
+    log: MetricsLog
+    iter_num: int = 0
+    best_val_loss: float = math.inf
 
-    data_dir = dataset_dir(s["data_dir"], s["dataset"])
-    runtime.on_master(lambda: prepare_if_missing(data_dir, s["dataset"]), d.device)
+    def step(self, micro_steps: int) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns their mean loss (on the device)."""
+        loss_sum = torch.zeros((), device=self.rt.device)
+        micro_batches = self.batches.micro_batches("train", micro_steps, self.ranks.rank, self.ranks.world_size)
+        for micro, (x, y) in enumerate(micro_batches):
+            with gradient_sync(self.model, sync=micro == micro_steps - 1):
+                if self.rt.is_cuda:  # pinned memory lets the copy overlap with compute
+                    x, y = x.pin_memory(), y.pin_memory()
+                with self.rt.autocast():
+                    _, loss = self.model(x.to(self.rt.device, non_blocking=True),
+                                         y.to(self.rt.device, non_blocking=True))
+                self.scaler.scale(loss / micro_steps).backward()
+            loss_sum += loss.detach()
+        if self.cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / micro_steps
+
+    def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
+        """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
+        losses = estimate_loss(self.model, self.cfg, self.data_dir, self.ranks, self.rt)
+        self.log.log({"iter": self.iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"],
+                      "lr": lr, "train_time_s": train_time_s})
+        if not math.isfinite(losses["val"]):
+            raise UserError(f"validation loss is {losses['val']} at iter {self.iter_num}; training diverged (try "
+                            f"a lower learning_rate); the last good checkpoint in {self.cfg.out_dir} is kept.")
+        if self.iter_num == 0 or not (losses["val"] < self.best_val_loss or self.cfg.always_save_checkpoint):
+            return
+        self.best_val_loss = min(self.best_val_loss, losses["val"])
+        rng = rng_state(self.batches, self.ranks, self.rt)  # collective: every rank gathers, rank 0 writes
+        model_state = get_model_state_dict(self.raw_model, options=FULL_STATE)
+        optimizer_state = get_optimizer_state_dict(self.raw_model, self.optimizer, options=FULL_STATE)
+        if self.ranks.is_master:
+            Checkpoint(model_state, dataclasses.asdict(self.raw_model.config), self.iter_num, self.best_val_loss,
+                       optimizer_state, rng, self.cfg.as_dict(), self.meta).save(Path(self.cfg.out_dir) / "ckpt.pt")
+
+    def log_step(self, loss: float, lr: float, timer: runtime.StepTimer, peak_flops: float) -> None:
+        """The training line: loss averaged over ranks, and speed over the timed steps since the last one."""
+        seconds, steps = timer.read_and_reset()
+        loss = runtime.mean_across_ranks(loss, self.ranks.device)
+        if not math.isfinite(loss):
+            raise UserError(f"training loss is {loss} at iter {self.iter_num}; training diverged (try a lower "
+                            f"learning_rate or grad_clip); the last good checkpoint in {self.cfg.out_dir} is kept.")
+        metrics = {"iter": self.iter_num, "train/loss": loss, "lr": lr}
+        if steps:  # none when the only step since the last line was the compiling one
+            tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
+            mfu = self.raw_model.estimate_mfu(tokens_per_s / self.ranks.world_size, peak_flops, self.cfg.block_size)
+            metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s, mfu=mfu)
+        self.log.log({**metrics, "mem/peak_gb": self.rt.peak_memory_gb()})
+
+
+def tokens_per_iter(cfg: Settings) -> int:
+    return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    if cfg.parallel not in ("ddp", "fsdp"):
+        raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{cfg.parallel}'.")
+    ranks = runtime.init_distributed(runtime.pick_device(cfg.device))
+    rt = runtime.resolve_runtime(ranks.device, cfg.dtype)
+    if cfg.gradient_accumulation_steps % ranks.world_size:
+        raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
+                        f"the {ranks.world_size} ranks; make it a multiple of the world size.")
+    micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
+    if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
+        runtime.on_master(lambda: runtime.check_writable_dir(Path(cfg.out_dir)), ranks.device)
+
+    # data
+    data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
+    runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), ranks.device)
     meta = read_meta(data_dir)
-    vocab_size = meta["vocab_size"] if meta else 50257
 
-    resuming = s["init_from"] == "resume"
-    checkpoint = runtime.load_checkpoint(ckpt_path, for_training=not s["eval_only"]) if resuming else None
-    model = build_model(s, vocab_size, checkpoint).to(d.device)
-    check_token_files(data_dir, model.config.vocab_size, s["block_size"])
-    check_attention(model.config.attn, rt.device_type, rt.torch_dtype, model.config.dropout,
-                    model.config.head_size, not s["eval_only"], s["block_size"])  # now, not after compiling
-    torch.manual_seed(s["seed"] + d.rank)  # dropout differs per rank; the data generator does not
-    raw_model = model
-    model = parallelize(raw_model, s, d, rt)  # FSDP shards raw_model's parameters in place
-    iter_num = checkpoint["iter_num"] if resuming else 0
-    ctx = rt.autocast()
-    if s["eval_only"]:  # the loss of the weights as they are, at their step; nothing is written
-        losses = estimate_loss(model, s, data_dir, ctx, d)
-        log = MetricsLog(s, s, enabled=d.is_master, to_file=False)
+    # model: the same initial weights on every rank (FSDP shards each rank's own copy)
+    torch.manual_seed(cfg.seed)
+    resuming = cfg.init_from == "resume"
+    checkpoint = Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only) if resuming else None
+    raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
+    check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size)
+    check_attention(raw_model.config.attn, rt.device_type, rt.torch_dtype, raw_model.config.dropout,
+                    raw_model.config.head_size, not cfg.eval_only, cfg.block_size)  # now, not after compiling
+    torch.manual_seed(cfg.seed + ranks.rank)  # dropout differs per rank; the data generator does not
+    model = parallelize(raw_model, cfg, ranks, rt)  # FSDP shards raw_model's parameters in place
+    iter_num = checkpoint.iter_num if resuming else 0
+    if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
+        log = MetricsLog(cfg, cfg.as_dict(), enabled=ranks.is_master, to_file=False)
+        losses = estimate_loss(model, cfg, data_dir, ranks, rt)
         log.log({"iter": iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"]})
         log.close()
         return 0
-    optimizer = raw_model.configure_optimizers(s["weight_decay"], s["learning_rate"], (s["beta1"], s["beta2"]),
-                                               rt.device_type)
-    scaler = rt.grad_scaler()
-    batches = Batches(data_dir, s["block_size"], s["batch_size"], seed=s["seed"])
-    best_val_loss = float("inf")
-    if checkpoint is not None:
-        set_optimizer_state_dict(raw_model, optimizer, checkpoint["optimizer"], options=FULL_STATE)
-        restore_rng(checkpoint["rng"], batches, d)
-        best_val_loss = checkpoint["best_val_loss"]
-        checkpoint = None  # free the memory
-    if d.enabled:
-        local = [None] * d.world_size
-        torch.distributed.all_gather_object(local, sum(local_numel(p) for p in raw_model.parameters()))
-        if d.is_master:
-            print(f"parameter elements per rank ({s['parallel']}): {' '.join(map(str, local))} "
-                  f"of {sum(p.numel() for p in raw_model.parameters())}")
 
-    tokens_per_iter = s["gradient_accumulation_steps"] * s["batch_size"] * s["block_size"]  # over all ranks
-    run_config = {**s, "world_size": d.world_size, "device_name": rt.name,
-                  "resolved_dtype": rt.dtype, "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
-                  "tokens_per_iter": tokens_per_iter, "num_params": raw_model.get_num_params()}
-    log = MetricsLog(s, run_config, enabled=d.is_master)
-    if d.is_master:
+    # optimizer, and where a resumed run stood
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                               rt.device_type)
+    batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
+    run_config = {**cfg.as_dict(), "world_size": ranks.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
+                  "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
+                  "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
+    trainer = Trainer(cfg, ranks, rt, raw_model, model, optimizer, rt.grad_scaler(), batches, data_dir, meta,
+                      MetricsLog(cfg, run_config, enabled=ranks.is_master), iter_num)
+    if checkpoint is not None:
+        set_optimizer_state_dict(raw_model, optimizer, checkpoint.optimizer, options=FULL_STATE)
+        restore_rng(checkpoint.rng, batches, ranks, rt)
+        trainer.best_val_loss = checkpoint.best_val_loss
+        checkpoint = None  # free the memory
+    if ranks.is_master:
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
-              f"{rt.name}, world size {d.world_size}, {tokens_per_iter:,} tokens per iteration")
+              f"{rt.name}, world size {ranks.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
+
+    # the loop
     peak_flops = rt.peak_flops  # measured on CPU and unlisted GPUs: before the clock starts
     timer = runtime.StepTimer(rt)
     steps_run = 0  # optimizer steps taken by this process
-    # a resumed run was evaluated (and saved) at this very step before it stopped: do not repeat it
-    resumed_at = iter_num if resuming else None
     try:
         while True:
-            lr = lr_at(iter_num, s)
+            lr = lr_at(trainer.iter_num, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # every rank must stop at the same step, so one rank's clock running out stops them all
-            out_of_time = s["max_seconds"] > 0 and runtime.mean_across_ranks(
-                float(timer.total >= s["max_seconds"]), d.device) > 0
-            done = iter_num >= s["max_iters"] or out_of_time
-            if (iter_num % s["eval_interval"] == 0 or done) and iter_num != resumed_at:
+            out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
+                float(timer.total >= cfg.max_seconds), ranks.device) > 0
+            done = trainer.iter_num >= cfg.max_iters or out_of_time
+            # a resumed run was evaluated and saved at its first step before it stopped: no need to repeat it
+            due = trainer.iter_num % cfg.eval_interval == 0 or done
+            if due and not (resuming and trainer.iter_num == iter_num):
                 timer.pause()
-                losses = estimate_loss(model, s, data_dir, ctx, d)
-                log.log({"iter": iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"], "lr": lr,
-                         "train_time_s": timer.total})
-                if not math.isfinite(losses["val"]):
-                    raise UserError(f"validation loss is {losses['val']} at iter {iter_num}; training diverged "
-                                    f"(try a lower learning_rate); the last good checkpoint in {out} is kept.")
-                if iter_num > 0 and (losses["val"] < best_val_loss or s["always_save_checkpoint"]):
-                    best_val_loss = min(best_val_loss, losses["val"])
-                    rng = rng_state(batches, d)
-                    model_state, optimizer_state = full_state(raw_model, optimizer)
-                    if d.is_master:
-                        runtime.save_checkpoint({
-                            "model": model_state, "model_config": dataclasses.asdict(raw_model.config),
-                            "optimizer": optimizer_state, "iter_num": iter_num,
-                            "best_val_loss": best_val_loss, "settings": s, "meta": meta, "rng": rng,
-                        }, ckpt_path)
+                trainer.evaluate_and_save(lr, timer.total)
             if done:
                 break
-
             # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
-            timed = not (s["compile"] and steps_run == 0)
+            timed = not (cfg.compile and steps_run == 0)
             if timed and not timer.running:
                 timer.start()
-            loss_sum = torch.zeros((), device=d.device)
-            micro_batches = batches.global_step("train", micro_steps, d.rank, d.world_size)
-            for micro, (x, y) in enumerate(micro_batches):
-                with gradient_sync(model, sync=micro == micro_steps - 1):
-                    if rt.is_cuda:  # pinned memory lets the copy overlap with compute
-                        x, y = x.pin_memory(), y.pin_memory()
-                    with ctx:
-                        _, loss = model(x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True))
-                    scaler.scale(loss / micro_steps).backward()
-                loss_sum += loss.detach()
-            if s["grad_clip"] > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            loss = trainer.step(micro_steps)
             if timed:
                 timer.step()
             steps_run += 1
-            iter_num += 1
-
-            if iter_num % s["log_interval"] == 0:
-                seconds, steps = timer.read_and_reset()
-                loss = runtime.mean_across_ranks(loss_sum.item() / micro_steps, d.device)
-                if not math.isfinite(loss):
-                    raise UserError(f"training loss is {loss} at iter {iter_num}; training diverged (try a lower "
-                                    f"learning_rate or grad_clip); the last good checkpoint in {out} is kept.")
-                metrics = {"iter": iter_num, "train/loss": loss, "lr": lr}
-                if steps:  # none when the only step since the last log was the compiling one
-                    tokens_per_s = tokens_per_iter * steps / seconds
-                    metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s,
-                                   mfu=raw_model.estimate_mfu(tokens_per_s / d.world_size, peak_flops, s["block_size"]))
-                log.log({**metrics, "mem/peak_gb": rt.peak_memory_gb()})
-        if d.enabled and s["parallel"] == "ddp":
-            digests = [None] * d.world_size
-            torch.distributed.all_gather_object(digests, parameter_digest(raw_model))
-            if d.is_master:
-                print(f"parameter digest per rank: {' '.join(digests)}")
-            if len(set(digests)) != 1:
-                raise RuntimeError("ranks hold different parameters after training: DDP fell out of step")
+            trainer.iter_num += 1
+            if trainer.iter_num % cfg.log_interval == 0:
+                trainer.log_step(loss.item(), lr, timer, peak_flops)
     finally:
-        log.close()
+        trainer.log.close()
     return 0
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+RANK_PROBE = REPO / "tests" / "rank_probe.py"
 # a 2-layer model, fp32, eager, one micro-step: seconds per run
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--compile=False",
         "--dtype=float32", "--device=cpu", "--gradient_accumulation_steps=1", "--eval_iters=2", "--log_interval=1",
@@ -30,10 +31,12 @@ def char_data(tmp_path_factory) -> Path:
     return d
 
 
-def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True):
+def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True,
+              script: Path = REPO / "train.py"):
+    """train.py as a user runs it, alone or under torchrun; `script=RANK_PROBE` also reports per-rank facts."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [sys.executable])
-    result = subprocess.run(launcher + [str(REPO / "train.py")] + args, capture_output=True, text=True,
+    result = subprocess.run(launcher + [str(script)] + args, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -12,9 +12,9 @@ import torch
 
 import bench
 import configurator
-import runtime
 import sample
 import train
+from checkpoint import Checkpoint
 from conftest import REPO, TINY, metrics
 from model import GPT, GPTConfig, UserError
 
@@ -101,7 +101,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",
                    f"--out_dir={trained}")
     assert (trained / "ckpt.pt").read_bytes() == before
-    assert runtime.load_checkpoint(trained / "ckpt.pt", for_training=True)["iter_num"] == 2
+    assert Checkpoint.load(trained / "ckpt.pt", for_training=True).iter_num == 2
     assert not os.path.lexists(trained / "ckpt.pt.tmp")
 
 
@@ -144,7 +144,7 @@ def test_a_numeric_setting_without_a_range_is_a_programming_error():
 
 def test_none_is_allowed_where_a_script_sizes_a_setting_itself_and_a_word_is_not_a_number():
     limits = {"n_layer": "[1, inf)"}
-    assert configurator.configure({"n_layer": None}, [], limits) == {"n_layer": None}
+    assert configurator.configure({"n_layer": None}, [], limits).n_layer is None
     with pytest.raises(UserError, match="n_layer must be a number, got 'deep'"):
         configurator.configure({"n_layer": None}, ["--n_layer=deep"], limits)
 
@@ -242,10 +242,9 @@ def test_a_bare_state_dict_is_named_as_such(tiny_model, char_data, tmp_path):
 
 
 def test_a_weights_only_checkpoint_samples_but_does_not_resume(tiny_model, char_data, tmp_path):
-    runtime.save_checkpoint({"model": tiny_model.state_dict(), "model_config": vars(tiny_model.config)},
-                            tmp_path / "ckpt.pt")
-    assert runtime.load_checkpoint(tmp_path / "ckpt.pt")["model_config"]["n_layer"] == 1
-    with pytest.raises(UserError, match="has no optimizer, iter_num, best_val_loss, rng; it is not a resumable"):
+    Checkpoint.of(tiny_model).save(tmp_path / "ckpt.pt")
+    assert Checkpoint.load(tmp_path / "ckpt.pt").model_config["n_layer"] == 1
+    with pytest.raises(UserError, match="has no optimizer, rng; it is not a resumable"):
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={tmp_path}")
 
 

@@ -14,6 +14,7 @@ import torch
 
 import audit
 import bench
+from configurator import Settings
 from model import ATTENTION
 from runtime import Runtime
 
@@ -252,7 +253,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
         probes.append(weakref.ref(trainer))
         return trainer
     monkeypatch.setattr(bench, "build_trainer", build_trainer)
-    cfg = {"mem_budget_gb": 1.0}
+    cfg = Settings(mem_budget_gb=1.0)
     rt = bench.Runtime(device, "float32")
     assert bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), limit=64) == 5
     assert len(probes) > 3
@@ -263,4 +264,4 @@ def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatc
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     monkeypatch.setattr(bench, "build_trainer", build_trainer)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        bench.fits({"mem_budget_gb": 1.0}, bench.Runtime("cpu", "float32"), "manual", False, 4)
+        bench.fits(Settings(mem_budget_gb=1.0), bench.Runtime("cpu", "float32"), "manual", False, 4)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, metrics, run_train
+from conftest import RANK_PROBE, REPO, TINY, metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here launches two processes
 STEPS = TINY + ["--gradient_accumulation_steps=2", "--eval_interval=3"]
@@ -24,8 +24,8 @@ def test_fsdp_and_ddp_give_the_same_losses_from_the_same_seed(char_data, tmp_pat
 
 def test_each_rank_stores_only_its_shard(char_data, tmp_path):
     result = run_train(STEPS + [f"--data_dir={char_data}", "--max_iters=1", "--parallel=fsdp",
-                                f"--out_dir={tmp_path}"], nproc=2)
-    line = next(l for l in result.stdout.splitlines() if l.startswith("parameter elements per rank (fsdp)"))
+                                f"--out_dir={tmp_path}"], nproc=2, script=RANK_PROBE)
+    line = next(l for l in result.stdout.splitlines() if l.startswith("parameter elements per rank"))
     per_rank, total = line.split(":")[1].split(" of ")
     rank0, rank1 = map(int, per_rank.split())
     assert rank0 + rank1 == int(total)

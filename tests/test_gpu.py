@@ -15,6 +15,7 @@ import torch
 import bench
 import runtime
 import sample
+from checkpoint import Checkpoint
 import train
 from conftest import TINY, metrics, run_train
 from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem
@@ -109,9 +110,8 @@ def test_sample_compare_all_finishes_on_the_gpu(tmp_path, capsys):
     chars = sorted(set("\n .,;:!?'-" + string.ascii_letters))
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=128))
-    runtime.save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "iter_num": 1,
-                             "meta": {"tokenizer": "char", "vocab_size": len(chars), "chars": chars}},
-                            tmp_path / "ckpt.pt")
+    Checkpoint.of(model, iter_num=1, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
+        tmp_path / "ckpt.pt")
     assert sample.main([f"--out_dir={tmp_path}", "--compare=all", "--num_samples=1", "--max_new_tokens=80",
                         "--start=To be", f"--json={tmp_path / 'compare.json'}"]) == 0
     report = json.loads((tmp_path / "compare.json").read_text())
@@ -121,7 +121,7 @@ def test_sample_compare_all_finishes_on_the_gpu(tmp_path, capsys):
 
 def test_the_max_batch_search_returns_a_batch_that_really_trains():
     cfg, rt = bench.settings(["--attn=manual", "--seq_len=2048", "--max_batch_limit=256"])
-    found = bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), cfg["max_batch_limit"])
+    found = bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), cfg.max_batch_limit)
     assert 1 <= found < 256  # manual attention at T=2048 runs out of memory well before 256
     trainer = bench.build_trainer(cfg, rt, "manual", False, found)
     for _ in range(3):

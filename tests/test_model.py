@@ -21,9 +21,7 @@ def tiny_model(attn="manual", pad_vocab=False, seed=0, **kw) -> GPT:
 
 def with_attn(model: GPT, attn: str) -> GPT:
     """The same weights, read through another attention implementation."""
-    twin = GPT(GPTConfig(**{**model.config.__dict__, "attn": attn}))
-    twin.load_state_dict(model.state_dict())
-    return twin.to(next(model.parameters()).dtype)
+    return copy.deepcopy(model).set_attention(attn)
 
 
 def batch(seed=1, B=3, T=32, vocab=101):

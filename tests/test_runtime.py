@@ -11,6 +11,7 @@ import torch
 
 import audit
 import bench
+import compare
 import runtime
 import sample
 import train
@@ -77,7 +78,7 @@ def test_dtype_auto_on_a_gpu_that_only_emulates_bf16_picks_fp16(fake_cuda, monke
     # a V100 or T4: torch says bf16 is "supported" when emulation counts, and not otherwise
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert runtime.pick_dtype("auto", "cuda:0") == "float16"
-    assert sample.reduced_dtype(runtime.Runtime("cuda:0", "float32")) == "float16"
+    assert compare.reduced_dtype(runtime.Runtime("cuda:0", "float32")) == "float16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
     assert runtime.pick_dtype("auto", "cuda:0") == "bfloat16"
 

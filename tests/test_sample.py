@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import compare
 import configurator
 import model as model_module
 import runtime
 import sample
+from checkpoint import Checkpoint
 from model import GPT, GPTConfig, UserError
 from tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -37,8 +39,7 @@ def confident_char_model() -> GPT:
 
 
 def save_checkpoint(out_dir: Path, model: GPT, meta) -> Path:
-    runtime.save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                             "meta": meta, "iter_num": 7}, out_dir / "ckpt.pt")
+    Checkpoint.of(model, meta=meta, iter_num=7).save(out_dir / "ckpt.pt")
     return out_dir
 
 
@@ -155,10 +156,10 @@ def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(ch
 
 def test_reference_logits_are_large_enough_for_a_relative_bound_and_errors_of_equal_logits_are_zero(char_ckpt):
     model, tok, _ = sample.load_model("resume", str(char_ckpt), None)
-    x = torch.tensor([sample.numerics_ids(tok, tok.encode("T"), model.config.block_size)])
-    ref = sample.forced_logits(sample.with_attn(model, "manual").double(), x, CPU_FP32)
+    x = torch.tensor([compare.numerics_ids(tok, tok.encode("T"), model.config.block_size)])
+    ref = compare.forced_logits(compare.with_attn(model, "manual").double(), x, CPU_FP32)
     assert ref.abs().max().item() > 2.0
-    errors = sample.logit_errors(ref, ref)
+    errors = compare.logit_errors(ref, ref)
     assert errors["max_abs"] == 0 and errors["kl_mean"] == 0
 
 
@@ -166,29 +167,29 @@ def test_appendix_a_sdpa_math_is_pre_scaling_bit_for_bit_and_not_allclose_to_nan
     """The post's Appendix A at GPT-2's head size: allclose(sdpa, nanogpt) fails, allclose(sdpa, scale_before) holds."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 32, 64) for _ in range(3))  # (B, nh, T, hs)
-    fp32 = sample.appendix_a((q, k, v), "float32")
+    fp32 = compare.appendix_a((q, k, v), "float32")
     assert max(fp32["vs_float64"].values()) <= 1e-6  # all four are right to fp32 precision
     assert fp32["pairwise"]["b-d"] == {"max_abs": 0.0, "allclose": True}
     assert 0 < fp32["pairwise"]["a-d"]["max_abs"] <= 1e-6 and not fp32["pairwise"]["a-d"]["allclose"]
-    bf16 = sample.appendix_a((q, k, v), "bfloat16")
+    bf16 = compare.appendix_a((q, k, v), "bfloat16")
     assert min(bf16["vs_float64"].values()) > 100 * max(fp32["vs_float64"].values())
 
 
 def test_pre_scaling_by_a_power_of_two_rounds_nothing():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))  # d=16: d^-1/4 = 0.5
-    assert sample.appendix_a((q, k, v), "float32")["pairwise"]["a-b"] == {"max_abs": 0.0, "allclose": True}
+    assert compare.appendix_a((q, k, v), "float32")["pairwise"]["a-b"] == {"max_abs": 0.0, "allclose": True}
 
 
 def test_compare_names_are_checked_and_unrunnable_ones_skipped_with_the_reason():
-    run = sample.Run(CPU_FP32, "bfloat16", SAMPLING, [0], False)
-    names, skipped = sample.resolve_compare("sdpa, manual,sdpa,efficient", run, GPTConfig(**TINY))
+    run = compare.Run(CPU_FP32, "bfloat16", SAMPLING, [0], False)
+    names, skipped = compare.resolve_compare("sdpa, manual,sdpa,efficient", run, GPTConfig(**TINY))
     assert names == ["sdpa", "manual", "efficient"]  # in the order given, each once
     assert skipped == {"efficient": "the memory-efficient kernel is CUDA-only"}
     with pytest.raises(UserError, match="unknown attn 'fast'; use all or a comma-separated list"):
-        sample.resolve_compare("manual,fast", run, GPTConfig(**TINY))
+        compare.resolve_compare("manual,fast", run, GPTConfig(**TINY))
     with pytest.raises(UserError, match="none of efficient, cudnn can run"):
-        sample.resolve_compare("efficient,cudnn", run, GPTConfig(**TINY))
+        compare.resolve_compare("efficient,cudnn", run, GPTConfig(**TINY))
 
 
 def test_the_settings_are_the_commented_globals_only():
@@ -198,8 +199,8 @@ def test_the_settings_are_the_commented_globals_only():
 
 
 def test_first_divergence_names_the_sample_and_the_token():
-    assert sample.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == {"sample": 1, "token": 1}
-    assert sample.first_divergence([[1, 2]], [[1, 2]]) is None
+    assert compare.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == {"sample": 1, "token": 1}
+    assert compare.first_divergence([[1, 2]], [[1, 2]]) is None
 
 
 # -- clear errors --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from configurator import configure
-from conftest import TINY, metrics, run_train
+from conftest import RANK_PROBE, TINY, metrics, run_train
 from model import UserError
 
 # -- distributed --------------------------------------------------------------------------------------
@@ -18,7 +18,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(
     common = TINY + [f"--data_dir={char_data}", "--max_iters=6", "--eval_interval=100",
                      "--gradient_accumulation_steps=2"]
     run_train(common + [f"--out_dir={tmp_path / 'one'}"])
-    two = run_train(common + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
+    two = run_train(common + [f"--out_dir={tmp_path / 'two'}"], nproc=2, script=RANK_PROBE)
     one_losses, two_losses = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
     assert sorted(one_losses) == list(range(1, 7))
     for it, loss in one_losses.items():
@@ -169,14 +169,14 @@ def settings_namespace() -> dict:
 def test_overrides_are_literals_and_bare_words_stay_strings():
     ns = settings_namespace()
     s = configure(ns, ["--batch_size=32", "--attn=flash", "--compile=False", "--wandb_run_name=lr=3e-4,bs=32"])
-    assert (s["batch_size"], s["attn"], s["compile"]) == (32, "flash", False)
-    assert s["wandb_run_name"] == "lr=3e-4,bs=32"  # a value may contain '='
+    assert (s.batch_size, s.attn, s.compile) == (32, "flash", False)
+    assert s.wandb_run_name == "lr=3e-4,bs=32"  # a value may contain '='
     assert ns == settings_namespace()  # the script's own defaults are left alone: main() can run again
 
 
 def test_an_int_is_accepted_where_a_float_is_expected():
     s = configure(settings_namespace(), ["--learning_rate=1"])
-    assert s["learning_rate"] == 1.0 and isinstance(s["learning_rate"], float)
+    assert s.learning_rate == 1.0 and isinstance(s.learning_rate, float)
 
 
 def test_unknown_key_names_the_closest_valid_keys():
@@ -193,7 +193,7 @@ def test_config_files_apply_in_order_and_are_checked_too(tmp_path):
     (tmp_path / "a.py").write_text("batch_size = 64\nattn = 'manual'\n")
     (tmp_path / "bad.py").write_text("batchsize = 64\n")
     s = configure(settings_namespace(), [str(tmp_path / "a.py"), "--attn=math"])
-    assert (s["batch_size"], s["attn"]) == (64, "math")
+    assert (s.batch_size, s.attn) == (64, "math")
     with pytest.raises(UserError, match="did you mean batch_size"):
         configure(settings_namespace(), [str(tmp_path / "bad.py")])
     with pytest.raises(UserError, match="config file 'nope.py' not found"):
@@ -203,7 +203,7 @@ def test_config_files_apply_in_order_and_are_checked_too(tmp_path):
 def test_the_gpt2_recipe_pads_the_vocabulary_as_the_posts_fast_path():
     import train
     settings = configure(vars(train), [str(Path(train.__file__).parent / "config" / "train_gpt2.py")], train.LIMITS)
-    assert settings["pad_vocab"] is True  # 50257 -> 50304: aligned lm_head tiles for the command it serves
+    assert settings.pad_vocab is True  # 50257 -> 50304: aligned lm_head tiles for the command it serves
 
 
 def test_train_script_reports_configurator_errors_in_one_line():

@@ -1,0 +1,90 @@
+"""
+The checkpoint format, in one place: what train.py saves and what train.py (resuming), sample.py and the tests
+read. Tensors and plain Python types only, so it loads with torch.load(weights_only=True); written to a
+temporary file and renamed into place.
+
+    Checkpoint.of(model, iter_num=100, optimizer=..., ...).save(out_dir / "ckpt.pt")
+    model = Checkpoint.load(out_dir / "ckpt.pt").build_model(attn="flash")
+"""
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from errors import UserError
+from model import GPT, GPTConfig
+
+TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
+
+
+@dataclass
+class Checkpoint:
+    model: dict                          # the full (unsharded) state dict, keyed by parameter name
+    model_config: dict                   # GPTConfig's fields
+    iter_num: int = 0                    # optimizer steps taken
+    best_val_loss: float = math.inf
+    optimizer: Optional[dict] = None     # the full optimizer state dict, keyed by parameter name
+    rng: Optional[dict] = None           # every rank's RNG state and the data sampler's generator (train.py)
+    settings: dict = field(default_factory=dict)  # the run's settings
+    meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
+
+    @classmethod
+    def of(cls, model: GPT, **fields) -> "Checkpoint":
+        """A checkpoint of an unwrapped model's weights and config, with whatever else is given."""
+        return cls(model=model.state_dict(), model_config=dataclasses.asdict(model.config), **fields)
+
+    def build_model(self, **overrides) -> GPT:
+        """The model it holds, optionally with another attn or dropout (the weights fix everything else)."""
+        model = GPT(GPTConfig(**{**self.model_config, **overrides}))
+        model.load_state_dict(self.model)
+        return model
+
+    def save(self, path: Path) -> None:
+        """Write to a temporary file and rename it into place, so a crash or a full disk never leaves half a
+        checkpoint: the previous one stays whole, and the temporary file is removed."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not asdict: it copies tensors
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:  # a file object: a full disk is an OSError, not torch's bare RuntimeError
+                torch.save(contents, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
+            raise UserError(f"could not save the checkpoint to {path} ({e.strerror or e}); {kept} - free disk "
+                            f"space or pass --out_dir= another folder, then resume.") from None
+
+    @classmethod
+    def load(cls, path: Path, for_training: bool = False) -> "Checkpoint":
+        """The checkpoint at `path`, on the CPU, or one sentence on why it cannot be read. `for_training`: it
+        must also hold the optimizer and RNG state that resuming needs."""
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
+        try:
+            contents = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
+                            f"checkpoint of this project - restore it or train again.") from None
+        if not isinstance(contents, dict):
+            raise UserError(f"{path} holds a {type(contents).__name__}, not a checkpoint written by train.py.")
+        if contents and all(torch.is_tensor(v) for v in contents.values()):
+            raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
+                            f"with 'model' and 'model_config', as train.py writes them.")
+        if "model_args" in contents and "model_config" not in contents:
+            raise UserError(f"{path} is a nanoGPT checkpoint ('model_args', not 'model_config'), which this "
+                            f"project does not read; train here or load GPT-2 weights with --init_from=gpt2.")
+        required = ("model", "model_config") + (TRAINING_STATE if for_training else ())
+        missing = [k for k in required if contents.get(k) is None]
+        if missing:
+            raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
+                            f"checkpoint written by train.py.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in contents.items() if k in known})
