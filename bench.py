@@ -170,8 +170,9 @@ def measure(calls: dict, cfg: Settings, rt: Runtime, bar: tqdm, name: str, audit
             failed[key] = out_of_memory(e, rt)
         bar.update(cfg.warmup + 1)
     for key, ms in time_round_robin(calls, cfg.iters, rt, bar, failed).items():
-        p25, p50, p75 = np.percentile(ms, [25, 50, 75])
-        out[key].update(ms_per_iter=p50, ms_p25=p25, ms_p75=p75, ms_min=min(ms), ms_max=max(ms), ms_all=ms)
+        stats = runtime.summarize(ms)
+        out[key].update(ms_per_iter=stats["median"], ms_p25=stats["p25"], ms_p75=stats["p75"], ms_min=stats["min"],
+                        ms_max=stats["max"], ms_all=ms)
     out.update({key: dict(status="oom", reason=reason) for key, reason in failed.items()})
     return out
 

@@ -167,15 +167,15 @@ def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str
 
 def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
     """Generation with and without the KV cache, and teacher-forced logits, of one implementation."""
-    s = run.sampling
-    warmup = full_warmup(model, s)
-    cached, t_cached = generate(model, run.prompt, run.rt, s, True, warmup)
-    plain, t_plain = generate(model, run.prompt, run.rt, s, False, warmup)
+    sampling = run.sampling
+    warmup = full_warmup(model, sampling)
+    cached, t_cached = generate(model, run.prompt, run.rt, sampling, True, warmup)
+    plain, t_plain = generate(model, run.prompt, run.rt, sampling, False, warmup)
     first = cached if first is None else first
     result = {"samples": cached, "identical_to_first": cached == first,
               "first_divergence": first_divergence(first, cached), "cache_equals_no_cache": cached == plain,
-              "tokens_per_s": tokens_per_s(t_cached, s.max_new_tokens),
-              "tokens_per_s_no_cache": tokens_per_s(t_plain, s.max_new_tokens), "logits": {}}
+              "tokens_per_s": tokens_per_s(t_cached, sampling.max_new_tokens),
+              "tokens_per_s_no_cache": tokens_per_s(t_plain, sampling.max_new_tokens), "logits": {}}
     for dt in ("float32", run.reduced):
         problem = run.problem(model.config.attn, dt, model.config)
         result["logits"][dt] = ({"skipped": problem} if problem else
@@ -227,9 +227,10 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
 
 def print_comparison(run: Run, report: dict) -> None:
     """The summary tables: generation, teacher-forced logits, Appendix A."""
-    s, gens, dts = run.sampling, report["implementations"], ("float32", run.reduced)
+    sampling, gens, dts = run.sampling, report["implementations"], ("float32", run.reduced)
     first = next(iter(gens))
-    print(f"\n== generation: {s.num_samples} sample(s) x {s.max_new_tokens} new tokens, seed {s.seed}, "
+    print(f"\n== generation: {sampling.num_samples} sample(s) x {sampling.max_new_tokens} new tokens, "
+          f"seed {sampling.seed}, "
           f"{run.rt.dtype} on {run.rt.device}; tokens compared with {first}'s")
     print(f"{'attn':<10} {'tokens':<30} {'tok/s cache':>12} {'tok/s no cache':>15}  cache = no cache")
     for name in report["order"]:

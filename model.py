@@ -3,7 +3,7 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(attn="flash", pad_vocab=True))
-    model = GPT.from_pretrained("gpt2", attn="sdpa")          # or a local Hugging Face directory
+    model = GPT.from_pretrained("gpt2", attn="sdpa")          # or a local Hugging Face directory (hf.py)
 
 Every implementation in ATTENTION computes the same causal attention; they differ only in which kernel
 PyTorch runs. `attention_problem` is the one place that decides whether an implementation can run here.
@@ -12,11 +12,9 @@ PyTorch runs. `attention_problem` is the one place that decides whether an imple
 import dataclasses
 import functools
 import inspect
-import json
 import math
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -435,6 +433,8 @@ class GPT(nn.Module):
             context = idx[:, -self.config.block_size:]
             if not use_cache:
                 logits, _ = self(context)
+            # one new position fits after the cached ones, and they are still the text's own positions (once the
+            # text outgrows block_size, cropping shifts every position, so the whole context is run again)
             elif cache is not None and cache.length < self.config.block_size and idx.size(1) == cache.length + 1:
                 logits, _ = self(idx[:, -1:], kv_cache=cache)
             else:
@@ -448,17 +448,9 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str, **overrides) -> "GPT":
         """GPT-2 weights from a local Hugging Face directory or a hub name ('gpt2', 'gpt2-medium', ...).
-        `overrides` may set attn, pad_vocab and dropout."""
-        allowed = {"attn", "pad_vocab", "dropout"}
-        if set(overrides) - allowed:
-            raise UserError(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
-        hf_config, state_dict = load_hf_checkpoint(name_or_path)
-        config = GPTConfig(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
-                           n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"],
-                           bias=True, gelu="tanh", **overrides)
-        model = cls(config)
-        model.load_state_dict(convert_hf_state_dict(state_dict, config))
-        return model
+        `overrides` may set attn, pad_vocab and dropout. See hf.py."""
+        from hf import gpt2_from_hf  # hf.py builds on this module
+        return gpt2_from_hf(name_or_path, **overrides)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
@@ -472,48 +464,3 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
     probs = F.softmax(logits.float(), dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-# Hugging Face's GPT-2 stores these as Conv1D, (in, out): our nn.Linear wants (out, in).
-_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def convert_hf_state_dict(hf_state_dict: dict, config: GPTConfig) -> dict:
-    """A Hugging Face GPT2LMHeadModel state dict -> this model's, padding the token embedding if asked."""
-    out = {}
-    for key, tensor in hf_state_dict.items():
-        key = key.removeprefix("transformer.") if key.startswith("transformer.") else key
-        if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-            continue  # causal-mask buffers, and lm_head, which is tied to wte
-        out["transformer." + key] = tensor.t() if key.endswith(_HF_TRANSPOSED) else tensor
-    wte = out["transformer.wte.weight"]
-    if wte.size(0) != config.vocab_size:
-        raise UserError(f"the checkpoint has {wte.size(0)} token embeddings but vocab_size is {config.vocab_size}.")
-    padded = torch.zeros(config.padded_vocab_size, wte.size(1), dtype=wte.dtype)
-    padded[: config.vocab_size] = wte
-    out["transformer.wte.weight"] = padded
-    out["lm_head.weight"] = padded
-    return out
-
-
-def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
-    """(config.json as a dict, state dict) from a local directory, or from the hub when it is a name."""
-    path = Path(name_or_path)
-    if not path.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
-            path = Path(snapshot_download(name_or_path, allow_patterns=["config.json", "*.safetensors"]))
-        except Exception as e:
-            raise UserError(f"could not get '{name_or_path}' from the Hugging Face hub ({type(e).__name__}); "
-                            f"download it where there is network and pass the local directory instead.") from None
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path} has no config.json; pass a Hugging Face GPT-2 model directory.")
-    hf_config = json.loads((path / "config.json").read_text())
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        state_dict = load_file(path / "model.safetensors")
-    elif (path / "pytorch_model.bin").is_file():
-        state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise UserError(f"{path} has neither model.safetensors nor pytorch_model.bin; pass a GPT-2 model directory.")
-    return hf_config, state_dict

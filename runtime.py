@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -139,14 +140,19 @@ class Runtime:
         return torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
 
     def peak_memory_gb(self) -> float:
-        """CUDA: the most memory tensors held since the last reset. CPU: the process's peak resident set, which
-        only grows (bench.py measures per-step tensor memory on CPU with the profiler instead)."""
+        """CUDA: the most memory tensors held since the last reset (max_memory_allocated)."""
+        return torch.cuda.max_memory_allocated(self.device) / 1e9
+
+    def memory_metrics(self) -> dict:
+        """Memory for the training log. `mem/peak_gb` is the peak of tensor memory, what bench.py's table shows
+        under the same name. CPUs and MPS have no such allocator statistic, so there the log says what it has
+        under a name of its own: the process's peak resident set (which also counts caches and libraries)."""
         if self.is_cuda:
-            return torch.cuda.max_memory_allocated(self.device) / 1e9
+            return {"mem/peak_gb": self.peak_memory_gb()}
         if self.device_type == "mps":
-            return torch.mps.driver_allocated_memory() / 1e9
+            return {"mem/mps_driver_gb": torch.mps.driver_allocated_memory() / 1e9}
         scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
+        return {"mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9}
 
 
 def resolve_runtime(device: str = "auto", dtype: str = "auto") -> Runtime:
@@ -331,6 +337,12 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
 
 
 # -- timing -------------------------------------------------------------------------------------------
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and extremes of repeated measurements: the statistics every timing report gives."""
+    p25, median, p75 = np.percentile(values, [25, 50, 75])
+    return {"median": float(median), "p25": float(p25), "p75": float(p75), "min": min(values), "max": max(values)}
+
 
 def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
     """What `call` returns and the seconds it took, its queued device work included (the device is synchronized

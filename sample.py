@@ -9,7 +9,6 @@ $ python sample.py --out_dir=out-shakespeare-char --compare=all --num_samples=1 
 """
 
 import json as jsonlib
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,32 +102,31 @@ def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
 # -----------------------------------------------------------------------------
 # generation
 
-def generate(model: GPT, prompt: list[int], rt: Runtime, s: Sampling, use_cache: bool = True,
+def generate(model: GPT, prompt: list[int], rt: Runtime, sampling: Sampling, use_cache: bool = True,
              warmup: int = 8) -> tuple[list[list[int]], list[float]]:
-    """num_samples samples from one generator seeded with s.seed: the new tokens of each, and seconds each.
+    """num_samples samples from one generator seeded with sampling.seed: the new tokens of each, and seconds each.
     An untimed run of `warmup` tokens first pays for one-time work (CPU kernels are built per shape)."""
     x = torch.tensor([prompt], dtype=torch.long, device=rt.device)  # (1, T)
-    generator = torch.Generator(rt.device).manual_seed(s.seed)
+    generator = torch.Generator(rt.device).manual_seed(sampling.seed)
     samples, seconds = [], []
     with rt.autocast():
-        model.generate(x, warmup, s.temperature, s.top_k, torch.Generator(rt.device), use_cache)
-        for _ in range(s.num_samples):
+        model.generate(x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache)
+        for _ in range(sampling.num_samples):
             y, took = runtime.time_call(
-                lambda: model.generate(x, s.max_new_tokens, s.temperature, s.top_k, generator, use_cache), rt)
+                lambda: model.generate(x, sampling.max_new_tokens, sampling.temperature, sampling.top_k, generator, use_cache), rt)
             seconds.append(took)
             samples.append(y[0, len(prompt):].tolist())  # y: (1, T + new)
     return samples, seconds
 
 
-def full_warmup(model: GPT, s: Sampling) -> int:
+def full_warmup(model: GPT, sampling: Sampling) -> int:
     """Warm-up tokens that meet every shape a timed run will (the cache refills past block_size)."""
-    return min(s.max_new_tokens, model.config.block_size + 1)
+    return min(sampling.max_new_tokens, model.config.block_size + 1)
 
 
 def tokens_per_s(seconds: list[float], new_tokens: int) -> dict:
-    """Median rate over the samples and its spread (slowest and fastest sample)."""
-    return {"median": new_tokens / statistics.median(seconds), "min": new_tokens / max(seconds),
-            "max": new_tokens / min(seconds)}
+    """Generation speed over the samples: median, quartiles and extremes of tokens/s."""
+    return runtime.summarize([new_tokens / s for s in seconds])
 
 
 def print_samples(tok: Tokenizer, prompt: list[int], samples: list[list[int]]) -> None:

@@ -13,13 +13,10 @@ import dataclasses
 import inspect
 import json
 import math
-import os
-import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
@@ -29,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import runtime
 from checkpoint import Checkpoint
 from configurator import Settings, configure
+from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing, read_meta
 from errors import UserError
 from model import GPT, GPTConfig, check_attention
 from runtime import Dist, Runtime
@@ -90,9 +88,6 @@ LIMITS = {
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
     "min_lr": "[0, inf)", "seed": "[0, inf)",
 }
-DATA = Path(__file__).resolve().parent / "data"
-EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
-DATA_FILES = ("train.bin", "val.bin", "meta.json")
 
 
 def lr_at(it: int, cfg: Settings) -> float:
@@ -105,96 +100,6 @@ def lr_at(it: int, cfg: Settings) -> float:
         return cfg.min_lr
     ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
-
-
-# -- data ---------------------------------------------------------------------------------------------
-
-def dataset_dir(data_dir: str, name: str) -> Path:
-    """The folder the run reads: data_dir when given (it must exist), else data/<name> of a known dataset."""
-    if data_dir:
-        if not Path(data_dir).is_dir():
-            raise UserError(f"data_dir {data_dir} does not exist; pass --data_dir= the folder that holds "
-                            f"train.bin and val.bin.")
-        return Path(data_dir)
-    if not (DATA / name / "prepare.py").exists() and not (DATA / name / "train.bin").exists():
-        known = sorted(p.parent.name for p in DATA.glob("*/prepare.py"))
-        raise UserError(f"unknown dataset '{name}' (no data/{name}/); use one of {', '.join(known)}, "
-                        f"or --data_dir= a folder with train.bin and val.bin.")
-    return DATA / name
-
-
-def prepare_if_missing(data_dir: Path, name: str) -> None:
-    """Prepare an embedded dataset into its own folder when that folder holds none of its files. Existing data
-    (say a custom corpus prepared there with --input=) is never written over, and a data_dir is never prepared:
-    check_token_files speaks for it."""
-    missing = [f for f in ("train.bin", "val.bin") if not (data_dir / f).exists()]
-    if not missing or data_dir != DATA / name:
-        return
-    if name not in EMBEDDED_DATASETS or any((data_dir / f).exists() for f in DATA_FILES):
-        raise UserError(f"dataset '{name}' is not prepared (data/{name}/{missing[0]} is missing); "
-                        f"run: python data/{name}/prepare.py")
-    print(f"preparing {name} (data/{name}/prepare.py) ...")
-    if subprocess.run([sys.executable, str(data_dir / "prepare.py"), f"--out_dir={data_dir}"]).returncode != 0:
-        raise UserError(f"preparing dataset '{name}' failed; run python data/{name}/prepare.py to see why.")
-
-
-def max_token_id(path: Path, chunk: int = 1 << 26) -> int:
-    """The largest id in a token file, read in chunks (128 MB each) so no split is ever held whole in memory."""
-    data = np.memmap(path, dtype=np.uint16, mode="r")
-    return max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
-
-
-def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
-    """Once, when the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them,
-    and only ids the model has embeddings for."""
-    for split in ("train", "val"):
-        path = data_dir / f"{split}.bin"
-        if not path.is_file():
-            raise UserError(f"{path} is missing; a dataset folder needs train.bin and val.bin "
-                            f"(python data/<name>/prepare.py writes both).")
-        size = path.stat().st_size
-        if size % 2:
-            raise UserError(f"{path} is {size:,} bytes, not a whole number of uint16 tokens; it is truncated or "
-                            f"not a token file - prepare the dataset again.")
-        if size // 2 <= block_size:
-            raise UserError(f"{path} has {size // 2:,} tokens, fewer than block_size+1={block_size + 1}; "
-                            f"use a smaller block_size or more data.")
-        top = max_token_id(path)
-        if top >= vocab_size:
-            raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "
-                            f"(0-{vocab_size - 1}); the data was tokenized for another vocabulary - check "
-                            f"{data_dir / 'meta.json'} or prepare the data again.")
-
-
-def read_meta(data_dir: Path) -> dict | None:
-    from tokenizer import read_meta as read
-    return read(data_dir / "meta.json") if (data_dir / "meta.json").exists() else None
-
-
-class Batches:
-    """Random windows of a token file. One generator, seeded alike on every rank, draws the offsets of the
-    whole global batch; each rank takes its own micro-batches of it. So N ranks see exactly the data one
-    process with N times the accumulation sees, and the generator's state is all a resume needs."""
-
-    def __init__(self, data_dir: Path, block_size: int, batch_size: int, seed: int):
-        self.data_dir, self.block_size, self.batch_size = data_dir, block_size, batch_size
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def _windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # a fresh memmap per batch: a long-lived one grows resident memory (numpy keeps pages)
-        data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-        windows = torch.stack([torch.from_numpy(data[i:i + 1 + self.block_size].astype(np.int64))
-                               for i in offsets.tolist()])  # (B, T + 1): inputs and targets in one read
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
-
-    def micro_batches(self, split: str, micro_steps: int, rank: int = 0,
-                      world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's share of one optimizer step's global batch: micro_steps pairs (x, y), each (B, T)."""
-        tokens = os.path.getsize(self.data_dir / f"{split}.bin") // 2
-        high = tokens - self.block_size  # >= 1: check_token_files made sure
-        offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
-        mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
-        return [self._windows(split, row) for row in mine]
 
 
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------
@@ -391,7 +296,7 @@ class Trainer:
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
             mfu = self.raw_model.estimate_mfu(tokens_per_s / self.ranks.world_size, peak_flops, self.cfg.block_size)
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s, mfu=mfu)
-        self.log.log({**metrics, "mem/peak_gb": self.rt.peak_memory_gb()})
+        self.log.log({**metrics, **self.rt.memory_metrics()})
 
 
 def tokens_per_iter(cfg: Settings) -> int:

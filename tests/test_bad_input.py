@@ -12,6 +12,7 @@ import torch
 
 import bench
 import configurator
+import dataset
 import sample
 import train
 from checkpoint import Checkpoint
@@ -70,7 +71,7 @@ def test_a_mistyped_data_dir_is_refused_and_the_custom_corpus_in_the_default_fol
                                        "for n in ('train.bin', 'val.bin', 'meta.json'):\n"
                                        "    (Path(__file__).parent / n).write_text('overwritten')\n")
     before = {p.name: p.read_bytes() for p in corpus.iterdir()}
-    monkeypatch.setattr(train, "DATA", data)
+    monkeypatch.setattr(dataset, "DATA", data)
     with pytest.raises(UserError, match=f"data_dir {data / 'shakespear_char'} does not exist"):
         train_tiny("--dataset=shakespeare_char", f"--data_dir={data / 'shakespear_char'}",
                    f"--out_dir={tmp_path / 'out'}")
@@ -86,7 +87,7 @@ def test_an_empty_default_folder_of_an_embedded_dataset_is_prepared_there(tmp_pa
     folder.mkdir(parents=True)
     (folder / "prepare.py").write_text((REPO / "data" / "shakespeare_char" / "prepare.py").read_text()
                                        .replace("REPO_ROOT = HERE.parent.parent", f"REPO_ROOT = {str(REPO)!r}"))
-    monkeypatch.setattr(train, "DATA", tmp_path / "data")
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
     train_tiny("--dataset=shakespeare_char", "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path / 'out'}")
     assert json.loads((folder / "meta.json").read_text())["vocab_size"] > 60  # the packaged plays' characters
     assert (tmp_path / "out" / "ckpt.pt").is_file()
@@ -187,7 +188,7 @@ def test_the_largest_token_id_is_found_across_read_chunks(tmp_path):
     ids = np.zeros(1000, dtype=np.uint16)
     ids[999] = 40000
     ids.tofile(tmp_path / "t.bin")
-    assert train.max_token_id(tmp_path / "t.bin", chunk=64) == 40000
+    assert dataset.max_token_id(tmp_path / "t.bin", chunk=64) == 40000
 
 
 def test_an_unknown_dataset_lists_the_datasets_that_exist(tmp_path):
@@ -199,7 +200,7 @@ def test_an_unknown_dataset_lists_the_datasets_that_exist(tmp_path):
 def test_a_known_dataset_not_yet_prepared_names_its_prepare_command(tmp_path, monkeypatch):
     (tmp_path / "data" / "openwebtext").mkdir(parents=True)
     (tmp_path / "data" / "openwebtext" / "prepare.py").write_text("raise SystemExit('must not run')\n")
-    monkeypatch.setattr(train, "DATA", tmp_path / "data")
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
     with pytest.raises(UserError, match=r"run: python data/openwebtext/prepare.py"):
         train_tiny("--dataset=openwebtext", f"--out_dir={tmp_path / 'out'}")
 

@@ -57,11 +57,10 @@ def test_sweep_has_a_row_per_attn_and_padding_with_time_throughput_memory_and_ke
     ran = [row for row in rows.values() if row["status"] == "ok"]
     assert {row["attn"] for row in ran} == {"manual", "sdpa_mask", "sdpa", "flash", "math"}
     for row in ran:
-        assert row["ms_p25"] <= row["ms_per_iter"] <= row["ms_p75"] and len(row["ms_all"]) == 2
+        assert len(row["ms_all"]) == 2 and all(ms > 0 for ms in row["ms_all"])
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["mem/peak_gb"] > 0
         assert row["kernel"] and row["kernel_ok"]
         assert row["vocab"] == (128 if row["pad_vocab"] else 101)
-    assert rows[("manual", False)]["speedup_vs_manual"] == 1.0
     assert result["environment"]["torch"] == torch.__version__ and result["environment"]["device_name"]
 
 
@@ -93,9 +92,6 @@ def test_audit_names_the_cpu_flash_kernel_for_sdpa_and_flash_and_none_for_manual
 def test_audit_labels_and_expectations():
     assert audit.kernel_of({"aten::bmm", "aten::_softmax"}) == ("none", [])
     assert audit.kernel_of({"aten::_scaled_dot_product_efficient_attention", "aten::mm"})[0] == "efficient"
-    assert audit.expected_kernels("sdpa", "cuda") == {"flash", "efficient", "cudnn"}
-    assert audit.expected_kernels("sdpa", "cpu") == {"flash"}
-    assert audit.expected_kernels("manual", "cpu") == {"none"}
 
 
 def test_sdpa_with_dropout_on_cpu_falls_back_to_math_and_is_flagged(tmp_path, capsys):
@@ -133,10 +129,10 @@ def test_max_batch_size_doubles_then_bisects_to_the_largest_that_fits():
 
 
 def test_sdpa_fits_a_larger_batch_than_manual_at_a_long_sequence_under_a_cpu_memory_budget(tmp_path):
-    # At T=512 manual attention holds several (B, nh, T, T) score tensors per layer; the flash kernel holds
+    # At T=256 manual attention holds several (B, nh, T, T) score tensors per layer; the flash kernel holds
     # O(T) per head. The vocabulary is tiny so attention dominates memory.
-    result = run_bench(tmp_path, "--attn=manual,sdpa", "--padding=off", "--seq_len=512", "--n_head=4",
-                       "--vocab_size=64", "--max_batch=True", "--mem_budget_gb=0.032", "--max_batch_limit=64",
+    result = run_bench(tmp_path, "--attn=manual,sdpa", "--padding=off", "--seq_len=256", "--n_head=4",
+                       "--vocab_size=64", "--max_batch=True", "--mem_budget_gb=0.012", "--max_batch_limit=64",
                        "--iters=1", "--warmup=0")
     rows = rows_by(result, "attn")
     assert 1 <= rows[("manual",)]["max_batch"] < rows[("sdpa",)]["max_batch"]

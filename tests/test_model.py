@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from model import (ATTENTION, GPT, GPTConfig, UserError, attention_names, attention_problem, check_attention,
-                   convert_hf_state_dict)
+from hf import convert_hf_state_dict
+from model import ATTENTION, GPT, GPTConfig, UserError, attention_names, attention_problem, check_attention
 
 # What runs on this CPU for training; flex runs forward only (no backward on CPU).
 CPU_TRAINABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math"]
@@ -65,7 +65,7 @@ def test_flex_forward_matches_float64_reference(reference):
     assert rel_err(logits.double(), ref_logits) <= 1e-5
 
 
-@pytest.mark.parametrize("attn", CPU_TRAINABLE)
+@pytest.mark.parametrize("attn", [a for a in CPU_TRAINABLE if a != "manual"])
 def test_bf16_autocast_error_is_at_most_twice_manual(reference, attn):
     model, x, y, ref_logits, ref_grads = reference
     manual_logits, manual_grads = logits_and_grads(with_attn(model, "manual"), x, y, torch.bfloat16)
@@ -328,8 +328,12 @@ def test_weight_decay_applies_to_2d_tensors_only():
     assert n_opt == sum(p.numel() for p in model.parameters())
 
 
-def test_mfu_scales_with_the_given_peak():
-    model = tiny_model()
-    per_token = model.flops_per_token()
-    assert per_token == 6 * model.get_num_params() + 12 * 2 * 32 * 32
-    assert model.estimate_mfu(1000.0, peak_flops=per_token * 2000.0) == pytest.approx(0.5)
+def test_the_flops_per_token_estimate_matches_what_torch_counts_in_a_training_step():
+    """6N + 12·L·C·T against torch's own FLOP counter over a forward and backward of manual attention (which
+    computes the full T x T scores, as the formula assumes); biases and norms are the small difference."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = tiny_model(n_embd=64, n_head=4)
+    x, y = batch(B=2, T=32)
+    with FlopCounterMode(display=False) as counter:
+        model(x, y)[1].backward()
+    assert model.flops_per_token() * 2 * 32 == pytest.approx(counter.get_total_flops(), rel=0.03)

@@ -1,0 +1,74 @@
+"""
+GPT-2 weights in Hugging Face's format: reading a local directory (model.safetensors or pytorch_model.bin, plus
+config.json) or a hub name, and converting GPT2LMHeadModel's state dict to this project's GPT.
+
+    model = GPT.from_pretrained("gpt2", attn="flash")       # calls gpt2_from_hf
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from errors import UserError
+from model import GPT, GPTConfig
+
+
+def gpt2_from_hf(name_or_path: str, **overrides) -> GPT:
+    """GPT-2 weights from a local Hugging Face directory or a hub name; `overrides` may set attn, pad_vocab and
+    dropout."""
+    allowed = {"attn", "pad_vocab", "dropout"}
+    if set(overrides) - allowed:
+        raise UserError(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
+    hf_config, state_dict = load_hf_checkpoint(name_or_path)
+    config = GPTConfig(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
+                       n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"],
+                       bias=True, gelu="tanh", **overrides)
+    model = GPT(config)
+    model.load_state_dict(convert_hf_state_dict(state_dict, config))
+    return model
+
+
+# Hugging Face's GPT-2 stores these as Conv1D, (in, out): our nn.Linear wants (out, in).
+_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def convert_hf_state_dict(hf_state_dict: dict, config: GPTConfig) -> dict:
+    """A Hugging Face GPT2LMHeadModel state dict -> this model's, padding the token embedding if asked."""
+    out = {}
+    for key, tensor in hf_state_dict.items():
+        key = key.removeprefix("transformer.") if key.startswith("transformer.") else key
+        if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+            continue  # causal-mask buffers, and lm_head, which is tied to wte
+        out["transformer." + key] = tensor.t() if key.endswith(_HF_TRANSPOSED) else tensor
+    wte = out["transformer.wte.weight"]
+    if wte.size(0) != config.vocab_size:
+        raise UserError(f"the checkpoint has {wte.size(0)} token embeddings but vocab_size is {config.vocab_size}.")
+    padded = torch.zeros(config.padded_vocab_size, wte.size(1), dtype=wte.dtype)
+    padded[: config.vocab_size] = wte
+    out["transformer.wte.weight"] = padded
+    out["lm_head.weight"] = padded
+    return out
+
+
+def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
+    """(config.json as a dict, state dict) from a local directory, or from the hub when it is a name."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+            path = Path(snapshot_download(name_or_path, allow_patterns=["config.json", "*.safetensors"]))
+        except Exception as e:
+            raise UserError(f"could not get '{name_or_path}' from the Hugging Face hub ({type(e).__name__}); "
+                            f"download it where there is network and pass the local directory instead.") from None
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} has no config.json; pass a Hugging Face GPT-2 model directory.")
+    hf_config = json.loads((path / "config.json").read_text())
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        state_dict = load_file(path / "model.safetensors")
+    elif (path / "pytorch_model.bin").is_file():
+        state_dict = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise UserError(f"{path} has neither model.safetensors nor pytorch_model.bin; pass a GPT-2 model directory.")
+    return hf_config, state_dict
