@@ -17,8 +17,8 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
         "--warmup_iters=2", "--lr_decay_iters=100", "--learning_rate=3e-3"]
 
 
-@pytest.fixture(scope="module")
-def char_data(tmp_path_factory) -> Path:
+@pytest.fixture(scope="session")
+def char_data_session(tmp_path_factory) -> Path:
     """A small character-level dataset: train.bin, val.bin (uint16) and meta.json."""
     d = tmp_path_factory.mktemp("chars")
     text = "\n".join(f"To be, or not to be: line {i} of {i * 7 % 13}." for i in range(3000))
@@ -29,6 +29,11 @@ def char_data(tmp_path_factory) -> Path:
     ids[split:].tofile(d / "val.bin")
     (d / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": len(chars), "chars": chars}))
     return d
+
+
+@pytest.fixture(scope="module")
+def char_data(char_data_session) -> Path:
+    return char_data_session
 
 
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True,
@@ -48,3 +53,16 @@ def metrics(out_dir: Path, key: str) -> dict[int, float]:
     return {r["iter"]: r[key] for r in rows if key in r}
 
 
+
+
+# two ranks, each taking one of the two micro-steps of every step: the runs tests/test_train.py and test_fsdp.py
+# hold to a single process and to each other
+TWO_RANKS = TINY + ["--gradient_accumulation_steps=2", "--eval_interval=3", "--max_iters=6"]
+
+
+@pytest.fixture(scope="session")
+def ddp_two_ranks(char_data_session, tmp_path_factory):
+    """Six steps of 2-rank DDP (gloo): its losses, and what tests/rank_probe.py printed."""
+    out = tmp_path_factory.mktemp("ddp_two_ranks")
+    result = run_train(TWO_RANKS + [f"--data_dir={char_data_session}", f"--out_dir={out}"], nproc=2, script=RANK_PROBE)
+    return metrics(out, "train/loss"), result.stdout

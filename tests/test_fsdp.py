@@ -8,7 +8,7 @@ import train
 from conftest import RANK_PROBE, TINY, metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here launches two processes
-STEPS = TINY + ["--gradient_accumulation_steps=2", "--eval_interval=3"]
+STEPS = TINY + ["--gradient_accumulation_steps=2", "--eval_interval=3"]  # TWO_RANKS, but for max_iters
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +20,8 @@ def fsdp_eager(char_data, tmp_path_factory):
     return metrics(out, "train/loss"), result.stdout
 
 
-def test_fsdp_and_ddp_give_the_same_losses_from_the_same_seed(char_data, tmp_path, fsdp_eager):
-    run_train(STEPS + [f"--data_dir={char_data}", "--max_iters=6", "--parallel=ddp", f"--out_dir={tmp_path}"],
-              nproc=2)
-    ddp, fsdp = metrics(tmp_path, "train/loss"), fsdp_eager[0]
+def test_fsdp_and_ddp_give_the_same_losses_from_the_same_seed(fsdp_eager, ddp_two_ranks):
+    ddp, fsdp = ddp_two_ranks[0], fsdp_eager[0]
     assert sorted(ddp) == list(range(1, 7))
     for it, loss in ddp.items():
         assert abs(fsdp[it] - loss) <= 1e-5, (it, loss, fsdp[it])

@@ -10,22 +10,19 @@ import torch
 import runtime
 import train
 from configurator import configure
-from conftest import RANK_PROBE, REPO, TINY, metrics, run_train
+from conftest import REPO, TINY, TWO_RANKS, metrics
 from model import UserError
 
 # -- distributed --------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(char_data, tmp_path):
-    common = TINY + [f"--data_dir={char_data}", "--max_iters=6", "--eval_interval=100",
-                     "--gradient_accumulation_steps=2"]
-    train.main(common + [f"--out_dir={tmp_path / 'one'}"])
-    two = run_train(common + [f"--out_dir={tmp_path / 'two'}"], nproc=2, script=RANK_PROBE)
-    one_losses, two_losses = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
-    assert sorted(one_losses) == list(range(1, 7))
-    for it, loss in one_losses.items():
-        assert abs(two_losses[it] - loss) <= 1e-5, (it, loss, two_losses[it])
-    digests = next(line for line in two.stdout.splitlines() if line.startswith("parameter digest per rank"))
+def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(char_data, tmp_path, ddp_two_ranks):
+    train.main(TWO_RANKS + [f"--data_dir={char_data}", f"--out_dir={tmp_path}"])
+    one, (two, printed) = metrics(tmp_path, "train/loss"), ddp_two_ranks
+    assert sorted(one) == list(range(1, 7))
+    for it, loss in one.items():
+        assert abs(two[it] - loss) <= 1e-5, (it, loss, two[it])
+    digests = next(line for line in printed.splitlines() if line.startswith("parameter digest per rank"))
     rank0, rank1 = digests.split(":")[1].split()
     assert rank0 == rank1
 
