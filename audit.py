@@ -55,7 +55,9 @@ def cpu_peak_bytes(prof: profiler.profile) -> int:
     sum in time order is the live tensor memory, the CPU twin of CUDA's max_memory_allocated. The process's
     peak RSS would not do: it only grows, and it counts the allocator's caches, Python and the libraries.
     (Frees of blocks allocated before the region are not recorded, so this can only err upwards.)"""
-    records = [e for e in prof.profiler.kineto_results.events()  # the raw records; prof.events() merges them
+    # The raw records, a private attribute: the public prof.events() books allocations to ops net of what each op
+    # frees inside itself, which loses the peak within an op (the T x T scores of attention, for one).
+    records = [e for e in prof.profiler.kineto_results.events()
                if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
     live = peak = 0
     for record in sorted(records, key=lambda e: e.start_ns()):

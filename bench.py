@@ -393,7 +393,7 @@ def kernel_cell(row: dict) -> str:
 
 
 def attn_cell(row: dict) -> str:
-    return row["attn"] + (" (eager reference)" if row.get("eager_reference") else "")
+    return row["attn"] + (" (eager reference)" if row.get("eager_reference") and row["status"] == "ok" else "")
 
 
 TRAIN_COLUMNS = {

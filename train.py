@@ -280,9 +280,10 @@ class Trainer:
         rng = rng_state(self.batches, self.ranks, self.rt)  # collective: every rank gathers, rank 0 writes
         model_state = get_model_state_dict(self.raw_model, options=FULL_STATE)
         optimizer_state = get_optimizer_state_dict(self.raw_model, self.optimizer, options=FULL_STATE)
-        if self.ranks.is_master:
-            Checkpoint(model_state, dataclasses.asdict(self.raw_model.config), self.iter_num, self.best_val_loss,
-                       optimizer_state, rng, self.cfg.as_dict(), self.meta).save(Path(self.cfg.out_dir) / "ckpt.pt")
+        checkpoint = Checkpoint(model_state, dataclasses.asdict(self.raw_model.config), self.iter_num,
+                                self.best_val_loss, optimizer_state, rng, self.cfg.as_dict(), self.meta)
+        # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
+        runtime.on_master(lambda: checkpoint.save(Path(self.cfg.out_dir) / "ckpt.pt"), self.ranks.device)
 
     def log_step(self, loss: float, lr: float, timer: runtime.StepTimer, peak_flops: float) -> None:
         """The training line: loss averaged over ranks, and speed over the timed steps since the last one."""
