@@ -251,7 +251,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
     monkeypatch.setattr(bench, "build_trainer", build_trainer)
     cfg = Settings(mem_budget_gb=1.0)
     rt = bench.Runtime(device, "float32")
-    assert bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), limit=64) == 5
+    assert bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), limit=16) == 5
     assert len(probes) > 3
 
 

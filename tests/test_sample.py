@@ -241,14 +241,14 @@ def test_compare_with_compile_runs_every_implementation_compiled(char_ckpt, monk
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     try:
-        # three twins of one model: each recompiles for prefill, decode and the teacher-forced passes, together
+        # two twins of one model: each recompiles for prefill, decode and the teacher-forced passes, together
         # past dynamo's per-code-object limit
-        assert sample.main([f"--out_dir={char_ckpt}", "--compare=manual,sdpa,math", "--compile=True",
+        assert sample.main([f"--out_dir={char_ckpt}", "--compare=manual,sdpa", "--compile=True",
                             "--dtype=float32", "--num_samples=1", "--max_new_tokens=12", "--start=To be"]) == 0
     finally:
         torch._dynamo.reset()
     out = capsys.readouterr().out
-    assert all(f"=== {name}: " in out and f"=== {name}: skipped" not in out for name in ("manual", "sdpa", "math"))
+    assert all(f"=== {name}: " in out and f"=== {name}: skipped" not in out for name in ("manual", "sdpa"))
 
 
 def refusing_prefills(attention):
