@@ -48,6 +48,15 @@ def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: b
     return result
 
 
+def straight_and_resumed(args: list[str], out: Path) -> tuple[Path, Path]:
+    """Six steps in one run, and three steps then a resume to six: the two out_dirs, to compare their metrics."""
+    import train
+    train.main(args + ["--max_iters=6", f"--out_dir={out / 'straight'}"])
+    train.main(args + ["--max_iters=3", f"--out_dir={out / 'stopped'}"])
+    train.main(args + ["--max_iters=6", "--init_from=resume", f"--out_dir={out / 'stopped'}"])
+    return out / "straight", out / "stopped"
+
+
 def metrics(out_dir: Path, key: str) -> dict[int, float]:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["iter"]: r[key] for r in rows if key in r}

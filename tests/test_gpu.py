@@ -17,7 +17,7 @@ import runtime
 import sample
 from checkpoint import Checkpoint
 import train
-from conftest import TINY, metrics, run_train
+from conftest import TINY, metrics, run_train, straight_and_resumed
 from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem
 
 pytestmark = [pytest.mark.gpu,
@@ -97,11 +97,9 @@ def test_compile_and_flex_train_together(char_data, tmp_path):
 
 
 def test_resume_continues_the_same_losses_in_fp32(char_data, tmp_path):
-    common = GPU + [f"--data_dir={char_data}", "--attn=manual", "--dtype=float32", "--eval_interval=3"]
-    train.main(common + ["--max_iters=6", f"--out_dir={tmp_path / 'straight'}"])
-    train.main(common + ["--max_iters=3", f"--out_dir={tmp_path / 'stopped'}"])
-    train.main(common + ["--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path / 'stopped'}"])
-    straight, resumed = metrics(tmp_path / "straight", "train/loss"), metrics(tmp_path / "stopped", "train/loss")
+    straight, stopped = straight_and_resumed(
+        GPU + [f"--data_dir={char_data}", "--attn=manual", "--dtype=float32", "--eval_interval=3"], tmp_path)
+    straight, resumed = metrics(straight, "train/loss"), metrics(stopped, "train/loss")
     for i in (4, 5, 6):  # CUDA's embedding backward adds with atomics, so allow its last-bit wobble
         assert resumed[i] == pytest.approx(straight[i], abs=1e-5)
 

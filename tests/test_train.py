@@ -10,7 +10,7 @@ import torch
 import runtime
 import train
 from configurator import configure
-from conftest import REPO, TINY, TWO_RANKS, metrics
+from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
 from model import UserError
 
 # -- distributed --------------------------------------------------------------------------------------
@@ -37,13 +37,11 @@ def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path
 # -- resume ---------------------------------------------------------------------------------------------
 
 def test_resume_continues_bit_for_bit(char_data, tmp_path):
-    common = TINY + [f"--data_dir={char_data}", "--eval_interval=3", "--dropout=0.1", "--attn=manual"]
-    train.main(common + ["--max_iters=6", f"--out_dir={tmp_path / 'straight'}"])
-    train.main(common + ["--max_iters=3", f"--out_dir={tmp_path / 'stopped'}"])
-    train.main(common + ["--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path / 'stopped'}"])
-    straight, resumed = metrics(tmp_path / "straight", "train/loss"), metrics(tmp_path / "stopped", "train/loss")
-    assert [straight[i] for i in range(4, 7)] == [resumed[i] for i in range(4, 7)]
-    assert metrics(tmp_path / "straight", "val/loss")[6] == metrics(tmp_path / "stopped", "val/loss")[6]
+    straight, stopped = straight_and_resumed(
+        TINY + [f"--data_dir={char_data}", "--eval_interval=3", "--dropout=0.1", "--attn=manual"], tmp_path)
+    assert [metrics(straight, "train/loss")[i] for i in range(4, 7)] == [metrics(stopped, "train/loss")[i]
+                                                                          for i in range(4, 7)]
+    assert metrics(straight, "val/loss")[6] == metrics(stopped, "val/loss")[6]
 
 
 def test_checkpoint_loads_with_weights_only(char_data, tmp_path):
