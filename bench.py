@@ -264,7 +264,7 @@ def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int
         if rt.is_cuda:
             trainer.step(attn)
             return True
-        _, added = profiled_run(lambda: trainer.step(attn), rt)
+        _, added = profiled_run(functools.partial(trainer.step, attn), rt)
         return trainer.resident_bytes() + added <= cfg.mem_budget_gb * 1e9
     except Exception as e:
         out_of_memory(e, rt)  # raises anything else

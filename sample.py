@@ -18,7 +18,7 @@ import torch
 
 import runtime
 from checkpoint import Checkpoint
-from configurator import Settings, configure
+from configurator import configure
 from errors import UserError
 from model import GPT, check_attention
 from runtime import Runtime

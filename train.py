@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     resuming = cfg.init_from == "resume"
     checkpoint = Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only) if resuming else None
     raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
-    check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size)
+    # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
+    runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), ranks.device)
     check_attention(raw_model.config.attn, rt.device_type, rt.torch_dtype, raw_model.config.dropout,
                     raw_model.config.head_size, not cfg.eval_only, cfg.block_size)  # now, not after compiling
     torch.manual_seed(cfg.seed + ranks.rank)  # dropout differs per rank; the data generator does not

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import compare
-import configurator
 import model as model_module
 import runtime
 import sample
