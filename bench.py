@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 import runtime
-from audit import expected_kernels, kernel_of, profiled_run
+from measure import audited_row, measure_calls, out_of_memory, paired_speedup, profiled_run
 from configurator import Settings, configure
 from errors import UserError
 from model import ATTENTION, GPT, GPTConfig, attention_names, attention_problem
@@ -124,75 +124,11 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     return cfg, rt
 
 
-# -- measuring -----------------------------------------------------------------------------------------
+# -- rows ------------------------------------------------------------------------------------------------
 
-def time_round_robin(calls: dict, iters: int, rt: Runtime, bar: tqdm, failed: dict) -> dict[str, list[float]]:
-    """Milliseconds of each call, `iters` times: every iteration runs all calls in turn (starting one further
-    along each time), so drift and neighbours' load hit them alike. The device is synchronized around each.
-    A call that runs out of memory is dropped, its reason put in `failed`."""
-    ms = {key: [] for key in calls if key not in failed}
-    for i in range(iters):
-        keys = [k for k in ms if k not in failed]
-        for key in keys[i % len(keys):] + keys[:i % len(keys)] if keys else []:
-            try:
-                ms[key].append(runtime.time_call(calls[key], rt)[1] * 1e3)
-            except Exception as e:
-                failed[key] = out_of_memory(e, rt)
-            bar.update()
-    return {key: v for key, v in ms.items() if key not in failed}
-
-
-def out_of_memory(e: Exception, rt: Runtime) -> str:
-    """The reason to report for an out-of-memory error (any other error is raised again), its memory freed."""
-    if not runtime.is_out_of_memory(e):
-        raise e
-    runtime.free_memory(rt)
-    return f"out of memory ({str(e).splitlines()[0][:100]})"
-
-
-def measure(calls: dict, cfg: Settings, rt: Runtime, bar: tqdm, name: str, audits: Optional[dict] = None) -> dict:
-    """Warm each call up, profile one run of each (ops, memory, optional trace), then time them round-robin.
-    `audits` (compiled runs): eager twins of the calls, profiled for the kernel audit instead of the compiled
-    code, in which inductor decomposes the math kernel and generates flex's. A call that runs out of memory
-    comes back as {"status": "oom", "reason": ...}; the others still run."""
-    out, failed = {}, {}
-    for key, call in calls.items():
-        trace = Path(cfg.out_dir) / f"trace_{name}_{key}.json" if cfg.profile else None
-        try:
-            for _ in range(cfg.warmup):
-                call()
-            ops, added = profiled_run(call, rt, trace)
-            if audits is not None:
-                ops, _ = profiled_run(audits[key], rt)
-            out[key] = dict(ops=ops, added_bytes=added, trace=str(trace) if trace else None,
-                            kernel_audit="eager twin" if audits is not None else "this run")
-        except Exception as e:
-            failed[key] = out_of_memory(e, rt)
-        bar.update(cfg.warmup + 1)
-    for key, ms in time_round_robin(calls, cfg.iters, rt, bar, failed).items():
-        stats = runtime.summarize(ms)
-        out[key].update(ms_per_iter=stats["median"], ms_p25=stats["p25"], ms_p75=stats["p75"], ms_min=stats["min"],
-                        ms_max=stats["max"], ms_all=ms)
-    out.update({key: dict(status="oom", reason=reason) for key, reason in failed.items()})
-    return out
-
-
-def paired_speedup(base: dict, row: dict) -> float:
-    """The median over timed iterations of base time / row time. One iteration runs every row back to back, so
-    the ratio within it cancels drift that hits all rows (a neighbour's load, clocks), which the ratio of two
-    medians taken over different moments would keep."""
-    return float(np.median(np.array(base["ms_all"]) / np.array(row["ms_all"])))
-
-
-def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
-    """A row with its timing, memory and audited kernel; kernel_ok is False on a silent fallback."""
-    if measured.get("status") == "oom":
-        row.update(measured)
-        return row
-    kernel, ops = kernel_of(measured.pop("ops"))
-    expected = expected_kernels(attn, rt.device_type)
-    row.update(measured, kernel=kernel, kernel_ops=ops, kernel_expected=sorted(expected), kernel_ok=kernel in expected)
-    return row
+def trace_prefix(cfg: Settings, name: str) -> Optional[str]:
+    """Where --profile=True writes each row's chrome trace: out_dir/trace_<name>_<row>.json."""
+    return str(Path(cfg.out_dir) / f"trace_{name}") if cfg.profile else None
 
 
 def compiled(fn, cfg: Settings):
@@ -307,7 +243,8 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                 audits[key] = functools.partial(trainers[pad].eager_pass, a)
     peak = rt.peak_flops
     with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr) as bar:
-        measured = measure(calls, cfg, rt, bar, "train", audits if cfg.compile else None)
+        measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),
+                                 audits if cfg.compile else None)
     for key, m in measured.items():
         row = audited_row(rows[key], m, rows[key]["attn"], rt)
         if row["status"] == "ok":
@@ -364,7 +301,9 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                 else:
                     bar.update(cfg.warmup + 1 + cfg.iters)
             name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}"
-            for a, m in measure(calls, cfg, rt, bar, name, audits if cfg.compile else None).items():
+            measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, name),
+                                     audits if cfg.compile else None)
+            for a, m in measured.items():
                 audited_row(here[a], m, a, rt)
                 if here[a]["status"] == "ok":
                     here[a]["mem/peak_gb"] = here[a].pop("added_bytes") / 1e9  # beyond q, k, v themselves

@@ -136,7 +136,7 @@ class Runtime:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def memory_allocated(self) -> int:
-        """Bytes CUDA tensors hold now (0 elsewhere: CPU memory is read from the profiler, see audit.py)."""
+        """Bytes CUDA tensors hold now (0 elsewhere: CPU memory is read from the profiler, see measure.py)."""
         return torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
 
     def peak_memory_gb(self) -> float:

@@ -12,7 +12,7 @@ import matplotlib.image
 import pytest
 import torch
 
-import audit
+import measure
 import bench
 from configurator import Settings
 from model import ATTENTION
@@ -90,8 +90,8 @@ def test_audit_names_the_cpu_flash_kernel_for_sdpa_and_flash_and_none_for_manual
 
 
 def test_audit_labels_and_expectations():
-    assert audit.kernel_of({"aten::bmm", "aten::_softmax"}) == ("none", [])
-    assert audit.kernel_of({"aten::_scaled_dot_product_efficient_attention", "aten::mm"})[0] == "efficient"
+    assert measure.kernel_of({"aten::bmm", "aten::_softmax"}) == ("none", [])
+    assert measure.kernel_of({"aten::_scaled_dot_product_efficient_attention", "aten::mm"})[0] == "efficient"
 
 
 def test_sdpa_with_dropout_on_cpu_falls_back_to_math_and_is_flagged(tmp_path, capsys):
@@ -110,7 +110,7 @@ def test_cpu_step_memory_is_the_peak_of_live_tensor_bytes():
         b = torch.ones(1_000_000)   # 4 MB more: 8 MB live
         del a, b
         torch.ones(500_000)         # 2 MB after both were freed: the peak stays 8 MB
-    _, added = audit.profiled_run(call, Runtime("cpu", "float32"))
+    _, added = measure.profiled_run(call, Runtime("cpu", "float32"))
     assert 8_000_000 <= added < 8_100_000
 
 

@@ -1,4 +1,4 @@
-"""runtime.py and audit.py: the device, precision and peak FLOP/s every script shares, out-of-memory detection,
+"""runtime.py and measure.py: the device, precision and peak FLOP/s every script shares, out-of-memory detection,
 rank-0 failures that stop every rank, and a profiler that keeps the console clean. The GPU-only branches are
 reached here by standing in for torch.cuda's answers; tests/test_gpu.py runs them for real."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import audit
+import measure
 import bench
 import compare
 import runtime
@@ -168,7 +168,7 @@ def test_the_profiler_banner_stays_off_the_console_and_other_stderr_lines_get_th
     def call():
         torch.ones(10) + 1
         os.write(2, b"a real warning\n")
-    ops, _ = audit.profiled_run(call, runtime.Runtime("cpu", "float32"))
+    ops, _ = measure.profiled_run(call, runtime.Runtime("cpu", "float32"))
     err = capfd.readouterr().err
     assert "aten::add" in ops
     assert "USDT" not in err and "a real warning" in err

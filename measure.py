@@ -1,9 +1,11 @@
 """
-What really ran, and the memory it took, read from torch.profiler: the kernel audit and the per-step tensor memory
-of bench.py (and of the GPU acceptance tests).
+Measuring calls for bench.py: time (round robin, so drift hits every row alike), the tensor memory a call adds, and
+the attention kernel that really ran (the audit), read from torch.profiler; rows that run out of memory are
+reported, not fatal.
 
     ops, added_bytes = profiled_run(step, rt)
     kernel, op_names = kernel_of(ops)           # 'flash', 'efficient', 'cudnn', 'math', 'flex' or 'none'
+    results = measure_calls({"manual": step_a, "flash": step_b}, rt, bar, warmup=2, iters=10)
 """
 
 import contextlib
@@ -13,9 +15,12 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import numpy as np
+
 from torch import profiler
 from torch.autograd import DeviceType
 
+import runtime
 from runtime import Runtime
 
 # The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and flex's autograd op.
@@ -101,3 +106,74 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
         prof.export_chrome_trace(str(trace))
     added = round(rt.peak_memory_gb() * 1e9) - before if rt.is_cuda else cpu_peak_bytes(prof)
     return {e.name() for e in prof.profiler.kineto_results.events()}, added
+
+
+def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict) -> dict[str, list[float]]:
+    """Milliseconds of each call, `iters` times: every iteration runs all calls in turn (starting one further
+    along each time), so drift and neighbours' load hit them alike. The device is synchronized around each.
+    A call that runs out of memory is dropped, its reason put in `failed`."""
+    ms = {key: [] for key in calls if key not in failed}
+    for i in range(iters):
+        keys = [k for k in ms if k not in failed]
+        for key in keys[i % len(keys):] + keys[:i % len(keys)] if keys else []:
+            try:
+                ms[key].append(runtime.time_call(calls[key], rt)[1] * 1e3)
+            except Exception as e:
+                failed[key] = out_of_memory(e, rt)
+            bar.update()
+    return {key: v for key, v in ms.items() if key not in failed}
+
+
+def out_of_memory(e: Exception, rt: Runtime) -> str:
+    """The reason to report for an out-of-memory error (any other error is raised again), its memory freed."""
+    if not runtime.is_out_of_memory(e):
+        raise e
+    runtime.free_memory(rt)
+    return f"out of memory ({str(e).splitlines()[0][:100]})"
+
+
+def measure_calls(calls: dict, rt: Runtime, bar, warmup: int, iters: int, trace_prefix: Optional[str] = None,
+                  audits: Optional[dict] = None) -> dict:
+    """Warm each call up, profile one run of each (ops, memory, and a chrome trace at trace_prefix_<key>.json if
+    asked), then time them round-robin; `bar` (tqdm) counts the runs.
+    `audits` (compiled runs): eager twins of the calls, profiled for the kernel audit instead of the compiled
+    code, in which inductor decomposes the math kernel and generates flex's. A call that runs out of memory
+    comes back as {"status": "oom", "reason": ...}; the others still run."""
+    out, failed = {}, {}
+    for key, call in calls.items():
+        trace = Path(f"{trace_prefix}_{key}.json") if trace_prefix else None
+        try:
+            for _ in range(warmup):
+                call()
+            ops, added = profiled_run(call, rt, trace)
+            if audits is not None:
+                ops, _ = profiled_run(audits[key], rt)
+            out[key] = dict(ops=ops, added_bytes=added, trace=str(trace) if trace else None,
+                            kernel_audit="eager twin" if audits is not None else "this run")
+        except Exception as e:
+            failed[key] = out_of_memory(e, rt)
+        bar.update(warmup + 1)
+    for key, ms in time_round_robin(calls, iters, rt, bar, failed).items():
+        stats = runtime.summarize(ms)
+        out[key].update(ms_per_iter=stats["median"], ms_p25=stats["p25"], ms_p75=stats["p75"], ms_min=stats["min"],
+                        ms_max=stats["max"], ms_all=ms)
+    out.update({key: dict(status="oom", reason=reason) for key, reason in failed.items()})
+    return out
+
+
+def paired_speedup(base: dict, row: dict) -> float:
+    """The median over timed iterations of base time / row time. One iteration runs every row back to back, so
+    the ratio within it cancels drift that hits all rows (a neighbour's load, clocks), which the ratio of two
+    medians taken over different moments would keep."""
+    return float(np.median(np.array(base["ms_all"]) / np.array(row["ms_all"])))
+
+
+def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
+    """A row with its timing, memory and audited kernel; kernel_ok is False on a silent fallback."""
+    if measured.get("status") == "oom":
+        row.update(measured)
+        return row
+    kernel, ops = kernel_of(measured.pop("ops"))
+    expected = expected_kernels(attn, rt.device_type)
+    row.update(measured, kernel=kernel, kernel_ops=ops, kernel_expected=sorted(expected), kernel_ok=kernel in expected)
+    return row
