@@ -136,10 +136,10 @@ def compiled(fn, cfg: Settings):
     return runtime.compile_isolated(fn) if cfg.compile else fn
 
 
-def eager_reference(attn: str, cfg: Settings, rt: Runtime) -> bool:
-    """True for a flex row that runs PyTorch's unfused eager reference: not compiled, and not on CUDA (where
-    model.py always compiles it)."""
-    return attn == "flex" and not cfg.compile and not rt.is_cuda
+def eager_reference(attn: str, problem: Optional[str], cfg: Settings, rt: Runtime) -> bool:
+    """True for a flex row that runs (no `problem`) PyTorch's unfused eager reference: not compiled, and not on
+    CUDA (where model.py always compiles it)."""
+    return attn == "flex" and problem is None and not cfg.compile and not rt.is_cuda
 
 
 # -- train mode ------------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                                     cfg.seq_len)
         for pad in cfg.padding:
             key = f"{a}_{'padded' if pad else 'unpadded'}"
-            rows[key] = dict(attn=a, pad_vocab=pad, eager_reference=eager_reference(a, cfg, rt),
+            rows[key] = dict(attn=a, pad_vocab=pad, eager_reference=eager_reference(a, problem, cfg, rt),
                              status="skipped" if problem else "ok", reason=problem)
             if problem is None:
                 if pad not in trainers:
@@ -294,7 +294,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             for a in cfg.attn:
                 problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward, T)
                 here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, eager_reference=eager_reference(
-                    a, cfg, rt), status="skipped" if problem else "ok", reason=problem)
+                    a, problem, cfg, rt), status="skipped" if problem else "ok", reason=problem)
                 if problem is None:
                     calls[a] = attention_call(functions[a], q, k, v, mask, cfg.dropout, backward)
                     audits[a] = attention_call(ATTENTION[a], q, k, v, mask, cfg.dropout, backward)
@@ -332,7 +332,7 @@ def kernel_cell(row: dict) -> str:
 
 
 def attn_cell(row: dict) -> str:
-    return row["attn"] + (" (eager reference)" if row.get("eager_reference") and row["status"] == "ok" else "")
+    return row["attn"] + (" (eager reference)" if row.get("eager_reference") else "")
 
 
 TRAIN_COLUMNS = {
