@@ -31,7 +31,8 @@ import runtime
 from measure import audited_row, measure_calls, out_of_memory, paired_speedup, profiled_run
 from configurator import Settings, configure
 from errors import UserError
-from model import ATTENTION, GPT, GPTConfig, attention_names, attention_problem
+from attention import ATTENTION, attention_names, attention_problem
+from model import GPT, GPTConfig
 from runtime import Runtime
 
 # mode
@@ -289,15 +290,14 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             shape = (cfg.attn_batch, cfg.attn_heads, T, hs)  # (B, nh, T, hs)
             q, k, v = (torch.randn(shape, device=rt.device, dtype=rt.torch_dtype, requires_grad=backward)
                        for _ in range(3))
-            mask = torch.ones(T, T, dtype=torch.bool, device=rt.device).tril()  # (T, T), True where allowed
             here, calls, audits = {}, {}, {}
             for a in cfg.attn:
                 problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward, T)
                 here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, eager_reference=eager_reference(
                     a, problem, cfg, rt), status="skipped" if problem else "ok", reason=problem)
                 if problem is None:
-                    calls[a] = attention_call(functions[a], q, k, v, mask, cfg.dropout, backward)
-                    audits[a] = attention_call(ATTENTION[a], q, k, v, mask, cfg.dropout, backward)
+                    calls[a] = attention_call(functions[a], q, k, v, None, cfg.dropout, backward)  # None: causal
+                    audits[a] = attention_call(ATTENTION[a], q, k, v, None, cfg.dropout, backward)
                 else:
                     bar.update(cfg.warmup + 1 + cfg.iters)
             name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}"

@@ -6,23 +6,30 @@ original attention and SDPA give no noticeable difference in samples, though the
 (its Appendix A: SDPA scales q and k each by d^-1/4 before multiplying them). Per implementation it samples with
 the same seed (identical tokens? first difference?), times generation with and without the KV cache, measures
 teacher-forced logits against a float64 reference (max |dlogit|, KL) in fp32 and in a reduced dtype, and runs
-Appendix A's formulations on one layer's q, k, v.
+Appendix A's formulations on one layer's q, k, v. With --quantize=int8 it also weighs fp32, reduced-precision and
+int8 weights against each other: memory, tokens/s, loss on held-out text and agreement with fp32's tokens.
 """
 
 import copy
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch.nn import functional as F
 
+import numpy as np
+
 import runtime
+from attention import ATTENTION, attention_names, attention_problem
 from errors import UserError
-from model import ATTENTION, GPT, GPTConfig, attention_names, attention_problem
+from generate import Decoder, for_inference, weight_bytes
+from model import GPT, GPTConfig
 from runtime import Runtime
-from sample import Sampling, full_warmup, generate, print_samples, tokens_per_s
+from sample import Sampling, draw_samples, full_warmup, print_samples, tokens_per_s
 from tokenizer import CharTokenizer, Tokenizer
 
 _MIN_NUMERICS_TOKENS = 16  # a shorter prompt is too little text for the teacher-forced comparison
@@ -123,7 +130,7 @@ def formulations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str,
         "a": attend((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))),
         "b": attend((q * d ** -0.25) @ (k * d ** -0.25).transpose(-2, -1)),
         "c": F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "d": ATTENTION["math"](q, k, v, mask, 0.0),
+        "d": ATTENTION["math"](q, k, v, None, 0.0),  # None: causal
     }
 
 
@@ -167,15 +174,15 @@ def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str
 
 def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
     """Generation with and without the KV cache, and teacher-forced logits, of one implementation."""
-    sampling = run.sampling
+    sampling, decoder = run.sampling, Decoder(model, run.compile)
     warmup = full_warmup(model, sampling)
-    cached, t_cached = generate(model, run.prompt, run.rt, sampling, True, warmup)
-    plain, t_plain = generate(model, run.prompt, run.rt, sampling, False, warmup)
+    cached, t_cached, _ = draw_samples(decoder, run.prompt, run.rt, sampling, True, warmup)
+    plain, t_plain, _ = draw_samples(decoder, run.prompt, run.rt, sampling, False, warmup)
     first = cached if first is None else first
     result = {"samples": cached, "identical_to_first": cached == first,
               "first_divergence": first_divergence(first, cached), "cache_equals_no_cache": cached == plain,
-              "tokens_per_s": tokens_per_s(t_cached, sampling.max_new_tokens),
-              "tokens_per_s_no_cache": tokens_per_s(t_plain, sampling.max_new_tokens), "logits": {}}
+              "tokens_per_s": tokens_per_s(t_cached, sampling),
+              "tokens_per_s_no_cache": tokens_per_s(t_plain, sampling), "logits": {}}
     for dt in ("float32", run.reduced):
         problem = run.problem(model.config.attn, dt, model.config)
         result["logits"][dt] = ({"skipped": problem} if problem else
@@ -203,8 +210,6 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
             print(f"=== {name}: skipped, {skipped[name]}")
             continue
         twin = with_attn(model, name)
-        if run.compile:
-            runtime.compile_isolated(twin, recompile_limit=64)
         try:
             result = compare_one(twin, run, first)
         except UserError as e:  # a kernel that refused a shape only the real run met: skip the row, not the run
@@ -229,9 +234,9 @@ def print_comparison(run: Run, report: dict) -> None:
     """The summary tables: generation, teacher-forced logits, Appendix A."""
     sampling, gens, dts = run.sampling, report["implementations"], ("float32", run.reduced)
     first = next(iter(gens))
-    print(f"\n== generation: {sampling.num_samples} sample(s) x {sampling.max_new_tokens} new tokens, "
-          f"seed {sampling.seed}, "
-          f"{run.rt.dtype} on {run.rt.device}; tokens compared with {first}'s")
+    print(f"\n== generation: {sampling.num_samples} sample(s) x {sampling.max_new_tokens} new tokens in one batch, "
+          f"seed {sampling.seed}, {run.rt.dtype} on {run.rt.device}{', compiled' if run.compile else ''}; "
+          f"tokens compared with {first}'s")
     print(f"{'attn':<10} {'tokens':<30} {'tok/s cache':>12} {'tok/s no cache':>15}  cache = no cache")
     for name in report["order"]:
         if name in report["skipped"]:
@@ -243,8 +248,8 @@ def print_comparison(run: Run, report: dict) -> None:
         if div is not None:  # name the first earlier implementation that drew the same tokens
             twin = next((o for o in list(gens)[1:list(gens).index(name)] if gens[o]["samples"] == g["samples"]), None)
             tokens += f", = {twin}" if twin else ""
-        print(f"{name:<10} {tokens:<30} {g['tokens_per_s']['median']:>12.1f} "
-              f"{g['tokens_per_s_no_cache']['median']:>15.1f}  {'yes' if g['cache_equals_no_cache'] else 'NO'}")
+        print(f"{name:<10} {tokens:<30} {g['tokens_per_s']:>12.1f} "
+              f"{g['tokens_per_s_no_cache']:>15.1f}  {'yes' if g['cache_equals_no_cache'] else 'NO'}")
     print(f"\n== teacher-forced logits on {report['numerics_tokens']} tokens vs float64 manual "
           f"(scaled = max|dlogit| / max(1, max|ref logit|); KL(ref||impl) in nats/token, mean over positions)")
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -270,11 +275,73 @@ def print_comparison(run: Run, report: dict) -> None:
 
 
 
+# -----------------------------------------------------------------------------
+# weights: fp32, reduced precision, int8
+
+def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, max_tokens: int = 16384) -> tuple:
+    """Windows (N, T + 1) of held-out text: evenly spaced from the training data's val.bin, or the numerics text
+    (x, (1, T)) when there is none; and where they came from."""
+    if data is None:
+        return x, "the built-in text (no val.bin: GPT-2 weights, or the training data is gone)"
+    tokens = np.memmap(data / "val.bin", dtype=np.uint16, mode="r")
+    n = max(1, min(max_tokens // block_size, (len(tokens) - 1) // (block_size + 1)))
+    starts = np.linspace(0, len(tokens) - block_size - 1, n).astype(np.int64)
+    windows = np.stack([tokens[i:i + block_size + 1] for i in starts]).astype(np.int64)  # (N, T + 1)
+    return torch.from_numpy(windows).to(x.device), f"{n} windows of {block_size} tokens of {data / 'val.bin'}"
+
+
+def held_out_loss(model: GPT, windows: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Mean next-token loss over the windows, and every position's greedy token (N, T)."""
+    losses, greedy = [], []
+    with torch.no_grad():
+        for row in windows.split(8):  # (<= 8, T + 1)
+            logits, loss = model(row[:, :-1], row[:, 1:])  # (b, T, V)
+            losses.append(loss.item() * row.size(0))
+            greedy.append(logits[..., :model.config.vocab_size].argmax(-1))
+    return sum(losses) / windows.size(0), torch.cat(greedy)
+
+
+def weights_study(model: GPT, run: Run, quantize: str, data: Optional[Path]) -> dict:
+    """The same weights in fp32, in the reduced dtype and as int8 (activations in the run's dtype): their memory,
+    greedy tokens/s with the KV cache, loss on held-out text, and how often their greedy tokens agree with fp32's
+    (teacher-forced on the held-out text, and in one greedy sample)."""
+    windows, source = held_out_windows(data, run.x, model.config.block_size)
+    greedy = dataclasses.replace(run.sampling, num_samples=1, temperature=0.0)
+    rows, ref = {}, None
+    for label, dtype, q in (("float32", "float32", ""), (run.reduced, run.reduced, ""), (quantize, run.rt.dtype, quantize)):
+        weights = for_inference(copy.deepcopy(model), run.rt.device, runtime.DTYPES[dtype], q)
+        loss, tokens = held_out_loss(weights, windows)
+        decoder = Decoder(weights, run.compile)
+        sample, seconds, _ = draw_samples(decoder, run.prompt, Runtime(run.rt.device, dtype), greedy, True,
+                                          full_warmup(weights, greedy))
+        ref = ref or {"tokens": tokens, "sample": sample, "loss": loss}
+        rows[label] = {"weight_bytes": weight_bytes(weights), "tokens_per_s": tokens_per_s(seconds, greedy),
+                       "loss": loss, "perplexity": math.exp(loss), "loss_delta": loss - ref["loss"],
+                       "top1_agreement": (tokens == ref["tokens"]).float().mean().item(),
+                       "greedy_divergence": first_divergence(ref["sample"], sample)}
+    return {"held_out": source, "held_out_tokens": windows[:, 1:].numel(), "rows": rows}
+
+
+def print_weights_study(study: dict, run: Run) -> None:
+    print(f"\n== weights: held-out loss on {study['held_out']} ({study['held_out_tokens']} tokens); agreement = "
+          f"greedy token equal to fp32's, teacher-forced; greedy sample of {run.sampling.max_new_tokens} tokens")
+    print(f"{'weights':<10}{'MB':>9}{'tok/s':>9}{'loss':>9}{'d loss':>9}{'ppl':>9}{'agreement':>11}  greedy sample")
+    for label, r in study["rows"].items():
+        div = r["greedy_divergence"]
+        print(f"{label:<10}{r['weight_bytes'] / 1e6:>9.2f}{r['tokens_per_s']:>9.1f}{r['loss']:>9.4f}"
+              f"{r['loss_delta']:>+9.4f}{r['perplexity']:>9.3f}{r['top1_agreement']:>11.2%}  "
+              + ("= fp32" if div is None else f"differs at token {div['token']}"))
+
+
 def compare(spec: str, model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int],
-            compile: bool) -> dict:
-    """sample.py --compare=SPEC: every implementation asked for, then the summary tables; returns the numbers."""
+            compile: bool, quantize: str = "", data: Optional[Path] = None) -> dict:
+    """sample.py --compare=SPEC: every implementation asked for, then the summary tables; returns the numbers.
+    With quantize, also the weights study, through the first implementation that ran."""
     run = Run(rt, reduced_dtype(rt), sampling, prompt, compile)
     names, skipped = resolve_compare(spec, run, model.config)
     report = run_compare(model, tok, run, names, skipped)
     print_comparison(run, report)
+    if quantize:
+        report["weights"] = weights_study(with_attn(model, next(iter(report["implementations"]))), run, quantize, data)
+        print_weights_study(report["weights"], run)
     return report

@@ -5,174 +5,22 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
     model = GPT(GPTConfig(attn="flash", pad_vocab=True))
     model = GPT.from_pretrained("gpt2", attn="sdpa")          # or a local Hugging Face directory (hf.py)
 
-Every implementation in ATTENTION computes the same causal attention; they differ only in which kernel
-PyTorch runs. `attention_problem` is the one place that decides whether an implementation can run here.
+The implementations themselves, and what decides whether one can run here, are in attention.py; fast
+generation over the static KV cache (compiled, int8) is in generate.py.
 """
 
 import dataclasses
-import functools
 import inspect
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from attention import ATTENTION, check_attention, decodes_with_mask
 from errors import UserError
-
-
-# -----------------------------------------------------------------------------
-# attention implementations: same signature, same function, different kernels
-#   q: (B, nh, Tq, hs), k and v: (B, nh, Tk, hs) -> (B, nh, Tq, hs)
-#   causal_mask: (Tq, Tk) bool, True where attention is allowed, or None when no mask is needed
-#   (a single query attending to a KV cache sees every cached position).
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
-
-
-def manual_attention(q, k, v, causal_mask, dropout_p):
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, Tq, Tk)
-    if causal_mask is not None:
-        att = att.masked_fill(~causal_mask, float("-inf"))
-    att = F.softmax(att, dim=-1)
-    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
-    return att @ v
-
-
-def sdpa_mask_attention(q, k, v, causal_mask, dropout_p):
-    # An explicit mask is what pushes CUDA off the fused kernels and onto the generic one.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask, dropout_p=dropout_p)
-
-
-def sdpa_attention(q, k, v, causal_mask, dropout_p):
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal_mask is not None)
-
-
-def _forced_backend(backend: SDPBackend) -> AttentionFn:
-    def attention(q, k, v, causal_mask, dropout_p):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal_mask is not None)
-    attention.__name__ = f"{backend.name.lower()}_attention"
-    return attention
-
-
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-_block_masks: dict = {}
-
-
-def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
-    # Building a block mask costs milliseconds; one per shape and device is enough.
-    key = (q_len, kv_len, str(device))
-    if key not in _block_masks:
-        _block_masks[key] = create_block_mask(_causal, None, None, q_len, kv_len, device=device)
-    return _block_masks[key]
-
-
-@functools.cache
-def _compiled_flex_attention():
-    # FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in memory)
-    return torch.compile(flex_attention)
-
-
-def flex_causal_attention(q, k, v, causal_mask, dropout_p):
-    if dropout_p > 0:
-        raise UserError("attn='flex' has no attention dropout; set dropout=0.0 or pick another attn.")
-    block_mask = None if causal_mask is None else _causal_block_mask(q.size(-2), k.size(-2), q.device)
-    # On CUDA always compiled (inside a compiled model dynamo traces flex_attention itself). On CPU only inside
-    # a compiled model (compile=True): compiling costs seconds per shape, and CPU flex is inference-only anyway.
-    compiled = q.is_cuda and not torch.compiler.is_compiling()
-    return (_compiled_flex_attention() if compiled else flex_attention)(q, k, v, block_mask=block_mask)
-
-
-ATTENTION: dict[str, AttentionFn] = {
-    "manual": manual_attention,
-    "sdpa_mask": sdpa_mask_attention,
-    "sdpa": sdpa_attention,
-    "flash": _forced_backend(SDPBackend.FLASH_ATTENTION),
-    "efficient": _forced_backend(SDPBackend.EFFICIENT_ATTENTION),
-    "cudnn": _forced_backend(SDPBackend.CUDNN_ATTENTION),
-    "math": _forced_backend(SDPBackend.MATH),
-    "flex": flex_causal_attention,
-}
-
-
-def attention_names(spec) -> list[str]:
-    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked ATTENTION keys, each once."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = list(ATTENTION) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
-    unknown = [n for n in names if n not in ATTENTION]
-    if unknown or not names:
-        raise UserError(f"unknown attn {', '.join(map(repr, unknown)) or '(none given)'}; "
-                        f"use all or a comma-separated list of {', '.join(ATTENTION)}.")
-    return list(dict.fromkeys(names))
-
-
-@functools.lru_cache(maxsize=None)
-def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                      needs_grad: bool, seq_len: int = 64) -> Optional[str]:
-    """None if `attn` runs here, else why not: we ask PyTorch by running it once, because which kernel accepts
-    which device/dtype/dropout/head size/layout changes from release to release."""
-    cpu = device_type == "cpu"
-    if attn in ("efficient", "cudnn") and device_type != "cuda":
-        return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
-    if attn == "flex" and dropout_p > 0:
-        return "FlexAttention has no attention dropout"
-    if attn == "flex" and cpu and needs_grad:
-        return "FlexAttention has no backward pass on CPU"
-    if attn == "flash" and cpu and dropout_p > 0:
-        return "the CPU flash kernel does not support dropout"
-    # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
-        return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len)
-
-
-def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-           needs_grad: bool, seq_len: int) -> Optional[str]:
-    """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
-    sequence length (with backward when training), and for inference also a one-query decode step against a
-    slice of a longer KV cache. Kernels' limits differ between these layouts."""
-    T = seq_len
-    qkv = torch.randn(1, T, 3 * head_size, device=device_type, dtype=dtype, requires_grad=needs_grad)
-    q, k, v = (t.view(1, T, 1, head_size).transpose(1, 2) for t in qkv.split(head_size, dim=2))  # (1, 1, T, hs)
-    mask = torch.ones(T, T, dtype=torch.bool, device=device_type).tril()  # (T, T)
-    try:
-        with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
-            warnings.simplefilter("always")
-            y = ATTENTION[attn](q, k, v, mask, dropout_p)
-            if needs_grad:
-                y.sum().backward()
-            else:
-                cache = torch.randn(2, 1, T + 8, head_size, device=device_type, dtype=dtype)  # (k|v, 1, T + 8, hs)
-                ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
-    except (RuntimeError, NotImplementedError) as e:
-        # CUDA warns a header ("Flash attention kernel not used because:") and then the reason itself
-        reasons = [line for w in caught for line in str(w.message).splitlines()[:1] if not line.endswith("because:")]
-        reasons = reasons or [str(e).splitlines()[0]]
-        return f"PyTorch has no kernel for it ({reasons[0].rstrip('.')})"
-    return None
-
-
-def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                    needs_grad: bool, seq_len: int = 64, problem: Optional[str] = None) -> None:
-    """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (or if the
-    caller already knows the `problem`, say a kernel that refused a real call)."""
-    problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len)
-    if problem is None:
-        return
-    runnable = [a for a in ATTENTION if a != attn and
-                attention_problem(a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len) is None]
-    dtype_name = str(dtype).removeprefix("torch.")
-    mode = "training" if needs_grad else "inference"
-    raise UserError(f"attn='{attn}' cannot run for {mode} on {device_type} in {dtype_name} with dropout={dropout_p} "
-                    f"and head size {head_size}: {problem}; use one of {', '.join(runnable)}.")
 
 
 # -----------------------------------------------------------------------------
@@ -219,42 +67,44 @@ class GPTConfig:
         return math.ceil(self.vocab_size / 64) * 64 if self.pad_vocab else self.vocab_size
 
 
-class KVCache:
-    """Keys and values of every layer for positions [0, length), preallocated up to block_size."""
+class KVCache(nn.Module):
+    """One layer's keys and values for positions [0, block_size), written in place at `input_pos`: fixed buffers,
+    so a decode step has one shape at every position and compiles once."""
 
-    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
-        shape = (batch_size, config.n_head, config.block_size, config.head_size)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.length = 0
+    def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int, device, dtype):
+        super().__init__()
+        shape = (batch_size, n_head, block_size, head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store this step's k, v (B, nh, T, hs) after the cached ones; return all of them."""
-        end = self.length + k.size(2)
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (B, nh, T, hs) at positions input_pos (T,); return the whole cache, (B, nh, block_size, hs)."""
+        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k, self.v
 
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer: int):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
+        self.n_head, self.n_embd, self.block_size = config.n_head, config.n_embd, config.block_size
+        self.kv_cache: Optional[KVCache] = None  # set by GPT.setup_cache, for generation
         self.set_attention(config.attn)
-        # not persistent: it is derived, so neither checkpoints nor DDP's broadcast need to carry it
-        causal = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
-        self.register_buffer("causal_mask", causal, persistent=False)
 
     def set_attention(self, attn: str) -> None:
         self.attn_name = attn                # a key of ATTENTION, for checks and messages
         self.attention = ATTENTION[attn]     # the function that computes it
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, C). Without input_pos: causal attention over x itself. With it, k and v are also written to
+        the KV cache at input_pos; `mask` None means a prefill from position 0 (x is the whole context), a mask
+        (T, block_size) a decode step that reads the whole cache."""
         B, T, C = x.size()
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
@@ -262,25 +112,22 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         dropout_p = self.attn_dropout if self.training else 0.0
-        block_size = self.causal_mask.size(0)
-        if not torch.compiler.is_compiling():  # compiled code was checked when it was traced
-            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, block_size)
-        start = 0
-        if kv_cache is not None:
-            start = kv_cache.length
-            k, v = kv_cache.update(self.layer, k, v)  # (B, nh, start + T, hs)
-        if T == 1:
-            mask = None  # one new query sees every position before it
-        elif start == 0:
-            mask = self.causal_mask[:T, :T]
-        else:
-            raise ValueError("a KV cache is filled by one prefill from position 0, then one position per step")
+        eager = not torch.compiler.is_compiling()  # compiled code was checked when it was traced
+        if eager:
+            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, self.block_size)
+        if input_pos is not None:
+            cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # (B, nh, block_size, hs)
+            if mask is not None:
+                k, v = cached_k, cached_v
+                if eager and not decodes_with_mask(self.attn_name, q.device.type, q.dtype, hs):
+                    written = int(input_pos[-1]) + 1  # CUDA's flash kernel takes no mask: read what is written
+                    k, v, mask = k[:, :, :written], v[:, :, :written], None
         try:
             y = self.attention(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
         except RuntimeError as e:  # a kernel refusing a shape or layout the probe did not meet
-            if torch.compiler.is_compiling() or "No available kernel" not in str(e):
+            if not eager or "No available kernel" not in str(e):
                 raise
-            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, block_size,
+            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, self.block_size,
                             problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
@@ -301,15 +148,15 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer: int):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer)
+        self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache: Optional[KVCache] = None):
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x, mask: Optional[torch.Tensor] = None, input_pos: Optional[torch.Tensor] = None):
+        x = x + self.attn(self.ln_1(x), mask, input_pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -322,7 +169,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
@@ -333,6 +180,10 @@ class GPT(nn.Module):
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
+        # Row p: the KV-cache positions a decode step at position p sees. Not persistent: it is derived, so neither
+        # checkpoints nor DDP's broadcast carry it.
+        causal = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()  # (block, block)
+        self.register_buffer("causal_rows", causal, persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -354,21 +205,27 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, all_positions: bool = False):
+                input_pos: Optional[torch.Tensor] = None, all_positions: bool = False):
         """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf.
         With targets: (B, T, V) logits and the mean cross-entropy (targets of -1 are ignored).
-        Without: logits for the last position only, (B, 1, V), or for every position with all_positions."""
+        Without: logits for the last position only, (B, 1, V), or for every position with all_positions.
+        With input_pos (T,), after setup_cache: idx's positions, whose keys and values are written to the KV
+        cache. A generation step is either a prefill (T tokens from position 0) or one token at any position."""
         B, T = idx.size()
-        start = kv_cache.length if kv_cache is not None else 0
-        if start + T > self.config.block_size:
-            raise UserError(f"cannot forward a sequence of {start + T} tokens: block_size is "
+        if T > self.config.block_size:
+            raise UserError(f"cannot forward a sequence of {T} tokens: block_size is "
                             f"{self.config.block_size}; crop the input or use a smaller block_size.")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        mask = None  # causal attention over idx itself
+        if input_pos is None:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        else:
+            self._check_cached_call(T, input_pos)
+            pos = input_pos
+            if T == 1:
+                mask = self.causal_rows[input_pos]  # (1, block_size): the cache positions written so far
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, kv_cache)
-        if kv_cache is not None:
-            kv_cache.length += T
+            x = block(x, mask, input_pos)
         x = self.transformer.ln_f(x)
         if targets is None and not all_positions:
             x = x[:, [-1], :]  # (B, 1, C): only the next token is needed
@@ -379,6 +236,32 @@ class GPT(nn.Module):
         # reshape, not view: targets may be any (B, T) tensor, a strided slice such as x[:, 1:] included
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def _check_cached_call(self, T: int, input_pos: torch.Tensor) -> None:
+        if self.transformer.h[0].attn.kv_cache is None:
+            raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
+        # compiled code was checked when it was traced; reading a position costs a sync, so eager only
+        if not torch.compiler.is_compiling() and T > 1 and input_pos[0].item() != 0:
+            raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
+
+    # -- KV cache -----------------------------------------------------------------------------------------
+
+    def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
+        """Give every layer a KV cache of block_size positions for batch_size sequences, in `dtype` (that of
+        the keys: the weights', or autocast's)."""
+        weight = self.transformer.wpe.weight
+        for block in self.transformer.h:
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_head, self.config.block_size,
+                                          self.config.head_size, weight.device, dtype or weight.dtype)
+
+    def clear_cache(self) -> None:
+        for block in self.transformer.h:
+            block.attn.kv_cache = None
+
+    def cache_bytes(self) -> int:
+        """Memory held by the KV caches (0 without them)."""
+        return sum(t.numel() * t.element_size() for block in self.transformer.h if block.attn.kv_cache is not None
+                   for t in (block.attn.kv_cache.k, block.attn.kv_cache.v))
 
     def set_attention(self, attn: str) -> "GPT":
         """Read the same weights through another attention implementation, in place; returns the model."""
@@ -394,8 +277,10 @@ class GPT(nn.Module):
                             f"use at most {self.config.block_size}.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        self.causal_rows = self.causal_rows[:block_size, :block_size]
+        self.clear_cache()
         for block in self.transformer.h:
-            block.attn.causal_mask = block.attn.causal_mask[:block_size, :block_size]
+            block.attn.block_size = block_size
 
     # -- optimizer and FLOPs ---------------------------------------------------------------------------
 
@@ -421,27 +306,13 @@ class GPT(nn.Module):
 
     # -- generation -------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  use_cache: bool = True) -> torch.Tensor:
-        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
-        The cache holds at most block_size positions; once the text is longer, every step sees the last
-        block_size tokens at fresh positions, so the cache is refilled - the same tokens as without it."""
-        cache = None
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]
-            if not use_cache:
-                logits, _ = self(context)
-            # one new position fits after the cached ones, and they are still the text's own positions (once the
-            # text outgrows block_size, cropping shifts every position, so the whole context is run again)
-            elif cache is not None and cache.length < self.config.block_size and idx.size(1) == cache.length + 1:
-                logits, _ = self(idx[:, -1:], kv_cache=cache)
-            else:
-                cache = KVCache(self.config, idx.size(0), idx.device, self.lm_head.weight.dtype)
-                logits, _ = self(context, kv_cache=cache)
-            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k, generator)), dim=1)
-        return idx
+        """nanoGPT's generate: append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy.
+        With the KV cache unless use_cache=False; generate.py has the loop, and compiled decoding."""
+        from generate import generate  # generate.py builds on this module
+        return generate(self, idx, max_new_tokens, temperature, top_k, generator, use_cache)
 
     # -- GPT-2 weights ----------------------------------------------------------------------------------
 
@@ -452,15 +323,3 @@ class GPT(nn.Module):
         from hf import gpt2_from_hf  # hf.py builds on this module
         return gpt2_from_hf(name_or_path, **overrides)
 
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token id per row from logits (B, V) -> (B, 1)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    probs = F.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)

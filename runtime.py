@@ -183,16 +183,16 @@ def free_memory(rt: "Runtime") -> None:
         torch.cuda.empty_cache()
 
 
-def compile_isolated(fn, recompile_limit: int = 8):
+def compile_isolated(fn, recompile_limit: int = 8, **compile_options):
     """torch.compile a function, or a module in place, with a recompile count of its own. Many compiled models
     share one code object (GPT.forward, Module._call_impl), and dynamo counts recompiles per code object: past
     its limit (8) later models silently run eagerly. Generation meets many shapes (prefill, decode, cache
     refills, two dtypes), so sample.py asks for a higher limit. torch without per-call limits (before 2.13) gets
-    a higher shared limit instead."""
+    a higher shared limit instead. `compile_options` go to torch.compile (fullgraph, dynamic, mode, options)."""
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
-        options = {"isolate_recompiles": True, "recompile_limit": recompile_limit}
+        options = {"isolate_recompiles": True, "recompile_limit": recompile_limit, **compile_options}
     else:
-        options = {}
+        options = dict(compile_options)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * recompile_limit)
     if isinstance(fn, torch.nn.Module):
         fn.compile(**options)  # in place: methods such as generate() then reach the compiled forward

@@ -3,9 +3,11 @@ Sample from a trained model, or read the same weights through every attention im
 
 $ python sample.py --out_dir=out-shakespeare-char
 $ python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --num_samples=5 --max_new_tokens=100
+$ python sample.py --out_dir=out-shakespeare-char --compile=True --quantize=int8   # fast: see generate.py
 $ python sample.py --out_dir=out-shakespeare-char --compare=all --num_samples=1 --json=compare.json
 
---compare runs compare.py: the claim of PyTorch's post that the original attention and SDPA sample alike.
+The num_samples samples are drawn together, as one batch. --compare runs compare.py: the claim of PyTorch's post
+that the original attention and SDPA sample alike (with --quantize=int8, also what int8 weights cost).
 """
 
 import json as jsonlib
@@ -17,10 +19,13 @@ from typing import Optional
 import torch
 
 import runtime
+from attention import check_attention
 from checkpoint import Checkpoint
 from configurator import configure
+from dataset import dataset_dir
 from errors import UserError
-from model import GPT, check_attention
+from generate import QUANTIZE, Decoder, for_inference
+from model import GPT
 from runtime import Runtime
 from tokenizer import Tokenizer, tokenizer_from_meta
 
@@ -38,8 +43,9 @@ seed = 1337                       # seed of the sampling generator: the same see
 # model and precision
 attn = None                       # a model.ATTENTION key; None: the checkpoint's ('sdpa' for GPT-2 weights)
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
-dtype = "auto"                    # auto (bf16 where supported, fp16 on older GPUs, else fp32), float32, bfloat16, ...
-compile = False                   # torch.compile the model: slow to start, faster per token
+dtype = "auto"                    # the weights' dtype: auto (bf16 where supported, fp16 on older GPUs, else fp32), ...
+quantize = ""                     # "int8": int8 weight-only weights (torchao), a quarter of fp32's bytes per token
+compile = False                   # compile the prefill and the decode step: slow to start, faster per token
 # comparison
 compare = ""                      # "manual,sdpa,flash" or "all": compare the same weights through each of them
 json = ""                         # write every number (settings, tokens, timings, errors) to this JSON file
@@ -61,14 +67,17 @@ class Sampling:
 # -----------------------------------------------------------------------------
 # model, tokenizer, prompt
 
-def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, Tokenizer, str]:
-    """The model (fp32, eval mode, on CPU), the tokenizer of its data, and where both came from."""
+def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, Tokenizer, str, Optional[Path]]:
+    """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the folder of its
+    training data (for held-out text; None for GPT-2 weights or when it is gone)."""
+    data = None
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
         checkpoint = Checkpoint.load(path)
         model = checkpoint.build_model()
         tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")
         source = f"{path} (iter {checkpoint.iter_num})"
+        data = training_data(checkpoint.settings)
     else:
         model, tok, source = GPT.from_pretrained(init_from), tokenizer_from_meta(None), init_from
     if attn is not None:
@@ -76,7 +85,16 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
                         f"{tok.vocab_size} tokens; sample from a checkpoint trained on this tokenizer's data.")
-    return model.eval(), tok, source
+    return model.eval(), tok, source, data
+
+
+def training_data(settings: dict) -> Optional[Path]:
+    """The data folder a training run read, if it still holds val.bin."""
+    try:
+        folder = dataset_dir(settings.get("data_dir", ""), settings.get("dataset", ""))
+    except UserError:
+        return None
+    return folder if (folder / "val.bin").is_file() else None
 
 
 def read_prompt(start: str) -> str:
@@ -102,21 +120,19 @@ def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
 # -----------------------------------------------------------------------------
 # generation
 
-def generate(model: GPT, prompt: list[int], rt: Runtime, sampling: Sampling, use_cache: bool = True,
-             warmup: int = 8) -> tuple[list[list[int]], list[float]]:
-    """num_samples samples from one generator seeded with sampling.seed: the new tokens of each, and seconds each.
-    An untimed run of `warmup` tokens first pays for one-time work (CPU kernels are built per shape)."""
-    x = torch.tensor([prompt], dtype=torch.long, device=rt.device)  # (1, T)
+def draw_samples(decoder: Decoder, prompt: list[int], rt: Runtime, sampling: Sampling, use_cache: bool = True,
+                 warmup: int = 8) -> tuple[list[list[int]], float, float]:
+    """num_samples samples drawn together (one batch) from a generator seeded with sampling.seed: the new tokens
+    of each, the seconds they took, and the seconds of an untimed warm-up of `warmup` tokens first, which pays
+    for one-time work (compilation; CPU kernels are built per shape)."""
+    x = torch.tensor([prompt] * sampling.num_samples, dtype=torch.long, device=rt.device)  # (num_samples, T)
     generator = torch.Generator(rt.device).manual_seed(sampling.seed)
-    samples, seconds = [], []
     with rt.autocast():
-        model.generate(x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache)
-        for _ in range(sampling.num_samples):
-            y, took = runtime.time_call(
-                lambda: model.generate(x, sampling.max_new_tokens, sampling.temperature, sampling.top_k, generator, use_cache), rt)
-            seconds.append(took)
-            samples.append(y[0, len(prompt):].tolist())  # y: (1, T + new)
-    return samples, seconds
+        _, warmup_s = runtime.time_call(lambda: decoder.generate(
+            x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache), rt)
+        y, seconds = runtime.time_call(lambda: decoder.generate(
+            x, sampling.max_new_tokens, sampling.temperature, sampling.top_k, generator, use_cache), rt)
+    return y[:, len(prompt):].tolist(), seconds, warmup_s  # y: (num_samples, T + new)
 
 
 def full_warmup(model: GPT, sampling: Sampling) -> int:
@@ -124,9 +140,9 @@ def full_warmup(model: GPT, sampling: Sampling) -> int:
     return min(sampling.max_new_tokens, model.config.block_size + 1)
 
 
-def tokens_per_s(seconds: list[float], new_tokens: int) -> dict:
-    """Generation speed over the samples: median, quartiles and extremes of tokens/s."""
-    return runtime.summarize([new_tokens / s for s in seconds])
+def tokens_per_s(seconds: float, sampling: Sampling) -> float:
+    """New tokens per second over the whole batch."""
+    return sampling.num_samples * sampling.max_new_tokens / seconds
 
 
 def print_samples(tok: Tokenizer, prompt: list[int], samples: list[list[int]]) -> None:
@@ -139,10 +155,12 @@ def print_samples(tok: Tokenizer, prompt: list[int], samples: list[list[int]]) -
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    if cfg.quantize not in QUANTIZE:
+        raise UserError(f"quantize must be '' (none) or 'int8', got '{cfg.quantize}'.")
     if cfg.json:  # find out now, not after a long comparison
         runtime.check_writable_dir(Path(cfg.json).parent, "json")
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
-    model, tok, source = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
+    model, tok, source, data = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
     prompt = encode_prompt(tok, read_prompt(cfg.start))
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
@@ -150,29 +168,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{source}: {model.get_num_params() / 1e6:.2f}M parameters, {rt.dtype} on {rt.name}")
     if cfg.compare:
         import compare  # the comparison harness imports this module: only now, when it is asked for
-        report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile))
+        report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile,
+                                      cfg.quantize, data))
     else:
-        report.update(sample(model, tok, rt, sampling, prompt, cfg.compile))
+        report.update(sample(model, tok, rt, sampling, prompt, cfg.compile, cfg.quantize))
     if cfg.json:
         write_json(Path(cfg.json), report)
     return 0
 
 
-def sample(model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int], compile: bool) -> dict:
+def sample(model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int], compile: bool,
+           quantize: str = "") -> dict:
     """Print num_samples samples and the generation speed; return the tokens, texts and tokens/s."""
     check_attention(model.config.attn, rt.device_type, rt.torch_dtype, 0.0, model.config.head_size,
                     needs_grad=False, seq_len=model.config.block_size)
-    model.to(rt.device)
-    if compile:
-        model.compile()
+    decoder = Decoder(for_inference(model, rt.device, rt.torch_dtype, quantize), compile)
     warmup = full_warmup(model, sampling) if compile else 8
-    samples, seconds = generate(model, prompt, rt, sampling, warmup=warmup)
+    samples, seconds, warmup_s = draw_samples(decoder, prompt, rt, sampling, warmup=warmup)
     print_samples(tok, prompt, samples)
-    rate = tokens_per_s(seconds, sampling.max_new_tokens)
-    print(f"attn={model.config.attn}: {rate['median']:.1f} tokens/s (median of {sampling.num_samples} samples, "
-          f"{rate['min']:.1f}-{rate['max']:.1f}) with the KV cache")
+    rate = tokens_per_s(seconds, sampling)
+    weights = f"{quantize} weights, " if quantize else ""
+    print(f"attn={model.config.attn}: {rate:.1f} tokens/s ({sampling.num_samples} x {sampling.max_new_tokens} new "
+          f"tokens in one batch, {weights}KV cache{', compiled' if compile else ''})"
+          + (f"; compiling took {warmup_s:.1f} s, untimed" if compile else ""))
     return dict(attn=model.config.attn, samples=samples, texts=[tok.decode(prompt + x) for x in samples],
-                tokens_per_s=rate)
+                tokens_per_s=rate, compile_s=warmup_s if compile else None)
 
 
 def write_json(path: Path, report: dict) -> None:

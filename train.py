@@ -28,7 +28,8 @@ from checkpoint import Checkpoint
 from configurator import Settings, configure
 from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing, read_meta
 from errors import UserError
-from model import GPT, GPTConfig, check_attention
+from attention import check_attention
+from model import GPT, GPTConfig
 from runtime import Dist, Runtime
 
 # I/O

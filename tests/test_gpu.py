@@ -18,7 +18,8 @@ import sample
 from checkpoint import Checkpoint
 import train
 from conftest import TINY, metrics, run_train, straight_and_resumed
-from model import ATTENTION, GPT, GPTConfig, UserError, attention_problem
+from attention import ATTENTION, attention_problem
+from model import GPT, GPTConfig, UserError
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m pytest -m gpu)")]

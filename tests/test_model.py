@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf import convert_hf_state_dict
-from model import ATTENTION, GPT, GPTConfig, UserError, attention_names, attention_problem, check_attention
+from attention import ATTENTION, attention_names, attention_problem, check_attention
+from model import GPT, GPTConfig, UserError
 
 # What runs on this CPU for training; flex runs forward only (no backward on CPU).
 CPU_TRAINABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math"]
@@ -267,14 +268,14 @@ def test_an_unforeseen_kernel_refusal_reports_pytorchs_own_reason(monkeypatch):
     """What CUDA does for, e.g., flash in fp32: a header warning, the reason as a warning, then an error."""
     import warnings
 
-    import model as model_module
+    import attention
 
     def refusing(q, k, v, mask, dropout_p):
         warnings.warn("Flash attention kernel not used because:")
         warnings.warn("Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float")
         raise RuntimeError("No available kernel. Aborting execution.")
 
-    monkeypatch.setitem(model_module.ATTENTION, "math", refusing)
+    monkeypatch.setitem(attention.ATTENTION, "math", refusing)
     attention_problem.cache_clear()
     try:
         problem = attention_problem("math", "cpu", torch.float32, 0.0, 8, True)

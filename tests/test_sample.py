@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import attention
 import compare
-import model as model_module
 import runtime
 import sample
 from checkpoint import Checkpoint
+from generate import Decoder
 from model import GPT, GPTConfig, UserError
 from tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -47,6 +48,12 @@ def char_ckpt(tmp_path_factory) -> Path:
     return save_checkpoint(tmp_path_factory.mktemp("char"), confident_char_model(), CHAR_META)
 
 
+def draw(model: GPT, prompt: list[int], rt: runtime.Runtime, sampling: sample.Sampling, use_cache=True):
+    """The new tokens of sampling.num_samples samples, drawn eagerly."""
+    samples, _, _ = sample.draw_samples(Decoder(model), prompt, rt, sampling, use_cache)
+    return samples
+
+
 def run_sample(capsys, *args: str) -> str:
     """sample.py's main in this process; what it printed."""
     capsys.readouterr()
@@ -71,21 +78,21 @@ def test_the_same_seed_prints_the_same_text_twice(char_ckpt, capsys):
 
 
 def test_kv_cache_and_cache_free_paths_give_the_same_tokens_past_block_size(char_ckpt):
-    model, tok, _ = sample.load_model("resume", str(char_ckpt), None)
+    model, tok, _, _ = sample.load_model("resume", str(char_ckpt), None)
     prompt = sample.encode_prompt(tok, "To be")
-    cached, _ = sample.generate(model, prompt, CPU_FP32, SAMPLING, use_cache=True)
-    plain, _ = sample.generate(model, prompt, CPU_FP32, SAMPLING, use_cache=False)
+    cached = draw(model, prompt, CPU_FP32, SAMPLING, use_cache=True)
+    plain = draw(model, prompt, CPU_FP32, SAMPLING, use_cache=False)
     assert cached == plain
     assert [len(s) for s in cached] == [45, 45] and cached[0] != cached[1]  # 5 + 45 > block_size=32
-    other_seed, _ = sample.generate(model, prompt, CPU_FP32, dataclasses.replace(SAMPLING, seed=8))
+    other_seed = draw(model, prompt, CPU_FP32, dataclasses.replace(SAMPLING, seed=8))
     assert other_seed != cached
 
 
 def test_char_checkpoint_decodes_with_its_own_characters(char_ckpt):
-    model, tok, source = sample.load_model("resume", str(char_ckpt), "flash")
+    model, tok, source, _ = sample.load_model("resume", str(char_ckpt), "flash")
     assert isinstance(tok, CharTokenizer) and tok.chars == CHARS
     assert model.config.attn == "flash" and "iter 7" in source
-    samples, _ = sample.generate(model, tok.encode("To be"), CPU_FP32, SAMPLING)
+    samples = draw(model, tok.encode("To be"), CPU_FP32, SAMPLING)
     ids = [i for s in samples for i in s]
     assert max(ids) < len(CHARS)
     assert set(tok.decode(ids)) <= set(CHARS)
@@ -97,11 +104,11 @@ def test_bpe_checkpoint_without_meta_never_emits_padded_ids(tmp_path):
     with torch.no_grad():
         model.lm_head.weight[50257:] = 50.0  # the padded rows would win every step without the mask
     save_checkpoint(tmp_path, model, meta=None)
-    model, tok, _ = sample.load_model("resume", str(tmp_path), None)
+    model, tok, _, _ = sample.load_model("resume", str(tmp_path), None)
     assert isinstance(tok, GPT2Tokenizer) and model.config.padded_vocab_size == 50304
     prompt = sample.encode_prompt(tok, "Hello world")
     assert prompt == [15496, 995]
-    samples, _ = sample.generate(model, prompt, CPU_FP32, dataclasses.replace(SAMPLING, max_new_tokens=20))
+    samples = draw(model, prompt, CPU_FP32, dataclasses.replace(SAMPLING, max_new_tokens=20))
     assert max(i for s in samples for i in s) < 50257
     assert tok.decode(prompt + samples[0]).startswith("Hello world")
 
@@ -111,9 +118,9 @@ def test_gpt2_weights_from_a_local_hf_directory_sample_with_gpt2_bpe(tmp_path):
     cfg = transformers.GPT2Config(vocab_size=50257, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
-    model, tok, source = sample.load_model(str(tmp_path), "unused", "math")
+    model, tok, source, _ = sample.load_model(str(tmp_path), "unused", "math")
     assert isinstance(tok, GPT2Tokenizer) and model.config.attn == "math" and source == str(tmp_path)
-    samples, _ = sample.generate(model, tok.encode("<|endoftext|>"), CPU_FP32, SAMPLING)
+    samples = draw(model, tok.encode("<|endoftext|>"), CPU_FP32, SAMPLING)
     assert max(i for s in samples for i in s) < 50257
 
 
@@ -152,7 +159,7 @@ def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(ch
 
 
 def test_reference_logits_are_large_enough_for_a_relative_bound(char_ckpt):
-    model, tok, _ = sample.load_model("resume", str(char_ckpt), None)
+    model, tok, _, _ = sample.load_model("resume", str(char_ckpt), None)
     x = torch.tensor([compare.numerics_ids(tok, tok.encode("T"), model.config.block_size)])
     ref = compare.forced_logits(compare.with_attn(model, "manual").double(), x, CPU_FP32)
     assert ref.abs().max().item() > 2.0
@@ -261,7 +268,7 @@ def refusing_prefills(attention):
 
 
 def test_a_kernel_refusing_a_real_call_is_one_sentence(monkeypatch):
-    monkeypatch.setitem(model_module.ATTENTION, "math", refusing_prefills(model_module.ATTENTION["math"]))
+    monkeypatch.setitem(attention.ATTENTION, "math", refusing_prefills(attention.ATTENTION["math"]))
     model = confident_char_model().set_attention("math")
     model(torch.zeros(1, TINY["block_size"], dtype=torch.long))  # the shape the probe met runs
     with pytest.raises(UserError, match=r"attn='math' cannot run for inference on cpu in float32 .*PyTorch refused "
@@ -271,7 +278,7 @@ def test_a_kernel_refusing_a_real_call_is_one_sentence(monkeypatch):
 
 
 def test_compare_skips_an_implementation_that_refuses_at_run_time_and_finishes(char_ckpt, monkeypatch, capsys):
-    monkeypatch.setitem(model_module.ATTENTION, "math", refusing_prefills(model_module.ATTENTION["math"]))
+    monkeypatch.setitem(attention.ATTENTION, "math", refusing_prefills(attention.ATTENTION["math"]))
     assert sample.main([f"--out_dir={char_ckpt}", "--compare=manual,math,sdpa", "--dtype=float32",
                         "--num_samples=1", "--max_new_tokens=10", "--start=To be"]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,213 @@
+"""
+The attention implementations model.GPT switches between, and the one place that decides which can run here.
+
+Every function in ATTENTION computes the same causal attention; they differ only in which kernel PyTorch runs:
+
+    q: (B, nh, Tq, hs), k and v: (B, nh, Tk, hs) -> (B, nh, Tq, hs)
+    mask None: causal, aligned to the end: query i sees keys 0 .. i + Tk - Tq. With Tq == Tk that is the usual
+        causal mask (training, a prompt); with one query it is every key (a decode step over exactly the
+        positions written so far).
+    mask a (Tq, Tk) bool tensor, True where attention is allowed: a decode step over a fixed-size KV cache,
+        whose later positions are not written yet, so each row is a prefix (True for the keys written so far).
+        A fixed shape is what lets the step compile once.
+"""
+
+import functools
+import math
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from errors import UserError
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """(q_len, kv_len) bool, True where query i may see key j: j <= i + kv_len - q_len."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
+def manual_attention(q, k, v, mask, dropout_p):
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, Tq, Tk)
+    if mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    att = att.masked_fill(~mask, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+    return att @ v
+
+
+def sdpa_mask_attention(q, k, v, mask, dropout_p):
+    # An explicit mask is what pushes CUDA off the fused kernels and onto the generic one.
+    if mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def sdpa_attention(q, k, v, mask, dropout_p):
+    # is_causal is aligned to the start (top-left) in PyTorch; without a mask the model only passes square
+    # problems or a single query, where start and end alignment agree.
+    is_causal = False
+    if mask is None and q.size(-2) > 1:  # a branch, not a flag: a concrete bool even when the length is dynamic
+        is_causal = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def _forced_backend(backend: SDPBackend) -> AttentionFn:
+    def attention(q, k, v, mask, dropout_p):
+        with sdpa_kernel(backend):
+            return sdpa_attention(q, k, v, mask, dropout_p)
+    attention.__name__ = f"{backend.name.lower()}_attention"
+    return attention
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+_block_masks: dict = {}
+
+
+def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
+    # Building a block mask costs milliseconds; one per shape and device is enough.
+    key = (q_len, kv_len, str(device))
+    if key not in _block_masks:
+        _block_masks[key] = create_block_mask(_causal, None, None, q_len, kv_len, device=device)
+    return _block_masks[key]
+
+
+def _score_mod_of(mask: torch.Tensor):
+    # Each row of a decode mask is a prefix (the keys written so far): its length, a reduction that inductor
+    # materialises, is what the score mod reads. Indexing the mask itself fails to compile on CPU (torch 2.13:
+    # inductor's flex template cannot read a captured tensor that is not materialised).
+    visible = mask.sum(-1)  # (Tq,)
+
+    def masked(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx < visible[q_idx], score, -float("inf"))
+    return masked
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in memory)
+    return torch.compile(flex_attention)
+
+
+def flex_causal_attention(q, k, v, mask, dropout_p):
+    if dropout_p > 0:
+        raise UserError("attn='flex' has no attention dropout; set dropout=0.0 or pick another attn.")
+    if q.size(-2) == 1 and torch.compiler.is_compiling():
+        # inductor's flex lowering (torch 2.13, CPU) fails on a one-query view whose size-1 dimension keeps an odd
+        # stride ("not enough values to unpack"); a copy with plain strides compiles. One query: a tiny copy.
+        q = q.clone(memory_format=torch.contiguous_format)
+    # a decode step's mask is read by a score mod (one query row: no blocks worth skipping); causal is a block mask
+    score_mod = None if mask is None else _score_mod_of(mask)
+    block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device) if mask is None and q.size(-2) > 1 else None
+    # On CUDA always compiled (inside a compiled model dynamo traces flex_attention itself). On CPU only inside
+    # a compiled model (compile=True): compiling costs seconds per shape, and CPU flex is inference-only anyway.
+    compiled = q.is_cuda and not torch.compiler.is_compiling()
+    return (_compiled_flex_attention() if compiled else flex_attention)(q, k, v, score_mod=score_mod,
+                                                                        block_mask=block_mask)
+
+
+ATTENTION: dict[str, AttentionFn] = {
+    "manual": manual_attention,
+    "sdpa_mask": sdpa_mask_attention,
+    "sdpa": sdpa_attention,
+    "flash": _forced_backend(SDPBackend.FLASH_ATTENTION),
+    "efficient": _forced_backend(SDPBackend.EFFICIENT_ATTENTION),
+    "cudnn": _forced_backend(SDPBackend.CUDNN_ATTENTION),
+    "math": _forced_backend(SDPBackend.MATH),
+    "flex": flex_causal_attention,
+}
+
+
+def attention_names(spec) -> list[str]:
+    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked ATTENTION keys, each once."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = list(ATTENTION) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
+    unknown = [n for n in names if n not in ATTENTION]
+    if unknown or not names:
+        raise UserError(f"unknown attn {', '.join(map(repr, unknown)) or '(none given)'}; "
+                        f"use all or a comma-separated list of {', '.join(ATTENTION)}.")
+    return list(dict.fromkeys(names))
+
+
+# -----------------------------------------------------------------------------
+# what can run here: we ask PyTorch by running each implementation once, because which kernel accepts which
+# device/dtype/dropout/head size/layout changes from release to release.
+
+@functools.lru_cache(maxsize=None)
+def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
+                      needs_grad: bool, seq_len: int = 64) -> Optional[str]:
+    """None if `attn` runs here, else why not."""
+    cpu = device_type == "cpu"
+    if attn in ("efficient", "cudnn") and device_type != "cuda":
+        return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
+    if attn == "flex" and dropout_p > 0:
+        return "FlexAttention has no attention dropout"
+    if attn == "flex" and cpu and needs_grad:
+        return "FlexAttention has no backward pass on CPU"
+    if attn == "flash" and cpu and dropout_p > 0:
+        return "the CPU flash kernel does not support dropout"
+    return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked_decode=False)
+
+
+@functools.lru_cache(maxsize=None)
+def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether `attn` takes an explicit mask for a decode step over a fixed-size KV cache. CUDA's flash kernel
+    takes none: eager decoding then reads exactly the positions written so far, and compiled decoding (one shape
+    for every position) cannot use it."""
+    return _probe(attn, device_type, dtype, 0.0, head_size, False, 16, masked_decode=True) is None
+
+
+def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
+           needs_grad: bool, seq_len: int, masked_decode: bool) -> Optional[str]:
+    """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
+    sequence length (with backward when training), and for inference also a one-query decode step against a
+    longer KV cache: a slice of exactly the written positions, or with `masked_decode` the whole cache and a
+    mask. Kernels' limits differ between these layouts."""
+    T = seq_len
+    # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
+        qkv = torch.randn(1, T, 3 * head_size, device=device_type, dtype=dtype, requires_grad=needs_grad)
+        q, k, v = (t.view(1, T, 1, head_size).transpose(1, 2) for t in qkv.split(head_size, dim=2))  # (1, 1, T, hs)
+        cache = torch.randn(2, 1, T + 8, head_size, device=device_type, dtype=dtype)  # (k|v, 1, T + 8, hs)
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
+                warnings.simplefilter("always")
+                if masked_decode:
+                    mask = (torch.arange(T + 8, device=device_type) < T)[None]  # (1, T + 8): the last 8 unwritten
+                    ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], mask, 0.0)
+                    return None
+                y = ATTENTION[attn](q, k, v, None, dropout_p)
+                if needs_grad:
+                    y.sum().backward()
+                else:
+                    ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
+        except (RuntimeError, NotImplementedError) as e:
+            # CUDA warns a header ("Flash attention kernel not used because:") and then the reason itself
+            reasons = [line for w in caught for line in str(w.message).splitlines()[:1] if not line.endswith("because:")]
+            reasons = reasons or [str(e).splitlines()[0]]
+            return f"PyTorch has no kernel for it ({reasons[0].rstrip('.')})"
+    return None
+
+
+def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
+                    needs_grad: bool, seq_len: int = 64, problem: Optional[str] = None) -> None:
+    """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (or if the
+    caller already knows the `problem`, say a kernel that refused a real call)."""
+    problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len)
+    if problem is None:
+        return
+    runnable = [a for a in ATTENTION if a != attn and
+                attention_problem(a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len) is None]
+    dtype_name = str(dtype).removeprefix("torch.")
+    mode = "training" if needs_grad else "inference"
+    raise UserError(f"attn='{attn}' cannot run for {mode} on {device_type} in {dtype_name} with dropout={dropout_p} "
+                    f"and head size {head_size}: {problem}; use one of {', '.join(runnable)}.")

@@ -1,0 +1,200 @@
+"""
+Generation: a prefill of the prompt, then one token at a time over the model's static KV cache - eagerly, or
+with both steps compiled - and int8 weight-only weights for sampling.
+
+    decoder = Decoder(model, compile=True)     # the decode step compiles once (fullgraph), the prefill per length
+    idx = decoder.generate(idx, max_new_tokens=100, temperature=0)
+    model.generate(idx, 100)                   # nanoGPT's API: the same loop, eager
+
+Positions are absolute (learned position embeddings), so once the text is longer than block_size every new token
+shifts the whole window: each such step is a full prefill of block_size tokens, which is what the cache-free path
+pays at every step. The cache saves work while the text fits in block_size.
+"""
+
+import contextlib
+import io
+import logging
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+import runtime
+from attention import decodes_with_mask
+from errors import UserError
+from model import GPT
+
+QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token id per row from logits (B, V) -> (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    probs = F.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> torch.Tensor:
+    """One generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)."""
+    logits, _ = model(idx, input_pos=input_pos)  # (B, 1, V)
+    return logits[:, -1]
+
+
+Step = Callable[[GPT, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+# Two functions with one body: dynamo keeps compiled code per code object, so the prefill (dynamic length) and the
+# decode step (one shape) each get their own, and neither's guards are tried on the other's calls.
+def prefill_logits(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return last_logits(model, idx, input_pos)
+
+
+def decode_logits(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return last_logits(model, idx, input_pos)
+
+
+def compiled_steps(model: GPT, tune: bool = True) -> tuple[Step, Step]:
+    """The prefill, compiled for any prompt length, and the decode step, compiled for its one shape with
+    fullgraph=True. With `tune`, on CPU the decode step's matmuls are autotuned with the weights frozen into the
+    graph (prepacked for batch-1 matmuls: ~2.5x the untuned step here, for ~10 s more compiling); on CUDA it runs
+    as a CUDA graph. Frozen weights are a copy: a model changed after its first decode step needs a new Decoder."""
+    if model.config.attn not in ("manual", "sdpa_mask", "flex"):
+        device = model.transformer.wpe.weight.device
+        if not decodes_with_mask(model.config.attn, device.type, model.transformer.wpe.weight.dtype,
+                                 model.config.head_size):
+            raise UserError(f"attn='{model.config.attn}' takes no mask on {device.type}, and a compiled decode step "
+                            f"(one shape at every position) needs one; compile with attn=sdpa or run without "
+                            f"compile.")
+    prefill = runtime.compile_isolated(prefill_logits, fullgraph=True, dynamic=True)
+    if not tune:
+        return prefill, runtime.compile_isolated(decode_logits, fullgraph=True)
+    if model.transformer.wpe.weight.is_cuda:
+        return prefill, runtime.compile_isolated(decode_logits, fullgraph=True, mode="reduce-overhead")
+    quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
+    decode = runtime.compile_isolated(decode_logits, fullgraph=True, options={"max_autotune_gemm": True, **quiet})
+
+    def frozen_decode(model, idx, input_pos):
+        # freezing is read outside torch.compile's per-call options, so it is patched around the call that compiles
+        with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # inductor's own, not ours
+            return decode(model, idx, input_pos)
+    return prefill, frozen_decode
+
+
+class Decoder:
+    """Generation with one model: its prefill and decode steps, eager or compiled (once, then reused)."""
+
+    def __init__(self, model: GPT, compile: bool = False, tune: bool = True):
+        self.model = model
+        self.compiled = compile
+        self.prefill, self.decode = compiled_steps(model, tune) if compile else (last_logits, last_logits)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy. Every row of the batch is
+        its own text (several prompts of one length, or num_samples copies of one)."""
+        model, block_size = self.model, self.model.config.block_size
+        if use_cache:
+            self._ensure_cache(idx.size(0))
+        written = 0  # cache positions holding the text's own tokens at their own positions
+        token = None  # the token sampled last, (B, 1): a decode step's input
+        for _ in range(max_new_tokens):
+            context = idx[:, -block_size:]  # (B, <= block_size)
+            if not use_cache:
+                logits = last_logits(model, context, None)
+            elif 0 < written < block_size and written == idx.size(1) - 1:  # one new token fits after the rest
+                logits = self.decode(model, token, torch.tensor([written], device=idx.device))
+                written += 1
+            else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
+                positions = torch.arange(context.size(1), device=idx.device)  # (T,)
+                step = self.prefill if context.size(1) > 1 else self.decode
+                # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
+                logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
+                written = context.size(1)
+            token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
+            idx = torch.cat((idx, token), dim=1)
+        return idx
+
+    def _ensure_cache(self, batch_size: int) -> None:
+        """A cache for this batch in the dtype the keys will have (autocast's, if on); an existing one is reused,
+        so compiled steps keep reading the same buffers."""
+        device = self.model.transformer.wpe.weight.device
+        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                 else self.model.transformer.wpe.weight.dtype)
+        cache = self.model.transformer.h[0].attn.kv_cache
+        if cache is None or cache.k.size(0) != batch_size or cache.k.dtype != dtype:
+            self.model.setup_cache(batch_size, dtype)
+
+
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Eager generation (GPT.generate)."""
+    return Decoder(model).generate(idx, max_new_tokens, temperature, top_k, generator, use_cache)
+
+
+# -----------------------------------------------------------------------------
+# weights for inference: dtype and int8
+
+@contextlib.contextmanager
+def _quiet():
+    """torchao's import logs warnings about CUDA extensions it cannot load (on any machine without them) and a
+    deprecation note from torch's pytree: nothing a user of this repository can act on."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def quantize_int8(model: GPT) -> GPT:
+    """int8 weight-only (torchao): every Linear's weight as int8 with one scale per output row; activations stay in
+    the model's dtype. lm_head gets its own int8 copy: the token embedding it was tied to stays as it was (a
+    lookup reads one row per token, so its bytes do not bound decoding). In place; returns the model."""
+    try:
+        with _quiet():
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+            quantize_(model, Int8WeightOnlyConfig())
+    except ImportError:
+        raise UserError("--quantize=int8 needs torchao; pip install torchao.") from None
+    return model
+
+
+def for_inference(model: GPT, device: str, dtype: torch.dtype, quantize: str = "") -> GPT:
+    """The model as generation reads it: on `device`, weights in `dtype` (at batch 1 decoding is bound by
+    reading the weights, so bf16 weights, not bf16 autocast over fp32 ones, is what halves the bytes), then
+    optionally int8. In place; returns the model in eval mode."""
+    if quantize not in QUANTIZE:
+        raise UserError(f"quantize must be '' (none) or 'int8', got '{quantize}'.")
+    model = model.to(device=device, dtype=dtype).eval()
+    return quantize_int8(model) if quantize == "int8" else model
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a quantized tensor subclass counts its int8 data and scales."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: GPT) -> int:
+    """Parameters and buffers, each once (tied weights once), KV caches not included."""
+    tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()] if "kv_cache" not in name}
+    return sum(tensor_bytes(t) for t in tensors.values())

@@ -1,0 +1,182 @@
+"""generate.py: the static KV cache, compiled or not, gives the cache-free tokens; the decode step compiles once;
+int8 weights stay close to fp32 and are quiet to import."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import attention
+import generate
+import train
+from generate import Decoder, for_inference, quantize_int8, tensor_bytes, weight_bytes
+from model import GPT, GPTConfig, UserError
+from tests.conftest import TINY as TINY_ARGS
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_INFERENCE = ["manual", "sdpa_mask", "sdpa", "flash", "math", "flex"]  # every attn that runs inference on CPU
+SMALL = dict(block_size=16, vocab_size=61, n_layer=2, n_head=2, n_embd=32)  # 61: padding rounds it up to 64
+
+
+def small_model(attn="sdpa", pad_vocab=False, seed=0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**SMALL, attn=attn, pad_vocab=pad_vocab)).eval()
+
+
+def prompts(B=2, T=5, seed=1) -> torch.Tensor:
+    return torch.randint(0, SMALL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# -- the static KV cache -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attn", CPU_INFERENCE)
+@pytest.mark.parametrize("pad_vocab", [False, True], ids=["unpadded", "padded"])
+def test_eager_cached_tokens_equal_cache_free_tokens_across_block_size(attn, pad_vocab):
+    model = small_model(attn, pad_vocab)
+    # 5 + 20 > block_size=16: past it every step refills the cache, and sampling draws from the same generator
+    for temperature, top_k in ((0.0, None), (0.9, 10)):
+        cached, plain = (Decoder(model).generate(prompts(), 20, temperature, top_k, torch.Generator().manual_seed(7),
+                                                 use_cache=use_cache) for use_cache in (True, False))
+        assert torch.equal(cached, plain) and cached.shape == (2, 25)
+
+
+def compiled_eager_and_cache_free(model: GPT, tune: bool) -> tuple[torch.Tensor, ...]:
+    """Greedy and sampled tokens (5 prompt + 20 new, past block_size=16) three ways: compiled with the cache,
+    eager with it, and without it."""
+    torch._dynamo.reset()
+    decoder = Decoder(copy.deepcopy(model), compile=True, tune=tune)
+    runs = []
+    for temperature in (0.0, 1.0):  # sampling: every path draws from the same seeded generator
+        runs.append([d.generate(prompts(), 20, temperature, None, torch.Generator().manual_seed(7), use_cache=cache)
+                     for d, cache in ((decoder, True), (Decoder(model), True), (Decoder(model), False))])
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", CPU_INFERENCE)
+@pytest.mark.parametrize("pad_vocab", [False, True], ids=["unpadded", "padded"])
+def test_compiled_cached_tokens_equal_eager_cached_and_cache_free_tokens(attn, pad_vocab):
+    # untuned: the same graphs (fullgraph decode over the masked cache, dynamic prefill), compiled in seconds
+    for compiled, eager, plain in compiled_eager_and_cache_free(small_model(attn, pad_vocab), tune=False):
+        assert torch.equal(compiled, eager) and torch.equal(eager, plain)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pad_vocab", [False, True], ids=["unpadded", "padded"])
+def test_the_tuned_decode_step_with_frozen_weights_gives_the_same_tokens(pad_vocab):
+    (greedy, _, greedy_plain), (sampled, _, sampled_plain) = compiled_eager_and_cache_free(
+        small_model("sdpa", pad_vocab), tune=True)
+    assert torch.equal(greedy, greedy_plain) and torch.equal(sampled, sampled_plain)
+    assert len(set(sampled[0, 5:].tolist())) > 5  # sampled text: many distinct tokens, past block_size too
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_compiles_once_for_every_position():
+    torch._dynamo.reset()
+    decoder = Decoder(small_model("sdpa"), compile=True)
+    counters.clear()
+    decoder.generate(prompts(T=3), 2, temperature=0.0)  # a prefill (3 tokens) and a decode step (position 3)
+    assert counters["stats"]["unique_graphs"] == 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        # positions 3 to 15, then refills of the whole block past it, and another prompt length
+        decoder.generate(prompts(T=3), 30, temperature=0.0)
+        decoder.generate(prompts(T=7), 5, temperature=0.0)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_batched_prompts_give_each_prompt_its_own_tokens():
+    model = small_model()
+    together = model.generate(prompts(B=3), 15, temperature=0.0)
+    alone = torch.cat([model.generate(prompts(B=3)[i:i + 1], 15, temperature=0.0) for i in range(3)])
+    assert torch.equal(together, alone)
+
+
+def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatch):
+    """CUDA's flash kernel takes no mask: eager decoding then slices the cache to the written positions (run here
+    by making CPU flash claim the same), and a compiled decode step is refused with one sentence."""
+    model = small_model("flash")
+    expected = model.generate(prompts(), 20, temperature=0.0, use_cache=False)
+    monkeypatch.setattr("model.decodes_with_mask", lambda *args: False)
+    monkeypatch.setattr(generate, "decodes_with_mask", lambda *args: False)
+    assert torch.equal(model.generate(prompts(), 20, temperature=0.0), expected)
+    with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
+        Decoder(model, compile=True)
+
+
+def test_cpu_flash_takes_a_decode_mask():
+    assert attention.decodes_with_mask("flash", "cpu", torch.float32, 16)
+    assert not attention.decodes_with_mask("efficient", "cpu", torch.float32, 16)  # CUDA-only
+
+
+def test_a_prefill_that_does_not_start_at_position_0_is_refused():
+    model = small_model()
+    model.setup_cache(1)
+    with pytest.raises(ValueError, match="starts at position 0"):
+        model(prompts(B=1, T=3), input_pos=torch.arange(2, 5))
+    model.clear_cache()
+    with pytest.raises(ValueError, match="call model.setup_cache"):
+        model(prompts(B=1, T=1), input_pos=torch.tensor([0]))
+
+
+def test_the_cache_holds_block_size_positions_per_layer_in_the_keys_dtype():
+    model = small_model()
+    model.setup_cache(3, torch.bfloat16)
+    # k and v: 2 x layers x (batch, heads, block_size, head size) x 2 bytes
+    assert model.cache_bytes() == 2 * 2 * (3 * 2 * 16 * 16) * 2
+    assert weight_bytes(model) == weight_bytes(small_model())  # caches are not weights
+
+
+# -- int8 weights ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(char_data, tmp_path_factory) -> GPT:
+    """A tiny char model trained for 150 steps: logits with real structure, so greedy tokens mean something."""
+    out = tmp_path_factory.mktemp("trained")
+    train.main(TINY_ARGS + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150", "--eval_interval=150",
+                            "--n_embd=64", "--n_head=4"])
+    from checkpoint import Checkpoint
+    return Checkpoint.load(out / "ckpt.pt").build_model().eval()
+
+
+def test_int8_logits_are_within_2_percent_of_fp32_and_greedy_tokens_agree(trained, char_data):
+    import numpy as np
+    val = torch.from_numpy(np.fromfile(char_data / "val.bin", dtype=np.uint16).astype(np.int64))
+    x = val[:4 * 32].view(4, 32)  # (4, T): held-out text
+    int8 = quantize_int8(copy.deepcopy(trained))
+    with torch.no_grad():
+        ref, _ = trained(x, all_positions=True)
+        logits, _ = int8(x, all_positions=True)
+    # weight-only int8 with one scale per output row: ~0.4% error per weight, a little more through 2 layers
+    assert (logits - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
+    prompt = x[:1, :8]
+    assert torch.equal(int8.generate(prompt, 40, temperature=0.0), trained.generate(prompt, 40, temperature=0.0))
+
+
+def test_int8_weights_take_about_a_quarter_of_fp32_bytes():
+    fp32 = small_model()
+    int8 = quantize_int8(copy.deepcopy(fp32))
+    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        w32, w8 = (m.transformer.h[1].get_submodule(name).weight for m in (fp32, int8))
+        # one byte per weight, plus a scale (and zero point) per output row
+        assert 0.25 < tensor_bytes(w8) / tensor_bytes(w32) <= 0.32, name
+    assert tensor_bytes(int8.lm_head.weight) / tensor_bytes(fp32.lm_head.weight) <= 0.32
+    assert int8.transformer.wte.weight.dtype == torch.float32  # the embedding lookup stays as it was
+
+
+def test_bf16_weights_halve_the_bytes():
+    assert weight_bytes(for_inference(small_model(), "cpu", torch.bfloat16)) * 2 == pytest.approx(
+        weight_bytes(small_model()), rel=0.02)  # the bool causal mask does not halve
+
+
+def test_importing_torchao_prints_nothing():
+    code = ("import torch, generate; from model import GPT, GPTConfig; "
+            "m = generate.quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "
+            "print(m.generate(torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "torch.Size([1, 4])\n" and result.stderr == ""
