@@ -105,6 +105,11 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         # inductor's flex lowering (torch 2.13, CPU) fails on a one-query view whose size-1 dimension keeps an odd
         # stride ("not enough values to unpack"); a copy with plain strides compiles. One query: a tiny copy.
         q = q.clone(memory_format=torch.contiguous_format)
+    if mask is not None and q.size(-2) == 1 and not q.is_cuda and not torch.compiler.is_compiling():
+        # eager CPU flex is the unfused reference, where a score mod costs more than the whole step: read exactly
+        # the keys the mask allows (a prefix) instead, and no mask is needed
+        written = int(mask.sum())
+        k, v, mask = k[:, :, :written], v[:, :, :written], None
     # a decode step's mask is read by a score mod (one query row: no blocks worth skipping); causal is a block mask
     score_mod = None if mask is None else _score_mod_of(mask)
     block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device) if mask is None and q.size(-2) > 1 else None

@@ -8,6 +8,7 @@ PyTorch's "Accelerating Large Language Models with Accelerated Transformers" pos
     python bench.py --dropout=0.1                          # watch sdpa leave the fused kernel (flagged "!")
     python bench.py --mode=attention                       # the attention op alone, over sequence lengths
     python bench.py --profile=True                         # also a chrome trace of one step per row
+    python bench.py --mode=generate                        # generation: cache, compiled cache, bf16, int8
 
 Writes a table to stdout, and <out_dir>/<mode>.json (every number and the environment) and <mode>.png.
 Settings left at None are sized for the device (SIZES). Ratios within one run are what count: every timed
@@ -32,13 +33,16 @@ from measure import audited_row, measure_calls, out_of_memory, paired_speedup, p
 from configurator import Settings, configure
 from errors import UserError
 from attention import ATTENTION, attention_names, attention_problem
+from bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_chart, generate_sweep
 from model import GPT, GPTConfig
 from runtime import Runtime
 
 # mode
-mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone
-attn = "all"              # comma-separated keys of model.ATTENTION, or "all"
-padding = "off,on"        # vocab padding to a multiple of 64 (50257 -> 50304): "off", "on" or "off,on"
+mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone;
+                          # "generate": greedy generation (bench_generate.py)
+attn = None               # comma-separated keys of attention.ATTENTION, or "all" (None: all; generate: GENERATE_ATTN)
+padding = None            # vocab padding to a multiple of 64 (50257 -> 50304): "off", "on" or "off,on" (None: off,on;
+                          # generate: off)
 # model (None: sized for the device, see SIZES)
 n_layer = None
 n_head = None
@@ -62,6 +66,12 @@ attn_batch = None
 attn_heads = None
 attn_seq_lens = None      # e.g. 512,1024,2048
 attn_head_sizes = None    # e.g. 64,128
+# generate mode: new_tokens greedy tokens after a prompt of prompt_len, gen_batch sequences at once
+prompt_len = 1
+new_tokens = None
+gen_batch = 1
+weights = "float32,bfloat16,int8"  # the weights' dtype per row; int8 is weight-only (torchao)
+cache = "none,cache,compiled"      # none (nanoGPT's generate), the static KV cache, and that compiled
 # system
 device = "auto"           # auto, cpu, cuda, cuda:N, mps
 dtype = "auto"            # auto, float32, bfloat16, float16: autocast in train mode, q/k/v's dtype in attention mode
@@ -76,7 +86,8 @@ profile = False           # also write a chrome trace (chrome://tracing, TensorB
 LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vocab_size": "[1, inf)",
           "dropout": "[0, 1)", "batch_size": "[1, inf)", "seq_len": "[1, inf)", "warmup": "[0, inf)",
           "iters": "[1, inf)", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)", "attn_batch": "[1, inf)",
-          "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)"}
+          "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)", "prompt_len": "[1, inf)",
+          "new_tokens": "[1, inf)", "gen_batch": "[1, inf)"}
 
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
@@ -88,6 +99,14 @@ SIZES = {
     "cpu": dict(n_layer=4, n_head=4, n_embd=128, vocab_size=8191, batch_size=1, seq_len=1024, iters=7,
                 attn_batch=1, attn_heads=4, attn_seq_lens="256,512,1024,2048", attn_head_sizes="32,64"),
 }
+
+# Generation at batch 1 is bound by reading the weights. CPU: the 10M-parameter character model of the README's
+# quickstart size (6 x 384, block 256), 255 tokens from one. CUDA: GPT-2 124M at its full context.
+GENERATE_SIZES = {
+    "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=255, iters=3),
+    "cpu": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=65, seq_len=256, new_tokens=255, iters=2),
+}
+GENERATE_ATTN = "manual,sdpa,flash"  # every row compiles once: --attn=all for the rest
 
 # -- settings ------------------------------------------------------------------------------------------
 
@@ -104,17 +123,28 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     """Settings left at None sized for the device, device/dtype picked, comma lists split and checked."""
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
     cfg.device, cfg.dtype = rt.device, rt.dtype
-    for key, value in SIZES["cuda" if rt.is_cuda else "cpu"].items():
+    if cfg.mode not in ("train", "attention", "generate"):
+        raise UserError(f"mode must be 'train', 'attention' or 'generate', got '{cfg.mode}'.")
+    generating = cfg.mode == "generate"
+    sizes = (GENERATE_SIZES if generating else SIZES)["cuda" if rt.is_cuda else "cpu"]
+    for key, value in {**SIZES["cuda" if rt.is_cuda else "cpu"], **sizes}.items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
         if isinstance(value, int) and type(getattr(cfg, key)) is not int:  # LIMITS checked the range already
             raise UserError(f"{key} must be a whole number, got {getattr(cfg, key)!r}.")
-    if cfg.mode not in ("train", "attention"):
-        raise UserError(f"mode must be 'train' or 'attention', got '{cfg.mode}'.")
-    cfg.attn = attention_names(cfg.attn)
-    if "manual" not in cfg.attn:
-        cfg.attn.insert(0, "manual")  # the baseline every speedup is measured against
-    words = as_list(cfg.padding)
+    cfg.attn = attention_names(cfg.attn or (GENERATE_ATTN if generating else "all"))
+    for baseline in ("manual", "sdpa") if generating else ("manual",):  # what speedups are measured against
+        if baseline not in cfg.attn:
+            cfg.attn.insert(0, baseline)
+    if generating:
+        cfg.weights, cfg.cache = as_list(cfg.weights), as_list(cfg.cache)
+        for key, known in (("weights", WEIGHTS), ("cache", tuple(CACHES))):
+            if not getattr(cfg, key) or set(getattr(cfg, key)) - set(known):
+                raise UserError(f"{key} must be a comma list of {', '.join(known)}; got {getattr(cfg, key)!r}.")
+        if cfg.prompt_len + 1 > cfg.seq_len:
+            raise UserError(f"prompt_len={cfg.prompt_len} leaves no room in block_size (seq_len) {cfg.seq_len}; "
+                            f"use a shorter prompt.")
+    words = as_list(cfg.padding or ("off" if generating else "off,on"))
     if not words or set(words) - {"off", "on"}:
         raise UserError(f"padding must be off, on or off,on; got '{cfg.padding}'.")
     cfg.padding = [w == "on" for w in dict.fromkeys(words)]
@@ -364,6 +394,14 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
+    if cfg.mode == "generate":
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(cfg.attn) * len(cfg.weights) * len(cfg.cache) / 2), 4))
+        ax.set_title(f"{env['device_name']}\n" + generate_chart(ax, rows, cfg), fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return
     if cfg.mode == "train":
         series = {f"vocab {'padded' if p else 'unpadded'}": {"pad_vocab": p} for p in cfg.padding}
         title = (f"{env['device_name']}, {cfg.dtype}\n{cfg.n_layer} layers, n_embd {cfg.n_embd}, "
@@ -415,8 +453,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(cfg.out_dir)
     runtime.check_writable_dir(out)  # before the sweep, not after it
     env = environment(rt, argv)
-    rows = train_sweep(cfg, rt) if cfg.mode == "train" else attention_sweep(cfg, rt)
-    columns = TRAIN_COLUMNS if cfg.mode == "train" else ATTENTION_COLUMNS
+    sweep = {"train": train_sweep, "attention": attention_sweep, "generate": generate_sweep}[cfg.mode]
+    rows = sweep(cfg, rt)
+    columns = {"train": TRAIN_COLUMNS, "attention": ATTENTION_COLUMNS, "generate": GENERATE_COLUMNS}[cfg.mode]
     if not cfg.max_batch:
         columns = {k: v for k, v in columns.items() if k != "max batch"}
     print(f"{env['device_name']}, torch {env['torch']}, {cfg.dtype}: {env['command']}")

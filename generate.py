@@ -66,27 +66,31 @@ def compiled_steps(model: GPT, tune: bool = True) -> tuple[Step, Step]:
     fullgraph=True. With `tune`, on CPU the decode step's matmuls are autotuned with the weights frozen into the
     graph (prepacked for batch-1 matmuls: ~2.5x the untuned step here, for ~10 s more compiling); on CUDA it runs
     as a CUDA graph. Frozen weights are a copy: a model changed after its first decode step needs a new Decoder."""
-    if model.config.attn not in ("manual", "sdpa_mask", "flex"):
-        device = model.transformer.wpe.weight.device
-        if not decodes_with_mask(model.config.attn, device.type, model.transformer.wpe.weight.dtype,
-                                 model.config.head_size):
-            raise UserError(f"attn='{model.config.attn}' takes no mask on {device.type}, and a compiled decode step "
-                            f"(one shape at every position) needs one; compile with attn=sdpa or run without "
-                            f"compile.")
+    weight = model.transformer.wpe.weight
+    if not decodes_with_mask(model.config.attn, weight.device.type, weight.dtype, model.config.head_size):
+        raise UserError(f"attn='{model.config.attn}' takes no mask on {weight.device.type}, and a compiled decode "
+                        f"step (one shape at every position) needs one; compile with attn=sdpa or run without compile.")
     prefill = runtime.compile_isolated(prefill_logits, fullgraph=True, dynamic=True)
     if not tune:
-        return prefill, runtime.compile_isolated(decode_logits, fullgraph=True)
-    if model.transformer.wpe.weight.is_cuda:
-        return prefill, runtime.compile_isolated(decode_logits, fullgraph=True, mode="reduce-overhead")
-    quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
-    decode = runtime.compile_isolated(decode_logits, fullgraph=True, options={"max_autotune_gemm": True, **quiet})
+        decode = runtime.compile_isolated(decode_logits, fullgraph=True)
+    elif weight.is_cuda:
+        decode = runtime.compile_isolated(decode_logits, fullgraph=True, mode="reduce-overhead")
+    else:
+        quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables
+        decode = runtime.compile_isolated(decode_logits, fullgraph=True, options={"max_autotune_gemm": True, **quiet})
+    return _quietly(prefill), _quietly(decode, freeze=tune and not weight.is_cuda)
 
-    def frozen_decode(model, idx, input_pos):
-        # freezing is read outside torch.compile's per-call options, so it is patched around the call that compiles
-        with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # inductor's own, not ours
-            return decode(model, idx, input_pos)
-    return prefill, frozen_decode
+
+def _quietly(step: Step, freeze: bool = False) -> Step:
+    """A compiled step that keeps inductor's own warnings (deprecated storage access; a tensor subclass without a
+    cache hash) off the console, with freezing on while it compiles: freezing is read outside torch.compile's
+    per-call options, so it is patched around the call."""
+    def call(model, idx, input_pos):
+        with torch._inductor.config.patch(freezing=freeze), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching")
+            return step(model, idx, input_pos)
+    return call
 
 
 class Decoder:

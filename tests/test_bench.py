@@ -15,7 +15,7 @@ import torch
 import measure
 import bench
 from configurator import Settings
-from model import ATTENTION
+from attention import ATTENTION
 from runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,3 +261,41 @@ def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatc
     monkeypatch.setattr(bench, "build_trainer", build_trainer)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         bench.fits(Settings(mem_budget_gb=1.0), bench.Runtime("cpu", "float32"), "manual", False, 4)
+
+
+# -- generate mode ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the_cache_free_tokens(tmp_path,
+                                                                                                 monkeypatch):
+    import bench_generate
+    from generate import Decoder
+    # untuned compiling: the same graphs in seconds (tuning and frozen weights are tested in test_generate.py)
+    monkeypatch.setattr(bench_generate, "Decoder", functools.partial(Decoder, tune=False))
+    # 1 + 24 tokens cross block_size 16, so the cache rows refill too
+    result = run_bench(tmp_path, "--mode=generate", "--attn=sdpa", "--seq_len=16", "--new_tokens=24",
+                       "--gen_batch=2", "--weights=float32,int8", "--iters=1")
+    rows = rows_by(result, "attn", "weights", "cache")
+    assert set(rows) == {(a, w, c) for a in ("manual", "sdpa") for w in ("float32", "int8")
+                         for c in ("none", "cache", "compiled")}
+    nanogpt = rows["sdpa", "float32", "none"]
+    assert nanogpt["speedup_vs_nanogpt"] == 1.0  # the baseline, paired with itself
+    for (attn, weights, cache), row in rows.items():
+        assert row["status"] == "ok", row
+        assert row["same_tokens_as_no_cache"] is True and len(row["tokens"]) == 2
+        assert row["tokens_per_s"] == pytest.approx(2 * 24 / (row["ms_per_call"] / 1e3))
+        assert 0 < row["prefill_ms"] < row["ms_per_call"] and row["ms_per_token"] > 0
+        assert row["kernel_ok"], row["kernel"]
+        # k and v of 1 layer: 2 x (batch 2, 2 heads, block 16, head size 16) fp32 values
+        assert row["kv_cache_bytes"] == (0 if cache == "none" else 2 * (2 * 2 * 16 * 16) * 4)
+        assert row["mem/peak_gb"] * 1e9 >= row["weight_bytes"] + row["kv_cache_bytes"]
+        assert (row["compile_s"] is None) == (cache != "compiled")
+    assert rows["sdpa", "int8", "cache"]["weight_bytes"] < 0.6 * rows["sdpa", "float32", "cache"]["weight_bytes"]
+    assert (tmp_path / "generate.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_generate_mode_refuses_unknown_weights_and_caches_in_one_sentence(tmp_path):
+    with pytest.raises(bench.UserError, match=r"weights must be a comma list of float32, bfloat16, int8; got \['int4'\]"):
+        bench.main([*TINY, "--mode=generate", "--weights=int4", f"--out_dir={tmp_path}"])
+    with pytest.raises(bench.UserError, match="cache must be a comma list of none, cache, compiled"):
+        bench.main([*TINY, "--mode=generate", "--cache=static", f"--out_dir={tmp_path}"])

@@ -1,0 +1,188 @@
+"""
+bench.py --mode=generate: what generation costs, over attention implementation x cache (none, static cache,
+compiled static cache) x weights (fp32, bf16, int8), all rows reading the same weights and drawing greedy tokens
+from the same prompt:
+
+    python bench.py --mode=generate                                  # sized for the device (bench.GENERATE_SIZES)
+    python bench.py --mode=generate --attn=all --weights=float32,int8 --cache=none,compiled
+
+"no cache" is nanoGPT's generate (the whole context through the model for every token): the baseline row is sdpa,
+fp32 weights, no cache, and "vs nanoGPT" is every row's speed over it, paired within each timed round.
+"""
+
+import copy
+import functools
+import sys
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from attention import attention_problem
+from errors import UserError
+from generate import Decoder, for_inference, weight_bytes
+from measure import expected_kernels, kernel_of, out_of_memory, paired_speedup, profiled_run, time_round_robin
+from model import GPT, GPTConfig
+from runtime import Runtime
+import runtime
+
+CACHES = {"none": "no cache", "cache": "cache", "compiled": "compiled cache"}
+WEIGHTS = ("float32", "bfloat16", "int8")
+
+
+def weights_dtype(weights: str, rt: Runtime) -> tuple[torch.dtype, str]:
+    """The dtype a row's weights and activations have, and its quantization. int8 is weight-only: activations
+    in fp32 on CPU (no bf16 matmul units here), bf16 on CUDA."""
+    if weights == "int8":
+        return (torch.bfloat16 if rt.is_cuda else torch.float32), "int8"
+    return runtime.DTYPES[weights], ""
+
+
+class Row:
+    """One attn x weights x cache combination: its decoder and the calls that are timed."""
+
+    def __init__(self, model: GPT, cache: str, prompt: torch.Tensor, new_tokens: int):
+        self.model, self.cache, self.prompt, self.new_tokens = model, cache, prompt, new_tokens
+        self.decoder = Decoder(model, compile=cache == "compiled")
+
+    def generation(self, tokens: int) -> Callable[[], torch.Tensor]:
+        return functools.partial(self.decoder.generate, self.prompt, tokens, 0.0, None, None, self.cache != "none")
+
+
+def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, Row]]:
+    """Row descriptions (skipped ones with the reason) and the runnable rows, keyed attn/weights/cache/padding."""
+    torch.manual_seed(cfg.seed)
+    base = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
+                         block_size=cfg.seq_len, pad_vocab=pad)).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (cfg.gen_batch, cfg.prompt_len),
+                           generator=torch.Generator().manual_seed(cfg.seed)).to(rt.device)  # (B, prompt_len)
+    described, runnable = {}, {}
+    for attn in cfg.attn:
+        for weights in cfg.weights:
+            dtype, quantize = weights_dtype(weights, rt)
+            problem = attention_problem(attn, rt.device_type, dtype, 0.0, cfg.n_embd // cfg.n_head, False, cfg.seq_len)
+            model = None if problem else for_inference(copy.deepcopy(base).set_attention(attn), rt.device, dtype,
+                                                       quantize)
+            for cache in cfg.cache:
+                key = f"{attn}/{weights}/{cache}/{'padded' if pad else 'unpadded'}"
+                described[key] = dict(attn=attn, weights=weights, cache=cache, pad_vocab=pad,
+                                      vocab=base.config.padded_vocab_size, status="ok", reason=None)
+                try:
+                    if problem:
+                        raise UserError(problem)
+                    runnable[key] = Row(model, cache, prompt, cfg.new_tokens)
+                except UserError as e:  # the kernel cannot run here, or cannot decode compiled (no mask)
+                    described[key].update(status="skipped", reason=str(e))
+    return described, runnable
+
+
+def first_calls(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) -> dict[str, float]:
+    """Each row's first full generation (it compiles the compiled rows): its tokens and seconds, recorded."""
+    seconds = {}
+    for key, row in rows.items():
+        try:
+            tokens, seconds[key] = runtime.time_call(row.generation(row.new_tokens), rt)
+            described[key]["tokens"] = tokens[:, row.prompt.size(1):].tolist()
+        except Exception as e:
+            described[key].update(status="oom", reason=out_of_memory(e, rt))
+        bar.update()
+    return seconds
+
+
+def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) -> None:
+    """Memory added during one generation and the attention kernel that ran (compiled rows: their eager twin,
+    the same model with the cache, since inductor generates or decomposes the kernel in compiled code)."""
+    for key, row in rows.items():
+        if described[key]["status"] != "ok":
+            continue
+        _, added = profiled_run(row.generation(row.new_tokens), rt)
+        twin = Row(row.model, "cache", row.prompt, row.new_tokens) if row.cache == "compiled" else row
+        ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
+        kernel, names = kernel_of(ops)
+        expected = expected_kernels(described[key]["attn"], rt.device_type)
+        d = described[key]
+        d.update(kernel=kernel, kernel_ops=names, kernel_expected=sorted(expected), kernel_ok=kernel in expected,
+                 weight_bytes=weight_bytes(row.model), kv_cache_bytes=row.model.cache_bytes() if row.cache != "none"
+                 else 0, kernel_audit="eager twin" if row.cache == "compiled" else "this run")
+        d["mem/peak_gb"] = (d["weight_bytes"] + d["kv_cache_bytes"] + added) / 1e9
+        bar.update()
+
+
+def generate_sweep(cfg, rt: Runtime) -> list[dict]:
+    """One row per attn x weights x cache (x padding): tokens/s, prefill ms, ms per new token, compile seconds,
+    weight and KV-cache bytes, peak memory, the kernel, same-tokens-as-no-cache, speed over nanoGPT's way."""
+    out = []
+    for pad in cfg.padding:
+        described, rows = build_rows(cfg, rt, pad)
+        calls = {}
+        for key, row in rows.items():
+            calls[key] = row.generation(row.new_tokens)
+            calls[key + "#prefill"] = row.generation(1)  # the prompt through the model, and one token drawn
+        with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr) as bar:
+            first = first_calls(rows, described, rt, bar)
+            audit(rows, described, rt, bar)
+            failed = {k: d["reason"] for k, d in described.items() if d["status"] == "oom"}
+            failed.update({k + "#prefill": r for k, r in failed.items()})
+            ms = time_round_robin(calls, cfg.iters, rt, bar, failed)
+        for key, row in rows.items():
+            d = described[key]
+            if d["status"] != "ok" or key not in ms:
+                continue
+            total, prefill = runtime.summarize(ms[key]), runtime.summarize(ms[key + "#prefill"])
+            d.update(ms_all=ms[key], ms_per_call=total["median"], ms_p25=total["p25"], ms_p75=total["p75"],
+                     prefill_ms=prefill["median"],
+                     ms_per_token=(total["median"] - prefill["median"]) / max(1, cfg.new_tokens - 1),
+                     tokens_per_s=cfg.gen_batch * cfg.new_tokens / (total["median"] / 1e3),
+                     compile_s=first[key] - total["median"] / 1e3 if row.cache == "compiled" else None)
+        mark_against_baselines(described, cfg, pad)
+        out += list(described.values())
+    return out
+
+
+def mark_against_baselines(described: dict[str, dict], cfg, pad: bool) -> None:
+    """Speed over nanoGPT's generate (sdpa, fp32, no cache), and whether each row drew the tokens its own no-cache
+    row (same attn, same weights) drew."""
+    suffix = "padded" if pad else "unpadded"
+    base = described.get(f"sdpa/float32/none/{suffix}", {})
+    for d in described.values():
+        if d["status"] != "ok" or "ms_all" not in d:
+            continue
+        if base.get("status") == "ok" and "ms_all" in base:
+            d["speedup_vs_nanogpt"] = paired_speedup(base, d)
+        plain = described.get(f"{d['attn']}/{d['weights']}/none/{suffix}", {})
+        d["same_tokens_as_no_cache"] = plain.get("tokens") == d["tokens"] if "tokens" in plain else None
+
+
+GENERATE_COLUMNS = {
+    "attn": lambda r: r["attn"],
+    "weights": lambda r: r["weights"],
+    "cache": lambda r: CACHES[r["cache"]],
+    "tokens/s": lambda r: f"{r['tokens_per_s']:,.1f}",
+    "prefill ms": lambda r: f"{r['prefill_ms']:.1f}",
+    "ms/token": lambda r: f"{r['ms_per_token']:.2f}",
+    "vs nanoGPT": lambda r: f"{r.get('speedup_vs_nanogpt', float('nan')):.1f}x",
+    "= no cache": lambda r: {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_no_cache"]],
+    "compile s": lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.0f}",
+    "weights MB": lambda r: f"{r['weight_bytes'] / 1e6:.1f}",
+    "KV MB": lambda r: f"{r['kv_cache_bytes'] / 1e6:.2f}",
+    "peak MB": lambda r: f"{r['mem/peak_gb'] * 1e3:.1f}",
+    "kernel": lambda r: r["kernel"] + ("" if r["kernel_ok"] else f"  ! expected {'/'.join(r['kernel_expected'])}"),
+}
+
+
+def generate_chart(ax, rows: list[dict], cfg) -> str:
+    """Tokens/s per attn x weights, one bar per cache mode (log scale: the modes differ by orders of magnitude);
+    returns the title."""
+    ok = [r for r in rows if r["status"] == "ok" and "tokens_per_s" in r and r["pad_vocab"] == cfg.padding[0]]
+    groups = list(dict.fromkeys(f"{r['attn']}\n{r['weights']}" for r in ok))
+    width = 0.8 / max(1, len(cfg.cache))
+    for i, cache in enumerate(cfg.cache):
+        by_group = {f"{r['attn']}\n{r['weights']}": r["tokens_per_s"] for r in ok if r["cache"] == cache}
+        xs = np.arange(len(groups)) + (i - (len(cfg.cache) - 1) / 2) * width
+        ax.bar(xs, [by_group.get(g, np.nan) for g in groups], width, label=CACHES[cache])
+    ax.set_xticks(np.arange(len(groups)), groups, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s (median; higher is better)")
+    return (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, block {cfg.seq_len}: {cfg.new_tokens} new tokens after "
+            f"{cfg.prompt_len}, batch {cfg.gen_batch}, greedy")
