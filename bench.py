@@ -29,8 +29,9 @@ import torch
 from tqdm import tqdm
 
 import runtime
-from measure import audited_row, measure_calls, out_of_memory, paired_speedup, profiled_run
-from configurator import Settings, configure
+from measure import (audited_row, max_batch_size, measure_calls, out_of_memory, paired_speedup,
+                     profiled_run)
+from configurator import Settings, as_list, configure
 from errors import UserError
 from attention import ATTENTION, attention_names, attention_problem
 from bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_chart, generate_sweep
@@ -109,15 +110,6 @@ GENERATE_SIZES = {
 GENERATE_ATTN = "manual,sdpa,flash"  # every row compiles once: --attn=all for the rest
 
 # -- settings ------------------------------------------------------------------------------------------
-
-def as_list(value, cast=str) -> list:
-    """A comma list from the command line: 'a,b', (512, 1024) (what --x=512,1024 parses to) or one value."""
-    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
-    try:
-        return [cast(str(item).strip()) for item in items if str(item).strip()]
-    except ValueError:
-        raise UserError(f"cannot read {value!r} as a comma-separated list of {cast.__name__}.") from None
-
 
 def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     """Settings left at None sized for the device, device/dtype picked, comma lists split and checked."""
@@ -239,20 +231,6 @@ def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int
     finally:
         del trainer  # the model and its memory go before the next probe
         runtime.free_memory(rt)
-
-
-def max_batch_size(fits_batch: Callable[[int], bool], limit: int) -> int:
-    """The largest batch size in [1, limit] that fits (0 if none): double until one fails, then bisect."""
-    good, bad, b = 0, limit + 1, 1
-    while b <= limit:
-        if not fits_batch(b):
-            bad = b
-            break
-        good, b = b, b * 2
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits_batch(mid) else (good, mid)
-    return good
 
 
 def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
@@ -389,32 +367,35 @@ ATTENTION_COLUMNS = {
 
 
 def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
-    """The post's figure: ms per training step per attn, unpadded and padded side by side, IQR whiskers
-    (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
+    """The mode's figure, with the machine and dtype in its title."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
-    if cfg.mode == "generate":
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(cfg.attn) * len(cfg.weights) * len(cfg.cache) / 2), 4))
-        ax.set_title(f"{env['device_name']}\n" + generate_chart(ax, rows, cfg), fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    title = generate_chart(ax, rows, cfg) if cfg.mode == "generate" else ms_chart(ax, rows, cfg)
+    ax.set_title(f"{env['device_name']}, {cfg.dtype}\n{title}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
+    """The post's figure: ms per training step per attn, unpadded and padded side by side, IQR whiskers
+    (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
     if cfg.mode == "train":
         series = {f"vocab {'padded' if p else 'unpadded'}": {"pad_vocab": p} for p in cfg.padding}
-        title = (f"{env['device_name']}, {cfg.dtype}\n{cfg.n_layer} layers, n_embd {cfg.n_embd}, "
-                 f"B={cfg.batch_size}, T={cfg.seq_len}: ms per training step (lower is better)")
+        title = (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, B={cfg.batch_size}, T={cfg.seq_len}: ms per training "
+                 f"step (lower is better)")
     else:
         hs = cfg.attn_head_sizes[0]
         series = {f"T={T}": {"seq_len": T, "head_size": hs, "backward": True} for T in cfg.attn_seq_lens}
-        title = f"{env['device_name']}, {cfg.dtype}\nattention forward+backward, hs={hs} (lower is better)"
+        title = f"attention forward+backward, hs={hs} (lower is better)"
     ok = [r for r in rows if r["status"] == "ok"]
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}
     groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * len(groups) * len(bars)), 4))
+    ax.figure.set_size_inches(max(6.0, 0.4 * len(groups) * len(bars)), 4)
     width = 0.8 / len(bars)
     for i, (label, by_attn) in enumerate(bars.items()):
         found = [by_attn.get(a) for a in groups]  # None: skipped, a gap in the chart
@@ -424,12 +405,8 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
         ax.bar(xs, ms, width, yerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
     ax.set_xticks(np.arange(len(groups)), groups)
     ax.set_ylabel("ms (median, IQR whiskers)")
-    ax.set_title(title, fontsize=9)
     ax.set_yscale("log" if cfg.mode == "attention" else "linear")  # sequence lengths span orders of magnitude
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return title
 
 
 def environment(rt: Runtime, argv: list[str]) -> dict:

@@ -176,6 +176,7 @@ def generate_chart(ax, rows: list[dict], cfg) -> str:
     returns the title."""
     ok = [r for r in rows if r["status"] == "ok" and "tokens_per_s" in r and r["pad_vocab"] == cfg.padding[0]]
     groups = list(dict.fromkeys(f"{r['attn']}\n{r['weights']}" for r in ok))
+    ax.figure.set_size_inches(max(6.0, 0.3 * len(groups) * len(cfg.cache)), 4)
     width = 0.8 / max(1, len(cfg.cache))
     for i, cache in enumerate(cfg.cache):
         by_group = {f"{r['attn']}\n{r['weights']}": r["tokens_per_s"] for r in ok if r["cache"] == cache}
@@ -183,6 +184,7 @@ def generate_chart(ax, rows: list[dict], cfg) -> str:
         ax.bar(xs, [by_group.get(g, np.nan) for g in groups], width, label=CACHES[cache])
     ax.set_xticks(np.arange(len(groups)), groups, fontsize=7)
     ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 4)  # headroom for the legend above the tallest bars
     ax.set_ylabel("tokens/s (median; higher is better)")
     return (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, block {cfg.seq_len}: {cfg.new_tokens} new tokens after "
             f"{cfg.prompt_len}, batch {cfg.gen_batch}, greedy")

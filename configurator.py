@@ -123,3 +123,12 @@ def configure(namespace: dict, argv: list[str], limits: dict[str, str] | None = 
     if limits is not None:
         check_limits(values, limits, defaults)
     return Settings(**values)
+
+
+def as_list(value, cast=str) -> list:
+    """A comma list from the command line: 'a,b', (512, 1024) (what --x=512,1024 parses to) or one value."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    try:
+        return [cast(str(item).strip()) for item in items if str(item).strip()]
+    except ValueError:
+        raise UserError(f"cannot read {value!r} as a comma-separated list of {cast.__name__}.") from None

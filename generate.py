@@ -2,7 +2,7 @@
 Generation: a prefill of the prompt, then one token at a time over the model's static KV cache - eagerly, or
 with both steps compiled - and int8 weight-only weights for sampling.
 
-    decoder = Decoder(model, compile=True)     # the decode step compiles once (fullgraph), the prefill per length
+    decoder = Decoder(model, compile=True)     # the decode step compiles once (fullgraph), the prefill once too
     idx = decoder.generate(idx, max_new_tokens=100, temperature=0)
     model.generate(idx, 100)                   # nanoGPT's API: the same loop, eager
 
@@ -98,7 +98,6 @@ class Decoder:
 
     def __init__(self, model: GPT, compile: bool = False, tune: bool = True):
         self.model = model
-        self.compiled = compile
         self.prefill, self.decode = compiled_steps(model, tune) if compile else (last_logits, last_logits)
 
     @torch.no_grad()

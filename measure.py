@@ -177,3 +177,17 @@ def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
     expected = expected_kernels(attn, rt.device_type)
     row.update(measured, kernel=kernel, kernel_ops=ops, kernel_expected=sorted(expected), kernel_ok=kernel in expected)
     return row
+
+
+def max_batch_size(fits_batch: Callable[[int], bool], limit: int) -> int:
+    """The largest batch size in [1, limit] that fits (0 if none): double until one fails, then bisect."""
+    good, bad, b = 0, limit + 1, 1
+    while b <= limit:
+        if not fits_batch(b):
+            bad = b
+            break
+        good, b = b, b * 2
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits_batch(mid) else (good, mid)
+    return good

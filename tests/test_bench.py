@@ -122,10 +122,10 @@ def test_max_batch_size_doubles_then_bisects_to_the_largest_that_fits():
             probes.append(b)
             return b <= n
         return fits
-    assert bench.max_batch_size(fits_up_to(37), limit=256) == 37
+    assert measure.max_batch_size(fits_up_to(37), limit=256) == 37
     assert probes[:7] == [1, 2, 4, 8, 16, 32, 64] and len(probes) <= 12
-    assert bench.max_batch_size(fits_up_to(1000), limit=48) == 48
-    assert bench.max_batch_size(fits_up_to(0), limit=48) == 0
+    assert measure.max_batch_size(fits_up_to(1000), limit=48) == 48
+    assert measure.max_batch_size(fits_up_to(0), limit=48) == 0
 
 
 def test_sdpa_fits_a_larger_batch_than_manual_at_a_long_sequence_under_a_cpu_memory_budget(tmp_path):
@@ -251,7 +251,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
     monkeypatch.setattr(bench, "build_trainer", build_trainer)
     cfg = Settings(mem_budget_gb=1.0)
     rt = bench.Runtime(device, "float32")
-    assert bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), limit=16) == 5
+    assert measure.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), limit=16) == 5
     assert len(probes) > 3
 
 

@@ -5,6 +5,7 @@
 Skipped, with the reason, where CUDA is absent. Every test runs in process on cuda:0 except the multi-GPU ones.
 """
 
+import copy
 import json
 import math
 import string
@@ -13,12 +14,14 @@ import pytest
 import torch
 
 import bench
+import measure
 import runtime
 import sample
 from checkpoint import Checkpoint
 import train
 from conftest import TINY, metrics, run_train, straight_and_resumed
-from attention import ATTENTION, attention_problem
+from attention import ATTENTION, attention_problem, decodes_with_mask
+from generate import Decoder, for_inference
 from model import GPT, GPTConfig, UserError
 
 pytestmark = [pytest.mark.gpu,
@@ -118,9 +121,51 @@ def test_sample_compare_all_finishes_on_the_gpu(tmp_path, capsys):
     assert all(r["cache_equals_no_cache"] for r in report["implementations"].values())
 
 
+@pytest.mark.parametrize("attn", list(ATTENTION))
+def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_says_why_not(attn, monkeypatch):
+    """fp32 where the kernel takes it (TF32 off: the three paths then round alike), else bf16, where paths that
+    sum in another order may flip a near tie: there 95% of the tokens must agree."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    dtype = torch.float32 if runs(attn, torch.float32, training=False) else torch.bfloat16
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=2, n_embd=128, attn=attn))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked logits: few near ties
+    model = for_inference(model, "cuda", dtype)
+    x = torch.randint(512, (2, 5), device="cuda")
+    if not runs(attn, dtype, training=False):
+        with pytest.raises(UserError, match=f"attn='{attn}' cannot run for inference on cuda"):
+            model.generate(x, 4)
+        return
+    plain = model.generate(x, 70, temperature=0.0, use_cache=False)  # 5 + 70 > block_size 64: refills too
+
+    def agrees(tokens):
+        return torch.equal(tokens, plain) if dtype == torch.float32 else (tokens == plain).float().mean() >= 0.95
+    assert agrees(model.generate(x, 70, temperature=0.0))
+    if not decodes_with_mask(attn, "cuda", dtype, 64):  # flash: eager reads the written keys; compiled is refused
+        with pytest.raises(UserError, match=f"attn='{attn}' takes no mask on cuda"):
+            Decoder(model, compile=True)
+        return
+    torch._dynamo.reset()
+    assert agrees(Decoder(copy.deepcopy(model), compile=True).generate(x, 70, temperature=0.0))  # a CUDA graph
+
+
+def test_int8_weights_and_the_generate_benchmark_run_on_the_gpu(tmp_path):
+    assert bench.main(["--mode=generate", "--new_tokens=64", "--iters=1", f"--out_dir={tmp_path}"]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    ran = [r for r in rows if r["status"] == "ok"]
+    assert {(r["weights"], r["cache"]) for r in ran if r["attn"] == "sdpa"} == {
+        (w, c) for w in ("float32", "bfloat16", "int8") for c in ("none", "cache", "compiled")}
+    assert all(r["kernel_ok"] for r in ran)
+    int8 = next(r for r in ran if (r["attn"], r["weights"], r["cache"]) == ("sdpa", "int8", "cache"))
+    bf16 = next(r for r in ran if (r["attn"], r["weights"], r["cache"]) == ("sdpa", "bfloat16", "cache"))
+    # GPT-2 124M: 85M block weights and lm_head's 39M in int8, the tied embedding it was copied from still bf16
+    assert int8["weight_bytes"] < 0.85 * bf16["weight_bytes"]
+
+
 def test_the_max_batch_search_returns_a_batch_that_really_trains():
     cfg, rt = bench.settings(["--attn=manual", "--seq_len=2048", "--max_batch_limit=256"])
-    found = bench.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), cfg.max_batch_limit)
+    found = measure.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), cfg.max_batch_limit)
     assert 1 <= found < 256  # manual attention at T=2048 runs out of memory well before 256
     trainer = bench.build_trainer(cfg, rt, "manual", False, found)
     for _ in range(3):

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -283,3 +284,51 @@ def test_compare_skips_an_implementation_that_refuses_at_run_time_and_finishes(c
                         "--num_samples=1", "--max_new_tokens=10", "--start=To be"]) == 0
     out = capsys.readouterr().out
     assert "=== math: skipped, attn='math' cannot run" in out and "=== sdpa: tokens identical to manual's" in out
+
+
+# -- int8 weights --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_ckpt(char_data, tmp_path_factory) -> Path:
+    """A tiny char model trained for 150 steps on char_data, whose checkpoint names that data (held-out val.bin)."""
+    import train
+    from tests.conftest import TINY as TRAIN_TINY
+    out = tmp_path_factory.mktemp("trained")
+    train.main(TRAIN_TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150", "--eval_interval=150",
+                             "--n_embd=64", "--n_head=4"])
+    return out
+
+
+def test_int8_sampling_draws_the_fp32_greedy_tokens_of_a_trained_model(trained_ckpt, tmp_path, capsys):
+    reports = {}
+    for quantize in ("", "int8"):
+        out = run_sample(capsys, f"--out_dir={trained_ckpt}", f"--quantize={quantize}", "--temperature=0",
+                         "--num_samples=2", "--max_new_tokens=40", "--start=To be", "--dtype=float32",
+                         f"--json={tmp_path / (quantize or 'fp32')}.json")
+        reports[quantize] = json.loads((tmp_path / f"{quantize or 'fp32'}.json").read_text())
+        assert ("int8 weights" in out) == (quantize == "int8") and "2 x 40 new tokens in one batch" in out
+    assert reports["int8"]["samples"] == reports[""]["samples"]
+
+
+def test_compare_with_int8_weighs_memory_speed_held_out_loss_and_agreement(trained_ckpt, char_data, tmp_path, capsys):
+    out = run_sample(capsys, f"--out_dir={trained_ckpt}", "--compare=sdpa", "--quantize=int8", "--dtype=float32",
+                     "--num_samples=1", "--max_new_tokens=30", "--start=To be", f"--json={tmp_path / 'c.json'}")
+    study = json.loads((tmp_path / "c.json").read_text())["weights"]
+    assert str(char_data / "val.bin") in study["held_out"] and "== weights: held-out loss" in out
+    rows = study["rows"]
+    assert list(rows) == ["float32", "bfloat16", "int8"]
+    fp32, bf16, int8 = rows["float32"], rows["bfloat16"], rows["int8"]
+    assert fp32["loss_delta"] == 0 and fp32["top1_agreement"] == 1 and fp32["greedy_divergence"] is None
+    assert fp32["perplexity"] == pytest.approx(math.exp(fp32["loss"]))
+    assert fp32["loss"] < 2.5  # trained: well below a uniform guess over its characters (ln 40 = 3.7)
+    # the quality cost: int8 moves the held-out loss by under 1% and keeps >= 97% of fp32's greedy tokens
+    assert abs(int8["loss_delta"]) <= 0.01 * fp32["loss"] and int8["top1_agreement"] >= 0.97
+    assert bf16["top1_agreement"] >= 0.97
+    assert bf16["weight_bytes"] == pytest.approx(fp32["weight_bytes"] / 2, rel=0.02)
+    assert int8["weight_bytes"] < 0.5 * fp32["weight_bytes"]
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+
+
+def test_an_unknown_quantization_is_one_sentence(char_ckpt):
+    with pytest.raises(UserError, match="quantize must be '' \\(none\\) or 'int8', got 'int4'"):
+        sample.main([f"--out_dir={char_ckpt}", "--quantize=int4"])
