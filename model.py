@@ -284,15 +284,34 @@ class GPT(nn.Module):
 
     # -- optimizer and FLOPs ---------------------------------------------------------------------------
 
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
-        """AdamW; weight decay on 2-D tensors (matmul weights, embeddings) only, not on biases and norms."""
-        params = [p for p in self.parameters() if p.requires_grad]
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str,
+                             params: Optional[list] = None) -> torch.optim.AdamW:
+        """AdamW; weight decay on 2-D tensors (matmul weights, embeddings) only, not on biases and norms.
+        `params`: a subset of the parameters (what Muon leaves to AdamW); all of them by default."""
+        params = [p for p in (self.parameters() if params is None else params) if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
+
+    def muon_parameters(self) -> list[nn.Parameter]:
+        """The 2-D weight matrices inside the transformer blocks: what Muon orthogonalizes. The embeddings (and the
+        lm_head tied to one), biases and norms are not matrices of a hidden-to-hidden map; AdamW keeps them."""
+        return [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]
+
+    def configure_muon(self, weight_decay: float, learning_rate: float, muon_lr: float, momentum: float, betas,
+                       device_type: str) -> list[torch.optim.Optimizer]:
+        """torch.optim.Muon for muon_parameters() at muon_lr, AdamW for every other parameter at learning_rate.
+        Muon's update is scaled to AdamW's RMS ("match_rms_adamw", Moonshot's recipe), so AdamW's learning rates
+        and weight decay carry over as starting points."""
+        matrices = self.muon_parameters()
+        chosen = {id(p) for p in matrices}
+        rest = [p for p in self.parameters() if id(p) not in chosen]
+        muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=momentum,
+                                weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        return [muon, self.configure_optimizers(weight_decay, learning_rate, betas, device_type, params=rest)]
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> float:
         """Training FLOPs (forward + backward) per token, PaLM appendix B: 6N for the matmuls with weights

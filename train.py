@@ -60,8 +60,11 @@ bias = True                       # biases in Linear and LayerNorm, as GPT-2
 attn = "sdpa"                     # manual, sdpa_mask, sdpa, flash, efficient, cudnn, math, flex (see README)
 pad_vocab = False                 # pad the vocabulary to a multiple of 64 (50257 -> 50304)
 gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact one
-# AdamW
-learning_rate = 6e-4
+# optimizer: AdamW for everything, or Muon for the blocks' weight matrices and AdamW for the rest
+optimizer = "adamw"               # 'adamw' or 'muon'
+muon_lr = None                    # Muon's peak learning rate (None: learning_rate; its update is scaled to AdamW's RMS)
+muon_momentum = 0.95
+learning_rate = 6e-4              # AdamW's peak learning rate
 max_iters = 600000
 weight_decay = 1e-1
 beta1 = 0.9
@@ -87,7 +90,7 @@ LIMITS = {
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
     "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
-    "min_lr": "[0, inf)", "seed": "[0, inf)",
+    "min_lr": "[0, inf)", "seed": "[0, inf)", "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
 }
 
 
@@ -124,6 +127,26 @@ def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model
+
+
+def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
+    """AdamW, or Muon and AdamW; a resumed run keeps the optimizer its checkpoint's state belongs to."""
+    if checkpoint is not None and checkpoint.settings.get("optimizer", "adamw") != cfg.optimizer:
+        raise UserError(f"the checkpoint's optimizer state is {checkpoint.settings.get('optimizer', 'adamw')}'s; "
+                        f"resume with --optimizer={checkpoint.settings.get('optimizer', 'adamw')}.")
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "adamw":
+        return [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
+    return model.configure_muon(cfg.weight_decay, cfg.learning_rate, cfg.muon_lr or cfg.learning_rate,
+                                cfg.muon_momentum, betas, rt.device_type)
+
+
+def set_learning_rates(optimizers: list, fraction: float, cfg: Settings) -> None:
+    """One schedule, each optimizer's own peak: Muon's muon_lr, AdamW's learning_rate, times `fraction`."""
+    for optimizer in optimizers:
+        peak = (cfg.muon_lr or cfg.learning_rate) if isinstance(optimizer, torch.optim.Muon) else cfg.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = peak * fraction
 
 
 def rng_state(batches: Batches, ranks: Dist, rt: Runtime) -> dict:
@@ -237,7 +260,7 @@ class Trainer:
     rt: Runtime
     raw_model: GPT
     model: torch.nn.Module               # compiled, DDP- or FSDP-wrapped
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]  # AdamW; or Muon and AdamW
     scaler: torch.amp.GradScaler
     batches: Batches
     data_dir: Path
@@ -260,11 +283,14 @@ class Trainer:
                 self.scaler.scale(loss / micro_steps).backward()
             loss_sum += loss.detach()
         if self.cfg.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)
+            for optimizer in self.optimizers:
+                self.scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.scaler.step(self.optimizer)
+        for optimizer in self.optimizers:
+            self.scaler.step(optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         return loss_sum / micro_steps
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
@@ -280,7 +306,7 @@ class Trainer:
         self.best_val_loss = min(self.best_val_loss, losses["val"])
         rng = rng_state(self.batches, self.ranks, self.rt)  # collective: every rank gathers, rank 0 writes
         model_state = get_model_state_dict(self.raw_model, options=FULL_STATE)
-        optimizer_state = get_optimizer_state_dict(self.raw_model, self.optimizer, options=FULL_STATE)
+        optimizer_state = get_optimizer_state_dict(self.raw_model, self.optimizers, options=FULL_STATE)
         checkpoint = Checkpoint(model_state, dataclasses.asdict(self.raw_model.config), self.iter_num,
                                 self.best_val_loss, optimizer_state, rng, self.cfg.as_dict(), self.meta)
         # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
@@ -309,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     if cfg.parallel not in ("ddp", "fsdp"):
         raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{cfg.parallel}'.")
+    if cfg.optimizer not in ("adamw", "muon"):
+        raise UserError(f"optimizer must be 'adamw' or 'muon', got '{cfg.optimizer}'.")
     ranks = runtime.init_distributed(runtime.pick_device(cfg.device))
+    if cfg.optimizer == "muon" and ranks.is_distributed and cfg.parallel == "fsdp":
+        raise UserError("optimizer='muon' does not run under --parallel=fsdp: torch.optim.Muon orthogonalizes each "
+                        "whole weight matrix and FSDP2 gives every rank a shard of it; use --parallel=ddp.")
     rt = runtime.resolve_runtime(ranks.device, cfg.dtype)
     if cfg.gradient_accumulation_steps % ranks.world_size:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
@@ -343,16 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     # optimizer, and where a resumed run stood
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                               rt.device_type)
+    optimizers = make_optimizers(raw_model, cfg, rt, checkpoint)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     run_config = {**cfg.as_dict(), "world_size": ranks.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
-    trainer = Trainer(cfg, ranks, rt, raw_model, model, optimizer, rt.grad_scaler(), batches, data_dir, meta,
+    trainer = Trainer(cfg, ranks, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
                       MetricsLog(cfg, run_config, enabled=ranks.is_master), iter_num)
     if checkpoint is not None:
-        set_optimizer_state_dict(raw_model, optimizer, checkpoint.optimizer, options=FULL_STATE)
+        set_optimizer_state_dict(raw_model, optimizers, checkpoint.optimizer, options=FULL_STATE)
         restore_rng(checkpoint.rng, batches, ranks, rt)
         trainer.best_val_loss = checkpoint.best_val_loss
         checkpoint = None  # free the memory
@@ -367,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             lr = lr_at(trainer.iter_num, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rates(optimizers, lr / cfg.learning_rate, cfg)
             # every rank must stop at the same step, so one rank's clock running out stops them all
             out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
                 float(timer.total >= cfg.max_seconds), ranks.device) > 0

@@ -1,0 +1,84 @@
+"""The optimizer switch: Muon for the blocks' weight matrices, AdamW for everything else; one process, DDP, resume."""
+
+import pytest
+import torch
+
+import runtime
+import train
+from conftest import TINY, TWO_RANKS, metrics, run_train, straight_and_resumed
+from model import GPT, GPTConfig, UserError
+
+BLOCK_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def test_every_parameter_is_in_exactly_one_group_and_muon_gets_the_block_matrices():
+    model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=2, n_head=2, n_embd=32, pad_vocab=True))
+    muon, adamw = model.configure_muon(0.1, 1e-3, 2e-2, 0.95, (0.9, 0.95), "cpu")
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    grouped = [id(p) for optimizer in (muon, adamw) for g in optimizer.param_groups for p in g["params"]]
+    assert len(grouped) == len(set(grouped))  # no parameter twice (lm_head is tied to wte: one tensor)
+    assert set(grouped) == {id(p) for p in model.parameters()}  # and none left out
+    name = {id(p): n for n, p in model.named_parameters()}
+    assert {name[id(p)] for p in muon.param_groups[0]["params"]} == {
+        f"transformer.h.{i}.{m}" for i in range(2) for m in BLOCK_MATRICES}
+    decayed, plain = adamw.param_groups
+    assert {name[id(p)] for p in decayed["params"]} == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() == 1 for p in plain["params"])  # biases and norms
+
+
+def test_muon_trains_a_tiny_model_to_a_lower_loss(char_data, tmp_path):
+    train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--optimizer=muon", "--max_iters=40",
+                       "--eval_interval=20"])
+    val = metrics(tmp_path, "val/loss")
+    assert val[40] < val[20] < val[0] - 0.5  # from ~ln(vocab) at step 0
+    lrs = metrics(tmp_path, "lr")
+    assert lrs[1] < lrs[3] == pytest.approx(3e-3)  # the shared schedule: warmup, then the peak
+
+
+def test_muon_follows_the_schedule_with_its_own_peak():
+    model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=32))
+    cfg = train.configure(vars(train), ["--optimizer=muon", "--learning_rate=1e-3", "--muon_lr=0.02"], train.LIMITS)
+    optimizers = train.make_optimizers(model, cfg, runtime.Runtime("cpu", "float32"), None)
+    train.set_learning_rates(optimizers, 0.5, cfg)
+    muon, adamw = optimizers
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert all(g["lr"] == pytest.approx(5e-4) for g in adamw.param_groups)
+
+
+def test_resume_with_muon_continues_bit_for_bit(char_data, tmp_path):
+    straight, stopped = straight_and_resumed(
+        TINY + [f"--data_dir={char_data}", "--eval_interval=3", "--optimizer=muon"], tmp_path)
+    assert [metrics(straight, "train/loss")[i] for i in range(4, 7)] == [metrics(stopped, "train/loss")[i]
+                                                                          for i in range(4, 7)]
+    assert metrics(straight, "val/loss")[6] == metrics(stopped, "val/loss")[6]
+    state = torch.load(stopped / "ckpt.pt", weights_only=True)["optimizer"]["state"]
+    assert "momentum_buffer" in state["transformer.h.0.attn.c_attn.weight"]  # Muon's state is saved
+    assert "exp_avg" in state["transformer.wte.weight"]  # and AdamW's
+
+
+@pytest.mark.slow
+def test_two_ranks_with_muon_match_one_rank_with_the_same_global_batch(char_data, tmp_path):
+    args = TWO_RANKS + [f"--data_dir={char_data}", "--optimizer=muon"]
+    train.main(args + [f"--out_dir={tmp_path / 'one'}"])
+    run_train(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
+    one, two = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    for it, loss in one.items():  # DDP averages the same gradients in another order; Muon rounds them to bf16
+        assert two[it] == pytest.approx(loss, abs=1e-4), it
+
+
+def test_muon_under_fsdp_is_refused_in_one_sentence(char_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(runtime, "init_distributed", lambda device: runtime.Dist(0, 0, 2, device))
+    with pytest.raises(UserError, match="optimizer='muon' does not run under --parallel=fsdp: .*use --parallel=ddp"):
+        train.main(TINY + [f"--data_dir={char_data}", "--optimizer=muon", "--parallel=fsdp",
+                           "--gradient_accumulation_steps=2", f"--out_dir={tmp_path}"])
+
+
+def test_resuming_with_another_optimizer_is_refused(char_data, tmp_path):
+    train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
+    with pytest.raises(UserError, match="the checkpoint's optimizer state is adamw's; resume with --optimizer=adamw"):
+        train.main(TINY + [f"--data_dir={char_data}", "--max_iters=4", "--init_from=resume", "--optimizer=muon",
+                           f"--out_dir={tmp_path}"])
+    with pytest.raises(UserError, match="optimizer must be 'adamw' or 'muon', got 'sgd'"):
+        train.main(TINY + [f"--data_dir={char_data}", "--optimizer=sgd", f"--out_dir={tmp_path}"])
