@@ -24,7 +24,7 @@ from checkpoint import Checkpoint
 from configurator import configure
 from dataset import dataset_dir
 from errors import UserError
-from generate import QUANTIZE, Decoder, for_inference
+from generate import Decoder, check_quantize, for_inference
 from model import GPT
 from runtime import Runtime
 from tokenizer import Tokenizer, tokenizer_from_meta
@@ -41,7 +41,7 @@ temperature = 0.8                 # 1.0 samples the model's distribution, lower 
 top_k = 200                       # sample among the top_k most likely tokens only; None for all
 seed = 1337                       # seed of the sampling generator: the same seed gives the same text
 # model and precision
-attn = None                       # a model.ATTENTION key; None: the checkpoint's ('sdpa' for GPT-2 weights)
+attn = None                       # an attention.ATTENTION key; None: the checkpoint's ('sdpa' for GPT-2 weights)
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
 dtype = "auto"                    # the weights' dtype: auto (bf16 where supported, fp16 on older GPUs, else fp32), ...
 quantize = ""                     # "int8": int8 weight-only weights (torchao), a quarter of fp32's bytes per token
@@ -155,8 +155,7 @@ def print_samples(tok: Tokenizer, prompt: list[int], samples: list[list[int]]) -
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    if cfg.quantize not in QUANTIZE:
-        raise UserError(f"quantize must be '' (none) or 'int8', got '{cfg.quantize}'.")
+    check_quantize(cfg.quantize)  # now, not after loading the model
     if cfg.json:  # find out now, not after a long comparison
         runtime.check_writable_dir(Path(cfg.json).parent, "json")
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)

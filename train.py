@@ -137,14 +137,18 @@ def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoi
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "adamw":
         return [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
-    return model.configure_muon(cfg.weight_decay, cfg.learning_rate, cfg.muon_lr or cfg.learning_rate,
-                                cfg.muon_momentum, betas, rt.device_type)
+    return model.configure_muon(cfg.weight_decay, cfg.learning_rate, muon_peak_lr(cfg), cfg.muon_momentum, betas,
+                                rt.device_type)
+
+
+def muon_peak_lr(cfg: Settings) -> float:
+    return cfg.muon_lr or cfg.learning_rate
 
 
 def set_learning_rates(optimizers: list, fraction: float, cfg: Settings) -> None:
     """One schedule, each optimizer's own peak: Muon's muon_lr, AdamW's learning_rate, times `fraction`."""
     for optimizer in optimizers:
-        peak = (cfg.muon_lr or cfg.learning_rate) if isinstance(optimizer, torch.optim.Muon) else cfg.learning_rate
+        peak = muon_peak_lr(cfg) if isinstance(optimizer, torch.optim.Muon) else cfg.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = peak * fraction
 

@@ -82,3 +82,25 @@ def test_resuming_with_another_optimizer_is_refused(char_data, tmp_path):
                            f"--out_dir={tmp_path}"])
     with pytest.raises(UserError, match="optimizer must be 'adamw' or 'muon', got 'sgd'"):
         train.main(TINY + [f"--data_dir={char_data}", "--optimizer=sgd", f"--out_dir={tmp_path}"])
+
+
+# -- time to loss (time_to_loss.py) -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(char_data, tmp_path, monkeypatch, capsys):
+    import json
+
+    import time_to_loss
+    tiny = TINY + [f"--data_dir={char_data}", "--eval_interval=5"]
+    monkeypatch.setattr(time_to_loss, "RECIPES", {"adamw": tiny + ["--max_iters=10"],
+                                                  "never": tiny + ["--max_iters=5", "--learning_rate=1e-9"]})
+    assert time_to_loss.main(["--target=2.8", "--runs=2", f"--out_dir={tmp_path}"]) == 0
+    rounds = json.loads((tmp_path / "time_to_loss.json").read_text())["rounds"]
+    assert [list(r) for r in rounds] == [["adamw", "never"], ["never", "adamw"]]  # the order alternates
+    for r in rounds:
+        reached, never = r["adamw"], r["never"]
+        assert reached["iter"] in (5, 10) and 0 < reached["seconds"] < reached["wall_s"]
+        assert reached["final_iter"] == 10 and reached["final_loss"] < 2.8  # from 3.26 at step 0
+        assert never["seconds"] is None and never["final_iter"] == 5 and never["final_loss"] > 2.8
+    table = capsys.readouterr().out
+    assert "time to val/loss <= 2.8" in table and "not reached" in table

@@ -1,0 +1,104 @@
+"""
+Time to a validation loss: each recipe launched as a user launches it (python train.py ...), the recipes back to
+back and in turn, several times; the wall time from launch to the first printed val/loss at or below the target
+(start-up included; prepare the data beforehand), the iteration it came at, and the run's final val loss.
+
+    python time_to_loss.py                        # nanoGPT's CPU recipe vs the quickstart, 3 rounds, target 1.89
+    python time_to_loss.py --runs=5 --target=1.95 --full=False   # stop each run at the target
+
+Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
+recipes run one after the other), then the median over rounds: the machine's drift hits both alike.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+import runtime
+from configurator import configure
+
+target = 1.89                 # the validation loss to reach
+runs = 3                      # rounds; each runs every recipe once
+full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
+out_dir = "bench_results"
+LIMITS = {"target": "(0, inf)", "runs": "[1, inf)"}
+
+# The recipes, as command-line arguments to train.py. nanoGPT's is its README's CPU command.
+RECIPES = {
+    "nanoGPT CPU recipe": ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--block_size=64",
+                           "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+                           "--lr_decay_iters=2000", "--dropout=0.0", "--dtype=float32"],
+    "quickstart": ["config/train_shakespeare_char_cpu.py"],
+}
+ROOT = Path(__file__).resolve().parent
+VAL_LINE = re.compile(r"^iter (\d+) .*val/loss ([0-9.]+)")  # train.py's console line at every evaluation
+
+
+def time_one(args: list[str], target_loss: float, stop_at_target: bool) -> dict:
+    """One launch of train.py: seconds to the first val/loss <= target (None if never), its iter, the last val loss
+    and iter, and the wall time of the whole run."""
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"], cwd=ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        run = {"seconds": None, "iter": None, "final_loss": None, "final_iter": None}
+        for line in process.stdout:
+            match = VAL_LINE.match(line)
+            if not match:
+                continue
+            run.update(final_iter=int(match.group(1)), final_loss=float(match.group(2)))
+            if run["seconds"] is None and run["final_loss"] <= target_loss:
+                run.update(seconds=time.perf_counter() - start, iter=run["final_iter"])
+                if stop_at_target:
+                    process.kill()
+                    break
+        process.wait()
+        run["wall_s"] = time.perf_counter() - start
+    return run
+
+
+def summary(values: list[Optional[float]], digits: int = 1) -> str:
+    """Median (min-max) of the runs that got there; how many did, when not all."""
+    found = [v for v in values if v is not None]
+    if not found:
+        return "not reached"
+    spread = f" ({min(found):.{digits}f}-{max(found):.{digits}f})" if len(found) > 1 else ""
+    return f"{np.median(found):.{digits}f}{spread}" + ("" if len(found) == len(values) else f", {len(found)}/{len(values)}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    out = Path(cfg.out_dir)
+    runtime.check_writable_dir(out)
+    names = list(RECIPES)
+    rounds = []
+    for i in range(cfg.runs):
+        order = names[i % len(names):] + names[:i % len(names)]  # who goes first alternates between rounds
+        rounds.append({name: time_one(RECIPES[name], cfg.target, not cfg.full) for name in order})
+        print(f"round {i + 1}: " + "; ".join(f"{n} {r['seconds'] and round(r['seconds'], 1)} s" for n, r in
+                                              rounds[-1].items()), flush=True)
+    base = names[0]
+    print(f"\ntime to val/loss <= {cfg.target}, launch to printed line, {cfg.runs} round(s): median (min-max)")
+    print(f"{'recipe':<22}{'seconds':>22}{'x ' + base:>26}{'iter':>14}{'final val':>22}{'wall s':>22}")
+    for name in names:
+        ratios = [r[name]["seconds"] / r[base]["seconds"] for r in rounds if r[name]["seconds"] and r[base]["seconds"]]
+        print(f"{name:<22}{summary([r[name]['seconds'] for r in rounds]):>22}"
+              f"{(f'{np.median(ratios):.2f}x' if ratios else '-'):>26}"
+              f"{summary([r[name]['iter'] for r in rounds], 0):>14}"
+              f"{summary([r[name]['final_loss'] for r in rounds], 3) if cfg.full else '-':>22}"
+              f"{summary([r[name]['wall_s'] for r in rounds]):>22}")
+    path = out / "time_to_loss.json"
+    path.write_text(json.dumps({"config": cfg.as_dict(), "recipes": RECIPES, "rounds": rounds}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)
