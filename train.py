@@ -75,6 +75,8 @@ decay_lr = True
 warmup_iters = 2000
 lr_decay_iters = 600000           # ~= max_iters per Chinchilla
 min_lr = 6e-5                     # ~= learning_rate / 10 per Chinchilla
+early_decay_iters = 0             # > warmup_iters: the cosine first reaches early_decay_to x learning_rate here
+early_decay_to = 0.3
 # system
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
 dtype = "auto"                    # auto (bf16 where supported, fp16 on older GPUs, else fp32), float32, bfloat16, float16
@@ -91,19 +93,33 @@ LIMITS = {
     "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
     "min_lr": "[0, inf)", "seed": "[0, inf)", "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
+    "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]",
 }
 
 
 def lr_at(it: int, cfg: Settings) -> float:
-    """Linear warmup for warmup_iters, cosine decay to min_lr until lr_decay_iters, then min_lr."""
+    """Linear warmup for warmup_iters, cosine decay to min_lr until lr_decay_iters, then min_lr. With
+    early_decay_iters, the cosine comes in two stages: down to early_decay_to x learning_rate by early_decay_iters
+    (an early anneal: the loss a short run would reach, reached early), then on down to min_lr."""
     if not cfg.decay_lr:
         return cfg.learning_rate
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     if it > cfg.lr_decay_iters:
         return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+    if cfg.warmup_iters < cfg.early_decay_iters < cfg.lr_decay_iters:
+        early_lr = cfg.early_decay_to * cfg.learning_rate
+        if it <= cfg.early_decay_iters:
+            return cosine((it - cfg.warmup_iters) / (cfg.early_decay_iters - cfg.warmup_iters), cfg.learning_rate,
+                          early_lr)
+        return cosine((it - cfg.early_decay_iters) / (cfg.lr_decay_iters - cfg.early_decay_iters), early_lr, cfg.min_lr)
+    return cosine((it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters), cfg.learning_rate,
+                  cfg.min_lr)
+
+
+def cosine(fraction: float, start: float, end: float) -> float:
+    """From start (fraction 0) to end (fraction 1) along half a cosine."""
+    return end + 0.5 * (1.0 + math.cos(math.pi * fraction)) * (start - end)
 
 
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------

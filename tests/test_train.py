@@ -196,3 +196,27 @@ def test_the_gpt2_recipe_pads_the_vocabulary_as_the_posts_fast_path():
 def test_train_reports_a_mistyped_setting_with_the_closest_names():
     with pytest.raises(UserError, match="unknown setting 'batch_sise'; did you mean batch_size"):
         train.main(["--batch_sise=3"])
+
+
+# -- learning-rate schedule ----------------------------------------------------------------------------------
+
+def schedule(*args: str) -> list[float]:
+    cfg = configure(vars(train), ["--learning_rate=1e-2", "--warmup_iters=10", "--lr_decay_iters=100",
+                                  "--min_lr=1e-3", *args], train.LIMITS)
+    return [train.lr_at(it, cfg) for it in range(0, 111)]
+
+
+def test_the_schedule_warms_up_linearly_then_follows_a_cosine_to_min_lr():
+    lr = schedule()
+    assert lr[0] == pytest.approx(1e-2 / 11) and lr[9] == pytest.approx(1e-2 * 10 / 11)
+    assert lr[10] == pytest.approx(1e-2) and lr[55] == pytest.approx((1e-2 + 1e-3) / 2)  # the cosine's midpoint
+    assert lr[100] == pytest.approx(1e-3) and lr[110] == 1e-3
+    assert all(a >= b for a, b in zip(lr[10:101], lr[11:101]))
+
+
+def test_an_early_decay_reaches_its_level_at_early_decay_iters_then_decays_on_to_min_lr():
+    lr = schedule("--early_decay_iters=40", "--early_decay_to=0.3")
+    assert lr[:11] == pytest.approx(schedule()[:11])  # the same warmup
+    assert lr[25] == pytest.approx((1e-2 + 3e-3) / 2) and lr[40] == pytest.approx(3e-3)  # the first cosine
+    assert lr[70] == pytest.approx((3e-3 + 1e-3) / 2) and lr[100] == pytest.approx(1e-3)  # the second
+    assert all(a >= b for a, b in zip(lr[10:101], lr[11:101]))  # never rises again
