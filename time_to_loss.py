@@ -86,13 +86,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                               rounds[-1].items()), flush=True)
     base = names[0]
     print(f"\ntime to val/loss <= {cfg.target}, launch to printed line, {cfg.runs} round(s): median (min-max)")
-    print(f"{'recipe':<22}{'seconds':>22}{'x ' + base:>26}{'iter':>14}{'final val':>22}{'wall s':>22}")
+    print(f"{'recipe':<22}  {'seconds':>22}  {'x ' + base:>24}  {'iter':>16}  {'final val':>22}  {'wall s':>22}")
     for name in names:
         ratios = [r[name]["seconds"] / r[base]["seconds"] for r in rounds if r[name]["seconds"] and r[base]["seconds"]]
-        print(f"{name:<22}{summary([r[name]['seconds'] for r in rounds]):>22}"
-              f"{(f'{np.median(ratios):.2f}x' if ratios else '-'):>26}"
-              f"{summary([r[name]['iter'] for r in rounds], 0):>14}"
-              f"{summary([r[name]['final_loss'] for r in rounds], 3) if cfg.full else '-':>22}"
+        print(f"{name:<22}  {summary([r[name]['seconds'] for r in rounds]):>22}  "
+              f"{(f'{np.median(ratios):.2f}x' if ratios else '-'):>24}  "
+              f"{summary([r[name]['iter'] for r in rounds], 0):>16}  "
+              f"{summary([r[name]['final_loss'] for r in rounds], 3) if cfg.full else '-':>22}  "
               f"{summary([r[name]['wall_s'] for r in rounds]):>22}")
     path = out / "time_to_loss.json"
     path.write_text(json.dumps({"config": cfg.as_dict(), "recipes": RECIPES, "rounds": rounds}, indent=1))
