@@ -273,7 +273,7 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, ranks: Dist, rt: Runtime
 
 @dataclasses.dataclass
 class Trainer:
-    """What the loop works with: the settings, where it runs, the model (raw and wrapped), its optimizer and
+    """What the loop works with: the settings, where it runs, the model (raw and wrapped), its optimizers and
     data, the log, and where training stands."""
     cfg: Settings
     ranks: Dist
