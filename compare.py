@@ -25,6 +25,7 @@ import numpy as np
 
 import runtime
 from attention import ATTENTION, attention_names, attention_problem
+from dataset import read_windows
 from errors import UserError
 from generate import Decoder, for_inference, weight_bytes
 from model import GPT, GPTConfig
@@ -283,11 +284,11 @@ def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, max
     (x, (1, T)) when there is none; and where they came from."""
     if data is None:
         return x, "the built-in text (no val.bin: GPT-2 weights, or the training data is gone)"
-    tokens = np.memmap(data / "val.bin", dtype=np.uint16, mode="r")
-    n = max(1, min(max_tokens // block_size, (len(tokens) - 1) // (block_size + 1)))
-    starts = np.linspace(0, len(tokens) - block_size - 1, n).astype(np.int64)
-    windows = np.stack([tokens[i:i + block_size + 1] for i in starts]).astype(np.int64)  # (N, T + 1)
-    return torch.from_numpy(windows).to(x.device), f"{n} windows of {block_size} tokens of {data / 'val.bin'}"
+    tokens = (data / "val.bin").stat().st_size // 2  # uint16 ids
+    n = max(1, min(max_tokens // block_size, (tokens - 1) // (block_size + 1)))
+    starts = np.linspace(0, tokens - block_size - 1, n).astype(np.int64).tolist()
+    windows = read_windows(data / "val.bin", starts, block_size)  # (N, T + 1)
+    return windows.to(x.device), f"{n} windows of {block_size} tokens of {data / 'val.bin'}"
 
 
 def held_out_loss(model: GPT, windows: torch.Tensor) -> tuple[float, torch.Tensor]:

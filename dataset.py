@@ -84,6 +84,13 @@ def read_meta(data_dir: Path) -> dict | None:
     return read(data_dir / "meta.json") if (data_dir / "meta.json").exists() else None
 
 
+def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tensor:
+    """(len(offsets), block_size + 1) token ids starting at each offset: inputs and targets in one read."""
+    # a fresh memmap per read: a long-lived one grows resident memory (numpy keeps pages)
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    return torch.stack([torch.from_numpy(data[i:i + 1 + block_size].astype(np.int64)) for i in offsets])
+
+
 class Batches:
     """Random windows of a token file. One generator, seeded alike on every rank, draws the offsets of the
     whole global batch; each rank takes its own micro-batches of it. So N ranks see exactly the data one
@@ -94,10 +101,7 @@ class Batches:
         self.generator = torch.Generator().manual_seed(seed)
 
     def _windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # a fresh memmap per batch: a long-lived one grows resident memory (numpy keeps pages)
-        data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-        windows = torch.stack([torch.from_numpy(data[i:i + 1 + self.block_size].astype(np.int64))
-                               for i in offsets.tolist()])  # (B, T + 1): inputs and targets in one read
+        windows = read_windows(self.data_dir / f"{split}.bin", offsets.tolist(), self.block_size)  # (B, T + 1)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
 
     def micro_batches(self, split: str, micro_steps: int, rank: int = 0,
