@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+import nanogpt
 from errors import UserError
 from model import GPT, GPTConfig
 
@@ -29,9 +30,11 @@ class Checkpoint:
     iter_num: int = 0                    # optimizer steps taken
     best_val_loss: float = math.inf
     optimizer: Optional[dict] = None     # the full optimizer state dict, keyed by parameter name
-    rng: Optional[dict] = None           # every rank's RNG state and the data sampler's generator (train.py)
+    rng: Optional[dict] = None           # every rank's RNG state and the data sampler's generator (train.py;
+                                         # None in a nanoGPT checkpoint: a resume starts fresh streams)
     settings: dict = field(default_factory=dict)  # the run's settings
     meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
+    source_format: str = "this project"  # or "nanoGPT": read from nanoGPT's layout (nanogpt.py)
 
     @classmethod
     def of(cls, model: GPT, **fields) -> "Checkpoint":
@@ -78,9 +81,12 @@ class Checkpoint:
         if contents and all(torch.is_tensor(v) for v in contents.values()):
             raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
                             f"with 'model' and 'model_config', as train.py writes them.")
-        if "model_args" in contents and "model_config" not in contents:
-            raise UserError(f"{path} is a nanoGPT checkpoint ('model_args', not 'model_config'), which this "
-                            f"project does not read; train here or load GPT-2 weights with --init_from=gpt2.")
+        if nanogpt.is_nanogpt(contents):  # karpathy/nanoGPT's layout: converted, nothing on disk changes
+            contents = nanogpt.from_nanogpt(contents, path)
+            if for_training and contents["optimizer"] is None:
+                raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only "
+                                f"one with its optimizer resumes.")
+            return cls(**contents, source_format="nanoGPT")
         required = ("model", "model_config") + (TRAINING_STATE if for_training else ())
         missing = [k for k in required if contents.get(k) is None]
         if missing:

@@ -23,14 +23,32 @@ def gpt2_from_hf(name_or_path: str, **overrides) -> GPT:
     hf_config, state_dict = load_hf_checkpoint(name_or_path)
     config = GPTConfig(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
                        n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"],
-                       bias=True, gelu="tanh", **overrides)
+                       bias=True, gelu=gelu_of(hf_config, name_or_path), **overrides)
     model = GPT(config)
     model.load_state_dict(convert_hf_state_dict(state_dict, config))
     return model
 
 
 # Hugging Face's GPT-2 stores these as Conv1D, (in, out): our nn.Linear wants (out, in).
-_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+# GPT2Config.activation_function -> GPTConfig.gelu: OpenAI's GPT-2 uses the tanh approximation ("gelu_new");
+# nanoGPT and models exported from here with gelu='none' use the exact one ("gelu")
+HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def gelu_of(hf_config: dict, source: str) -> str:
+    """The GELU a GPT-2 config names, or one sentence on a config this model cannot reproduce."""
+    activation = hf_config.get("activation_function", "gelu_new")
+    if activation not in HF_ACTIVATIONS:
+        raise UserError(f"{source} uses activation_function={activation!r}; this GPT-2 reads only "
+                        f"{', '.join(HF_ACTIVATIONS)}.")
+    n_inner = hf_config.get("n_inner")
+    if n_inner not in (None, 4 * hf_config["n_embd"]) or hf_config.get("scale_attn_by_inverse_layer_idx"):
+        raise UserError(f"{source} is not GPT-2's shape (n_inner={n_inner}, scale_attn_by_inverse_layer_idx="
+                        f"{hf_config.get('scale_attn_by_inverse_layer_idx')}); only 4 x n_embd MLPs and plain "
+                        f"1/sqrt(head_size) attention load.")
+    return HF_ACTIVATIONS[activation]
 
 
 def convert_hf_state_dict(hf_state_dict: dict, config: GPTConfig) -> dict:
@@ -40,7 +58,7 @@ def convert_hf_state_dict(hf_state_dict: dict, config: GPTConfig) -> dict:
         key = key.removeprefix("transformer.") if key.startswith("transformer.") else key
         if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
             continue  # causal-mask buffers, and lm_head, which is tied to wte
-        out["transformer." + key] = tensor.t() if key.endswith(_HF_TRANSPOSED) else tensor
+        out["transformer." + key] = tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor
     wte = out["transformer.wte.weight"]
     if wte.size(0) != config.vocab_size:
         raise UserError(f"the checkpoint has {wte.size(0)} token embeddings but vocab_size is {config.vocab_size}.")

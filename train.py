@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import math
+import shutil
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,6 +38,7 @@ out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go he
 eval_interval = 2000              # evaluate (and checkpoint) every this many iterations
 log_interval = 1                  # log training metrics every this many iterations
 eval_iters = 200                  # batches per split for each evaluation
+eval_train = True                 # evaluate train batches too (the overfitting check); False: val only, half the cost
 eval_only = False                 # evaluate once (a resumed model at its step), write nothing, exit
 always_save_checkpoint = True     # save at every eval, not only when val loss improves
 init_from = "scratch"             # 'scratch', 'resume' (from out_dir), 'gpt2*', or a local Hugging Face directory
@@ -143,6 +145,14 @@ def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model
+
+
+def keep_original(path: Path) -> None:
+    """This run will save its checkpoints in this project's format over `path`: keep nanoGPT's file beside it."""
+    kept = path.with_name("ckpt.nanogpt.pt")
+    if not kept.exists():
+        shutil.copy2(path, kept)
+        print(f"resuming from nanoGPT's checkpoint; the original is kept as {kept}")
 
 
 def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
@@ -254,17 +264,19 @@ class MetricsLog:
 @torch.no_grad()
 def estimate_loss(model, cfg: Settings, data_dir: Path, ranks: Dist, rt: Runtime) -> dict:
     """Mean loss over eval_iters batches per split, the same batches at every evaluation (a fixed seed),
-    different ones per rank, averaged over ranks."""
+    different ones per rank, averaged over ranks: {"train/eval_loss": ..., "val/loss": ...}, or val alone when
+    eval_train is off."""
     model.eval()
     out = {}
-    for split in ("train", "val"):
+    for split in ("train", "val") if cfg.eval_train else ("val",):
         batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + ranks.rank)
         losses = []
         for x, y in batches.micro_batches(split, cfg.eval_iters):  # this rank's own batches, seeded by rank
             with rt.autocast():
                 _, loss = model(x.to(rt.device), y.to(rt.device))
             losses.append(loss.item())
-        out[split] = runtime.mean_across_ranks(sum(losses) / len(losses), ranks.device)
+        out["val/loss" if split == "val" else "train/eval_loss"] = runtime.mean_across_ranks(
+            sum(losses) / len(losses), ranks.device)
     model.train()
     return out
 
@@ -316,14 +328,14 @@ class Trainer:
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
         losses = estimate_loss(self.model, self.cfg, self.data_dir, self.ranks, self.rt)
-        self.log.log({"iter": self.iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"],
-                      "lr": lr, "train_time_s": train_time_s})
-        if not math.isfinite(losses["val"]):
-            raise UserError(f"validation loss is {losses['val']} at iter {self.iter_num}; training diverged (try "
+        self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
+        val_loss = losses["val/loss"]
+        if not math.isfinite(val_loss):
+            raise UserError(f"validation loss is {val_loss} at iter {self.iter_num}; training diverged (try "
                             f"a lower learning_rate); the last good checkpoint in {self.cfg.out_dir} is kept.")
-        if self.iter_num == 0 or not (losses["val"] < self.best_val_loss or self.cfg.always_save_checkpoint):
+        if self.iter_num == 0 or not (val_loss < self.best_val_loss or self.cfg.always_save_checkpoint):
             return
-        self.best_val_loss = min(self.best_val_loss, losses["val"])
+        self.best_val_loss = min(self.best_val_loss, val_loss)
         rng = rng_state(self.batches, self.ranks, self.rt)  # collective: every rank gathers, rank 0 writes
         model_state = get_model_state_dict(self.raw_model, options=FULL_STATE)
         optimizer_state = get_optimizer_state_dict(self.raw_model, self.optimizers, options=FULL_STATE)
@@ -378,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     resuming = cfg.init_from == "resume"
     checkpoint = Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only) if resuming else None
+    if checkpoint is not None and checkpoint.source_format == "nanoGPT" and not cfg.eval_only:
+        runtime.on_master(lambda: keep_original(Path(cfg.out_dir) / "ckpt.pt"), ranks.device)
     raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), ranks.device)
@@ -389,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
         log = MetricsLog(cfg, cfg.as_dict(), enabled=ranks.is_master, to_file=False)
         losses = estimate_loss(model, cfg, data_dir, ranks, rt)
-        log.log({"iter": iter_num, "train/eval_loss": losses["train"], "val/loss": losses["val"]})
+        log.log({"iter": iter_num, **losses})
         log.close()
         return 0
 
@@ -403,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                       MetricsLog(cfg, run_config, enabled=ranks.is_master), iter_num)
     if checkpoint is not None:
         set_optimizer_state_dict(raw_model, optimizers, checkpoint.optimizer, options=FULL_STATE)
-        restore_rng(checkpoint.rng, batches, ranks, rt)
+        if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds set above stand
+            restore_rng(checkpoint.rng, batches, ranks, rt)
         trainer.best_val_loss = checkpoint.best_val_loss
         checkpoint = None  # free the memory
     if ranks.is_master:

@@ -225,15 +225,6 @@ def tiny_model() -> GPT:
     return GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
 
 
-def test_a_nanogpt_checkpoint_is_named_as_such(tiny_model, tmp_path):
-    # nanoGPT's train.py writes these keys (model_args, not model_config)
-    torch.save({"model": tiny_model.state_dict(), "optimizer": {}, "iter_num": 5, "best_val_loss": torch.tensor(1.5),
-                "model_args": dict(n_layer=1, n_head=2, n_embd=8, block_size=16, bias=True, vocab_size=11,
-                                   dropout=0.0), "config": {"batch_size": 12}}, tmp_path / "ckpt.pt")
-    with pytest.raises(UserError, match=r"is a nanoGPT checkpoint \('model_args', not 'model_config'\)"):
-        sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
-
-
 def test_a_bare_state_dict_is_named_as_such(tiny_model, char_data, tmp_path):
     torch.save(tiny_model.state_dict(), tmp_path / "ckpt.pt")
     before = (tmp_path / "ckpt.pt").read_bytes()

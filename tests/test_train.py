@@ -97,6 +97,15 @@ def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
     assert 0 < last < 100000 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == last
 
 
+def test_eval_train_off_evaluates_val_alone_on_the_same_batches(char_data, tmp_path):
+    both, val_only = tmp_path / "both", tmp_path / "val_only"
+    common = TINY + [f"--data_dir={char_data}", "--max_iters=4", "--eval_interval=2"]
+    train.main(common + [f"--out_dir={both}"])
+    train.main(common + ["--eval_train=False", f"--out_dir={val_only}"])
+    assert metrics(val_only, "val/loss") == metrics(both, "val/loss")  # same weights, same val batches
+    assert sorted(metrics(both, "train/eval_loss")) == [0, 2, 4] and metrics(val_only, "train/eval_loss") == {}
+
+
 @pytest.mark.slow
 def test_quickstart_config_loss_falls_and_compile_trains_with_compilation_left_out_of_the_timing(char_data, tmp_path):
     train.main([str(REPO / "config" / "train_shakespeare_char_cpu.py"), f"--data_dir={char_data}", "--max_iters=30",

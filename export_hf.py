@@ -1,0 +1,158 @@
+"""
+Export a training run to a Hugging Face GPT-2 directory that transformers loads with no custom code.
+
+    python export_hf.py --out_dir=out-shakespeare-char-cpu --hf_dir=hf-shakespeare-char
+    >>> from transformers import pipeline
+    >>> pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=100, do_sample=False)
+
+The directory holds config.json, model.safetensors, generation_config.json and the tokenizer (tokenizer.json and
+tokenizer_config.json; BPE models also get GPT-2's vocab.json and merges.txt). Vocabulary padding is undone: the
+export has the real vocabulary only. GPT.from_pretrained(hf_dir) reads it back into this repo.
+"""
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import runtime
+from checkpoint import Checkpoint
+from configurator import configure
+from errors import UserError
+from hf import CONV1D_WEIGHTS, HF_ACTIVATIONS
+from model import GPT
+from tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
+
+out_dir = "out"                   # the training run's folder (its ckpt.pt)
+hf_dir = ""                       # where to write the Hugging Face directory; empty: <out_dir>/hf
+# sampling defaults written to generation_config.json (sample.py's); pipeline(...) arguments override them
+temperature = 0.8
+top_k = 200
+
+
+def hf_config(model: GPT, meta: Optional[dict]):
+    """GPT2Config for this model, or one sentence on what GPT-2's format cannot express."""
+    from transformers import GPT2Config
+    c = model.config
+    if not c.bias:
+        raise UserError("this model was trained with bias=False, and GPT-2's format has a bias in every Linear and "
+                        "LayerNorm; only models trained with bias=True can be exported to GPT-2.")
+    activation = {gelu: name for name, gelu in HF_ACTIVATIONS.items()}.get(c.gelu)
+    if activation is None:
+        raise UserError(f"this model uses gelu={c.gelu!r}, which GPT-2's config cannot name; only 'tanh' "
+                        f"(gelu_new) and 'none' (gelu) export.")
+    eot = GPT2_EOT_TOKEN if is_bpe(meta) else None  # a character vocabulary has no end-of-text token
+    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                      n_head=c.n_head, n_inner=None, activation_function=activation, resid_pdrop=c.dropout,
+                      embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=1e-5, scale_attn_weights=True,
+                      scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                      tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
+
+
+def is_bpe(meta: Optional[dict]) -> bool:
+    return meta is None or meta.get("tokenizer") == "gpt2"
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """This model's weights as GPT2LMHeadModel's: Linear (out, in) -> Conv1D (in, out), the padded rows of the token
+    embedding dropped, lm_head the (tied) token embedding."""
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if key == "lm_head.weight":
+            continue
+        tensor = tensor.detach().to(torch.float32)
+        out[key] = tensor.t().contiguous() if key.endswith(CONV1D_WEIGHTS) else tensor
+    out["transformer.wte.weight"] = out["transformer.wte.weight"][: model.config.vocab_size].clone()
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def hf_tokenizer(meta: Optional[dict], block_size: int):
+    """A PreTrainedTokenizerFast that encodes and decodes exactly as this repo's tokenizer for `meta` does."""
+    from transformers import PreTrainedTokenizerFast
+    settings = dict(model_max_length=block_size, clean_up_tokenization_spaces=False)
+    if is_bpe(meta):
+        return PreTrainedTokenizerFast(tokenizer_object=gpt2_bpe(), bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
+                                       unk_token=ENDOFTEXT, **settings)
+    if meta.get("tokenizer") != "char":
+        raise UserError(f"the checkpoint's meta names tokenizer {meta.get('tokenizer')!r}; only GPT-2 BPE and "
+                        f"character vocabularies export.")
+    return PreTrainedTokenizerFast(tokenizer_object=characters(meta["chars"]), **settings)
+
+
+def gpt2_bpe():
+    """GPT-2's byte-level BPE as a `tokenizers` Tokenizer, from the packaged vocabulary files (checked by hash)."""
+    import json
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    paths = check_gpt2_files(gpt2_files_dir())
+    vocab = json.loads(paths["encoder.json"].read_text(encoding="utf-8"))
+    merges = [tuple(line.split()) for line in paths["vocab.bpe"].read_text(encoding="utf-8").splitlines()[1:] if line]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(ENDOFTEXT, special=True)])  # one id, as tiktoken's allowed special
+    return tok
+
+
+def characters(chars: list[str]):
+    """One token per character, ids in meta.json's order; decoding joins them with nothing in between."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(chars)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, newlines too
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k: Optional[int] = 200) -> Path:
+    """Write the Hugging Face directory: into a temporary folder beside hf_dir, renamed into place when complete."""
+    from transformers import GenerationConfig, GPT2LMHeadModel
+    hf_dir = Path(hf_dir)
+    if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
+        raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
+                        f"is overwritten).")
+    model = checkpoint.build_model()
+    config = hf_config(model, checkpoint.meta)
+    tokenizer = hf_tokenizer(checkpoint.meta, model.config.block_size)
+    hf_model = GPT2LMHeadModel(config)
+    hf_model.load_state_dict(hf_state_dict(model), strict=True)
+    sampled = temperature > 0
+    hf_model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id,
+        max_length=model.config.block_size, do_sample=sampled, temperature=temperature if sampled else None,
+        top_k=top_k if sampled else None)
+    runtime.check_writable_dir(hf_dir.parent)
+    staging = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.", dir=hf_dir.parent))
+    try:
+        hf_model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        if is_bpe(checkpoint.meta):  # the slow GPT2Tokenizer's files too, as on the hub
+            paths = check_gpt2_files(gpt2_files_dir())
+            shutil.copyfile(paths["encoder.json"], staging / "vocab.json")
+            shutil.copyfile(paths["vocab.bpe"], staging / "merges.txt")
+        if hf_dir.exists():
+            hf_dir.rmdir()  # empty, checked above
+        staging.rename(hf_dir)
+    except OSError as e:
+        raise UserError(f"could not write {hf_dir} ({e.strerror or e}); pass --hf_dir= a writable folder with "
+                        f"free space.") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return hf_dir
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, {"temperature": "[0, inf)", "top_k": "[1, inf)"})
+    checkpoint = Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt")
+    target = export(checkpoint, Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), cfg.temperature, cfg.top_k)
+    print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "
+          f"pipeline('text-generation', model={str(target)!r}) loads it")
+    return 0
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)

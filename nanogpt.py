@@ -1,0 +1,128 @@
+"""
+nanoGPT's checkpoints, read as this project's: an out_dir written by karpathy/nanoGPT's train.py resumes here
+(`python train.py ... --init_from=resume --out_dir=that_dir`) and samples (`python sample.py --out_dir=that_dir`).
+
+nanoGPT's ckpt.pt holds `model` (a state dict, with `_orig_mod.` prefixes when the run was compiled, and with
+older versions a causal-mask buffer `attn.bias` per block), `optimizer` (AdamW's own state dict, parameters by
+number), `model_args`, `iter_num`, `best_val_loss` and `config`. Its character vocabularies live in a pickle,
+`meta.pkl`, which is read here without running any code. Checkpoint.load calls `from_nanogpt`.
+"""
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+from errors import UserError
+from model import GPT, GPTConfig
+from tokenizer import GPT2_VOCAB_SIZE
+
+NANOGPT_PADDED_VOCAB = 50304  # nanoGPT's default for GPT-2 BPE: 50257 rounded up to a multiple of 64
+COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before every key
+
+
+def is_nanogpt(contents: dict) -> bool:
+    return "model_args" in contents and "model_config" not in contents
+
+
+def from_nanogpt(contents: dict, path: Path) -> dict:
+    """The fields of a Checkpoint for nanoGPT's checkpoint `contents` (read from `path`)."""
+    args = contents["model_args"]
+    meta = nanogpt_meta(path.parent, contents.get("config") or {}, args["vocab_size"], path)
+    # nanoGPT's 50304 rows are GPT-2's 50257 padded: here the padding is a switch, and padded ids get a -inf
+    # logit (never sampled), where nanoGPT leaves them trainable; the 50257 real logits are the same
+    padded = args["vocab_size"] == NANOGPT_PADDED_VOCAB and meta["tokenizer"] == "gpt2"
+    config = GPTConfig(block_size=args["block_size"], vocab_size=GPT2_VOCAB_SIZE if padded else args["vocab_size"],
+                       n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"],
+                       dropout=args.get("dropout", 0.0), bias=args.get("bias", True), pad_vocab=padded,
+                       gelu="none")  # nanoGPT's nn.GELU() is the exact (erf) one
+    model_state = nanogpt_model_state(contents["model"])
+    optimizer = contents.get("optimizer")
+    return dict(model=model_state, model_config=dataclasses.asdict(config), iter_num=int(contents.get("iter_num", 0)),
+                best_val_loss=float(contents.get("best_val_loss", float("inf"))),
+                optimizer=named_optimizer_state(optimizer, GPT(config)) if optimizer else None,
+                rng=None, settings=dict(contents.get("config") or {}), meta=meta)
+
+
+def nanogpt_model_state(state: dict) -> dict:
+    """nanoGPT's state dict with the compile prefix stripped and the causal-mask buffers dropped; its parameter
+    names are this model's."""
+    out = {}
+    for key, tensor in state.items():
+        key = key.removeprefix(COMPILED_PREFIX)
+        if key.endswith(".attn.bias"):  # the (1, 1, T, T) mask buffer; the attention's own bias is c_attn.bias
+            continue
+        out[key] = tensor
+    return out
+
+
+def named_optimizer_state(state: dict, model: GPT) -> dict:
+    """AdamW's state dict keyed by parameter number -> keyed by parameter name, as train.py saves it. nanoGPT
+    numbers the parameters as GPT.configure_optimizers groups them: the >= 2-D ones, then the rest, each group in
+    named_parameters order."""
+    params = dict(model.named_parameters())
+    order = [n for n, p in params.items() if p.dim() >= 2] + [n for n, p in params.items() if p.dim() < 2]
+    count = sum(len(g["params"]) for g in state["param_groups"])
+    if count != len(order):
+        raise UserError(f"the nanoGPT checkpoint's optimizer covers {count} parameters but its model has "
+                        f"{len(order)}; it was not written by nanoGPT's configure_optimizers.")
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+def nanogpt_meta(folder: Path, config: dict, vocab_size: int, path: Path) -> dict:
+    """This project's meta (which tokenizer decodes the ids) for a nanoGPT run: its meta.pkl, looked for beside
+    ckpt.pt and then in data/<dataset>/, or GPT-2 BPE for a GPT-2-sized vocabulary."""
+    dataset = str(config.get("dataset", ""))
+    candidates = [folder / "meta.pkl"] + ([Path("data") / dataset / "meta.pkl"] if dataset else [])
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is not None:
+        return char_meta(read_plain_pickle(found), found)
+    if vocab_size in (GPT2_VOCAB_SIZE, NANOGPT_PADDED_VOCAB):
+        return {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
+    raise UserError(f"{path} is a nanoGPT model with a {vocab_size}-token vocabulary and no meta.pkl was found "
+                    f"({', '.join(str(p) for p in candidates)}); copy its data/<dataset>/meta.pkl next to ckpt.pt.")
+
+
+def char_meta(meta: dict, path: Path) -> dict:
+    """nanoGPT's {'vocab_size', 'itos', 'stoi'} -> this project's character meta."""
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if not isinstance(itos, dict) or sorted(itos) != list(range(len(itos))) or size != len(itos) or not all(
+            isinstance(c, str) and len(c) == 1 for c in itos.values()):
+        raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
+                        f"characters); copy the one from the run's data folder.")
+    return {"tokenizer": "char", "vocab_size": size, "chars": [itos[i] for i in range(size)]}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle makes without naming a class or function: every import request is refused, so
+    nothing in the file can run."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refers to {module}.{name}")
+
+
+PLAIN_TYPES = (dict, list, str, int)
+
+
+def read_plain_pickle(path: Path):
+    """A pickle of plain dicts, lists, strings and ints, read without executing anything; anything else is refused
+    in one sentence."""
+    try:
+        with open(path, "rb") as f:
+            value = _PlainUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
+                        f"nothing in it was run.") from None
+    if not is_plain(value):
+        raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
+    return value
+
+
+def is_plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(is_plain(v) for v in value)
+    return isinstance(value, (str, int))
+

@@ -1,0 +1,235 @@
+"""In and out of the ecosystem: an out_dir exported to Hugging Face loads in transformers with no custom code and
+computes the same logits and greedy text; an out_dir as nanoGPT writes it resumes and samples here."""
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
+
+import export_hf
+import sample
+import train
+from checkpoint import Checkpoint
+from conftest import TINY, metrics
+from errors import UserError
+from model import GPT, GPTConfig
+from tokenizer import GPT2Tokenizer, tokenizer_from_meta, write_meta
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory) -> Path:
+    """A small GPT-2 BPE dataset, tokenized offline with the packaged vocabulary."""
+    d = tmp_path_factory.mktemp("bpe")
+    text = " ".join(f"The king said to the queen, {i} times: be not afraid of greatness." for i in range(400))
+    ids = np.array(GPT2Tokenizer().encode(text), dtype=np.uint16)
+    split = int(0.9 * len(ids))
+    ids[:split].tofile(d / "train.bin")
+    ids[split:].tofile(d / "val.bin")
+    write_meta(d / "meta.json", {"tokenizer": "gpt2", "vocab_size": 50257})
+    return d
+
+
+def trained(data: Path, out: Path, *extra: str) -> Path:
+    train.main(TINY + [f"--data_dir={data}", "--max_iters=20", "--eval_interval=20", f"--out_dir={out}", *extra])
+    return out
+
+
+def our_logits(model: GPT, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits, _ = model(ids, targets=ids)  # targets: every position's logits
+    return logits[..., : model.config.vocab_size]  # the real vocabulary (padded ids are -inf)
+
+
+# -- export ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the_same_weights(
+        kind, padded, char_data, bpe_data, tmp_path):
+    out = trained(char_data if kind == "char" else bpe_data, tmp_path / "run", f"--pad_vocab={padded}",
+                  "--gelu=none" if kind == "char" else "--gelu=tanh")
+    hf_dir = tmp_path / "hf"
+    assert export_hf.main([f"--out_dir={out}", f"--hf_dir={hf_dir}"]) == 0
+    ours = Checkpoint.load(out / "ckpt.pt").build_model().eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
+    for loaded in (GPT2LMHeadModel.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir)):
+        assert loaded.config.vocab_size == ours.config.vocab_size  # the padding is undone
+        with torch.no_grad():
+            theirs = loaded.eval()(ids).logits
+        torch.testing.assert_close(theirs, our_logits(ours, ids), rtol=0, atol=1e-5)
+    back = GPT.from_pretrained(str(hf_dir), pad_vocab=padded)
+    assert back.config.gelu == ours.config.gelu
+    real = ours.config.vocab_size  # padded rows are not exported: they come back as zeros, still behind -inf
+    for key, tensor in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[key][:real], tensor[:real]), key
+    torch.testing.assert_close(our_logits(back, ids), our_logits(ours, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind, prompt", [("char", "To be, or"), ("bpe", "The king said")])
+def test_pipeline_greedy_text_equals_sample_py_greedy_text(kind, prompt, char_data, bpe_data, tmp_path):
+    out = trained(char_data if kind == "char" else bpe_data, tmp_path / "run")
+    hf_dir = export_hf.export(Checkpoint.load(out / "ckpt.pt"), tmp_path / "hf")
+    sample.main([f"--out_dir={out}", f"--start={prompt}", "--temperature=0", "--max_new_tokens=12",
+                 "--num_samples=1", "--device=cpu", "--dtype=float32", f"--json={tmp_path / 'sample.json'}"])
+    ours = json.loads((tmp_path / "sample.json").read_text())["texts"][0]
+    generator = pipeline("text-generation", model=str(hf_dir), device="cpu")
+    theirs = generator(prompt, max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    assert theirs == ours and len(ours) > len(prompt)
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_the_exported_tokenizer_encodes_and_decodes_as_this_repos(kind, char_data, bpe_data, tmp_path):
+    data = char_data if kind == "char" else bpe_data
+    meta = json.loads((data / "meta.json").read_text())
+    tokenizer = export_hf.hf_tokenizer(meta, block_size=32)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    ours = tokenizer_from_meta(meta)
+    text = "To be, or not to be:\n line 7 of 12." if kind == "char" else "Hello world<|endoftext|> said the king.\n"
+    assert loaded(text)["input_ids"] == ours.encode(text)
+    assert loaded.decode(ours.encode(text)) == text
+
+
+def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, tmp_path):
+    out = trained(char_data, tmp_path / "run", "--bias=False")
+    with pytest.raises(UserError, match=r"trained with bias=False, and GPT-2's format has a bias"):
+        export_hf.main([f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"])
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_existing_folder_is_never_written_over(char_data, tmp_path):
+    out = trained(char_data, tmp_path / "run")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="already exists and is not empty"):
+        export_hf.main([f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"])
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["notes.txt"]
+
+
+# -- nanoGPT checkpoints in -----------------------------------------------------------------------------------
+
+NANO_ARGS = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, bias=True, dropout=0.0)
+
+
+def nanogpt_out_dir(folder: Path, chars: list[str], seed: int = 0) -> tuple[Path, dict]:
+    """An out_dir laid out exactly as nanoGPT's train.py writes one for a compiled run: ckpt.pt with `_orig_mod.`
+    keys, its per-block causal-mask buffers, AdamW's own state dict (parameters by number, nanoGPT's two groups),
+    model_args, iter_num, a tensor best_val_loss and config; meta.pkl beside it. Returns it and the raw state."""
+    torch.manual_seed(seed)
+    weights = GPT(GPTConfig(vocab_size=len(chars), gelu="none", **NANO_ARGS))  # only the source of numbers
+    with torch.no_grad():  # trained-size weights: GELU inputs of order 1, where the exact and tanh GELUs differ
+        for p in weights.parameters():
+            p.mul_(5.0 if p.dim() >= 2 else 1.0)
+    params = dict(weights.named_parameters())
+    decay = [p for p in params.values() if p.dim() >= 2]
+    no_decay = [p for p in params.values() if p.dim() < 2]
+    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=1e-3, betas=(0.9, 0.99))
+    x = torch.randint(0, len(chars), (4, 32))
+    for _ in range(2):
+        weights(x, x)[1].backward()
+        adamw.step()
+        adamw.zero_grad()
+    state = {f"_orig_mod.{k}": v.clone() for k, v in weights.state_dict().items()}
+    mask = torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32)
+    state.update({f"_orig_mod.transformer.h.{i}.attn.bias": mask for i in range(2)})
+    folder.mkdir(parents=True)
+    torch.save({"model": state, "optimizer": adamw.state_dict(),
+                "model_args": {**NANO_ARGS, "vocab_size": len(chars)}, "iter_num": 7,
+                "best_val_loss": torch.tensor(2.5), "config": {"dataset": "shakespeare_char", "batch_size": 12,
+                                                              "learning_rate": 1e-3, "compile": True}},
+               folder / "ckpt.pt")
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    return folder, {"model": state, "optimizer": adamw.state_dict()}
+
+
+def chars_of(data: Path) -> list[str]:
+    return json.loads((data / "meta.json").read_text())["chars"]
+
+
+def hf_reference(state: dict, vocab_size: int, activation: str) -> GPT2LMHeadModel:
+    """nanoGPT's forward pass computed by an independent implementation: transformers' GPT-2, given the raw
+    nanoGPT weights (prefix stripped, mask buffers dropped, Linear -> Conv1D) and nanoGPT's exact GELU."""
+    config = GPT2Config(vocab_size=vocab_size, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        activation_function=activation, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=None, eos_token_id=None)
+    conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    hf_state = {}
+    for key, tensor in state.items():
+        key = key.removeprefix("_orig_mod.")
+        if not key.endswith(".attn.bias"):
+            hf_state[key] = tensor.t() if key.endswith(conv1d) else tensor
+    model = GPT2LMHeadModel(config)
+    model.load_state_dict(hf_state, strict=True)
+    return model.eval()
+
+
+def test_a_nanogpt_checkpoint_computes_nanogpts_logits(char_data, tmp_path):
+    chars = chars_of(char_data)
+    folder, raw = nanogpt_out_dir(tmp_path / "nano", chars)
+    ours = Checkpoint.load(folder / "ckpt.pt").build_model().eval()
+    ids = torch.randint(0, len(chars), (2, 32))
+    with torch.no_grad():
+        exact = hf_reference(raw["model"], len(chars), "gelu")(ids).logits
+        tanh = hf_reference(raw["model"], len(chars), "gelu_new")(ids).logits
+    torch.testing.assert_close(our_logits(ours, ids), exact, rtol=0, atol=1e-5)
+    assert (tanh - exact).abs().max() > 1e-4  # the GELU matters at this tolerance: a tanh reading would fail
+
+
+def test_a_nanogpt_out_dir_resumes_with_its_optimizer_state_and_keeps_the_original(char_data, tmp_path):
+    folder, raw = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    original = (folder / "ckpt.pt").read_bytes()
+    converted = Checkpoint.load(folder / "ckpt.pt", for_training=True)
+    assert converted.iter_num == 7 and converted.best_val_loss == 2.5
+    by_number = raw["optimizer"]["state"]
+    assert torch.equal(converted.optimizer["state"]["transformer.wte.weight"]["exp_avg"], by_number[0]["exp_avg"])
+    assert torch.equal(converted.optimizer["state"]["transformer.ln_f.bias"]["exp_avg_sq"],
+                       by_number[max(by_number)]["exp_avg_sq"])  # the last of the no-decay group
+    train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}", "--max_iters=10",
+                       "--eval_interval=10", "--always_save_checkpoint=True"])
+    assert sorted(metrics(folder, "train/loss")) == [8, 9, 10]  # continued from nanoGPT's iteration 7
+    assert Checkpoint.load(folder / "ckpt.pt", for_training=True).iter_num == 10
+    assert (folder / "ckpt.nanogpt.pt").read_bytes() == original
+
+
+def test_a_nanogpt_out_dir_samples_with_its_character_vocabulary(char_data, tmp_path, capsys):
+    chars = chars_of(char_data)
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars)
+    sample.main([f"--out_dir={folder}", "--start=To be", "--max_new_tokens=30", "--num_samples=1", "--device=cpu",
+                 "--dtype=float32", f"--json={tmp_path / 's.json'}"])
+    text = json.loads((tmp_path / "s.json").read_text())["texts"][0]
+    assert text.startswith("To be") and len(text) == 35 and set(text) <= set(chars)
+
+
+def test_a_meta_pkl_that_would_run_code_is_refused_without_running_it(char_data, tmp_path):
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('ran')",)
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 3, "itos": Payload()}))
+    with pytest.raises(UserError, match=r"meta.pkl is refused: it is not a pickle of plain dicts, lists, strings "
+                                        r"and ints \(refers to builtins.exec\); nothing in it was run"):
+        sample.main([f"--out_dir={folder}", "--device=cpu"])
+    assert not marker.exists()
+
+
+def test_a_meta_pkl_of_other_plain_types_is_refused(char_data, tmp_path):
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 3, "itos": {0: 1.5}}))
+    with pytest.raises(UserError, match="holds types other than dicts, lists, strings and ints"):
+        Checkpoint.load(folder / "ckpt.pt")
+
+
+def test_a_nanogpt_character_model_without_its_meta_pkl_names_the_file_to_copy(char_data, tmp_path):
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    (folder / "meta.pkl").unlink()
+    with pytest.raises(UserError, match=r"no meta.pkl was found .*; copy its data/<dataset>/meta.pkl next to ckpt.pt"):
+        sample.main([f"--out_dir={folder}", "--device=cpu"])
