@@ -10,6 +10,7 @@ number), `model_args`, `iter_num`, `best_val_loss` and `config`. Its character v
 
 import dataclasses
 import pickle
+import shutil
 from pathlib import Path
 
 from errors import UserError
@@ -41,6 +42,14 @@ def from_nanogpt(contents: dict, path: Path) -> dict:
                 best_val_loss=float(contents.get("best_val_loss", float("inf"))),
                 optimizer=named_optimizer_state(optimizer, GPT(config)) if optimizer else None,
                 rng=None, settings=dict(contents.get("config") or {}), meta=meta)
+
+
+def keep_original(path: Path) -> None:
+    """A run resumed from nanoGPT's ckpt.pt saves this project's format over it: keep nanoGPT's file beside it."""
+    kept = path.with_name("ckpt.nanogpt.pt")
+    if not kept.exists():
+        shutil.copy2(path, kept)
+        print(f"resuming from nanoGPT's checkpoint; the original is kept as {kept}")
 
 
 def nanogpt_model_state(state: dict) -> dict:

@@ -13,7 +13,6 @@ import dataclasses
 import inspect
 import json
 import math
-import shutil
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import nanogpt
 import runtime
 from checkpoint import Checkpoint
 from configurator import Settings, configure
@@ -145,14 +145,6 @@ def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model
-
-
-def keep_original(path: Path) -> None:
-    """This run will save its checkpoints in this project's format over `path`: keep nanoGPT's file beside it."""
-    kept = path.with_name("ckpt.nanogpt.pt")
-    if not kept.exists():
-        shutil.copy2(path, kept)
-        print(f"resuming from nanoGPT's checkpoint; the original is kept as {kept}")
 
 
 def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
@@ -391,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     resuming = cfg.init_from == "resume"
     checkpoint = Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only) if resuming else None
     if checkpoint is not None and checkpoint.source_format == "nanoGPT" and not cfg.eval_only:
-        runtime.on_master(lambda: keep_original(Path(cfg.out_dir) / "ckpt.pt"), ranks.device)
+        runtime.on_master(lambda: nanogpt.keep_original(Path(cfg.out_dir) / "ckpt.pt"), ranks.device)
     raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), ranks.device)
