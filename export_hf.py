@@ -37,9 +37,6 @@ def hf_config(model: GPT, meta: Optional[dict]):
     """GPT2Config for this model, or one sentence on what GPT-2's format cannot express."""
     from transformers import GPT2Config
     c = model.config
-    if not c.bias:
-        raise UserError("this model was trained with bias=False, and GPT-2's format has a bias in every Linear and "
-                        "LayerNorm; only models trained with bias=True can be exported to GPT-2.")
     activation = {gelu: name for name, gelu in HF_ACTIVATIONS.items()}.get(c.gelu)
     if activation is None:
         raise UserError(f"this model uses gelu={c.gelu!r}, which GPT-2's config cannot name; only 'tanh' "
@@ -58,13 +55,17 @@ def is_bpe(meta: Optional[dict]) -> bool:
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """This model's weights as GPT2LMHeadModel's: Linear (out, in) -> Conv1D (in, out), the padded rows of the token
-    embedding dropped, lm_head the (tied) token embedding."""
+    embedding dropped, lm_head the (tied) token embedding. GPT-2 has a bias in every Linear and LayerNorm: a model
+    trained with bias=False gets zeros there, which computes exactly what no bias does."""
     out = {}
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight":
             continue
         tensor = tensor.detach().to(torch.float32)
         out[key] = tensor.t().contiguous() if key.endswith(CONV1D_WEIGHTS) else tensor
+    for name, module in model.transformer.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and module.bias is None:
+            out[f"transformer.{name}.bias"] = torch.zeros(module.weight.shape[0])
     out["transformer.wte.weight"] = out["transformer.wte.weight"][: model.config.vocab_size].clone()
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out

@@ -94,10 +94,22 @@ def test_the_exported_tokenizer_encodes_and_decodes_as_this_repos(kind, char_dat
     assert loaded.decode(ours.encode(text)) == text
 
 
+def test_a_model_without_biases_exports_with_zero_biases_and_the_same_logits(char_data, tmp_path):
+    out = trained(char_data, tmp_path / "run", "--bias=False")  # nanoGPT's default
+    hf_dir = export_hf.export(Checkpoint.load(out / "ckpt.pt"), tmp_path / "hf")
+    ours = Checkpoint.load(out / "ckpt.pt").build_model().eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
+    with torch.no_grad():
+        theirs = GPT2LMHeadModel.from_pretrained(hf_dir).eval()(ids).logits
+    torch.testing.assert_close(theirs, our_logits(ours, ids), rtol=0, atol=1e-5)
+
+
 def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, tmp_path):
-    out = trained(char_data, tmp_path / "run", "--bias=False")
-    with pytest.raises(UserError, match=r"trained with bias=False, and GPT-2's format has a bias"):
-        export_hf.main([f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"])
+    out = trained(char_data, tmp_path / "run")
+    checkpoint = Checkpoint.load(out / "ckpt.pt")
+    checkpoint.meta = {"tokenizer": "sentencepiece", "vocab_size": checkpoint.meta["vocab_size"]}
+    with pytest.raises(UserError, match=r"names tokenizer 'sentencepiece'; only GPT-2 BPE and character "):
+        export_hf.export(checkpoint, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
