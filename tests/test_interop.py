@@ -127,12 +127,14 @@ def test_an_existing_folder_is_never_written_over(char_data, tmp_path):
 NANO_ARGS = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, bias=True, dropout=0.0)
 
 
-def nanogpt_out_dir(folder: Path, chars: list[str], seed: int = 0) -> tuple[Path, dict]:
+def nanogpt_out_dir(folder: Path, chars: list[str] | None, seed: int = 0, vocab_size: int = 0) -> tuple[Path, dict]:
     """An out_dir laid out exactly as nanoGPT's train.py writes one for a compiled run: ckpt.pt with `_orig_mod.`
     keys, its per-block causal-mask buffers, AdamW's own state dict (parameters by number, nanoGPT's two groups),
-    model_args, iter_num, a tensor best_val_loss and config; meta.pkl beside it. Returns it and the raw state."""
+    model_args, iter_num, a tensor best_val_loss and config; meta.pkl beside it for a character vocabulary
+    (chars; else a BPE run of vocab_size). Returns it and the raw state."""
     torch.manual_seed(seed)
-    weights = GPT(GPTConfig(vocab_size=len(chars), gelu="none", **NANO_ARGS))  # only the source of numbers
+    vocab_size = len(chars) if chars else vocab_size
+    weights = GPT(GPTConfig(vocab_size=vocab_size, gelu="none", **NANO_ARGS))  # only the source of numbers
     with torch.no_grad():  # trained-size weights: GELU inputs of order 1, where the exact and tanh GELUs differ
         for p in weights.parameters():
             p.mul_(5.0 if p.dim() >= 2 else 1.0)
@@ -141,7 +143,7 @@ def nanogpt_out_dir(folder: Path, chars: list[str], seed: int = 0) -> tuple[Path
     no_decay = [p for p in params.values() if p.dim() < 2]
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=1e-3, betas=(0.9, 0.99))
-    x = torch.randint(0, len(chars), (4, 32))
+    x = torch.randint(0, vocab_size, (4, 32))
     for _ in range(2):
         weights(x, x)[1].backward()
         adamw.step()
@@ -151,13 +153,15 @@ def nanogpt_out_dir(folder: Path, chars: list[str], seed: int = 0) -> tuple[Path
     state.update({f"_orig_mod.transformer.h.{i}.attn.bias": mask for i in range(2)})
     folder.mkdir(parents=True)
     torch.save({"model": state, "optimizer": adamw.state_dict(),
-                "model_args": {**NANO_ARGS, "vocab_size": len(chars)}, "iter_num": 7,
-                "best_val_loss": torch.tensor(2.5), "config": {"dataset": "shakespeare_char", "batch_size": 12,
-                                                              "learning_rate": 1e-3, "compile": True}},
+                "model_args": {**NANO_ARGS, "vocab_size": vocab_size}, "iter_num": 7,
+                "best_val_loss": torch.tensor(2.5), "config": {"dataset": "shakespeare_char" if chars else "owt",
+                                                              "batch_size": 12, "learning_rate": 1e-3,
+                                                              "compile": True}},
                folder / "ckpt.pt")
-    with open(folder / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
-                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    if chars:
+        with open(folder / "meta.pkl", "wb") as f:
+            pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+                         "stoi": {c: i for i, c in enumerate(chars)}}, f)
     return folder, {"model": state, "optimizer": adamw.state_dict()}
 
 
@@ -192,6 +196,18 @@ def test_a_nanogpt_checkpoint_computes_nanogpts_logits(char_data, tmp_path):
         tanh = hf_reference(raw["model"], len(chars), "gelu_new")(ids).logits
     torch.testing.assert_close(our_logits(ours, ids), exact, rtol=0, atol=1e-5)
     assert (tanh - exact).abs().max() > 1e-4  # the GELU matters at this tolerance: a tanh reading would fail
+
+
+def test_nanogpts_padded_gpt2_vocabulary_reads_as_the_real_one_padded(tmp_path):
+    folder, raw = nanogpt_out_dir(tmp_path / "nano", None, vocab_size=50304)  # nanoGPT's GPT-2 default
+    checkpoint = Checkpoint.load(folder / "ckpt.pt")
+    ours = checkpoint.build_model().eval()
+    assert checkpoint.meta["tokenizer"] == "gpt2" and (ours.config.vocab_size, ours.config.padded_vocab_size) == (
+        50257, 50304)
+    ids = torch.randint(0, 50257, (1, 32))
+    with torch.no_grad():
+        theirs = hf_reference(raw["model"], 50304, "gelu")(ids).logits
+    torch.testing.assert_close(our_logits(ours, ids), theirs[..., :50257], rtol=0, atol=1e-5)
 
 
 def test_a_nanogpt_out_dir_resumes_with_its_optimizer_state_and_keeps_the_original(char_data, tmp_path):
