@@ -80,6 +80,9 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
         data = training_data(checkpoint.settings)
     else:
         model, tok, source = GPT.from_pretrained(init_from), tokenizer_from_meta(None), init_from
+        if model.config.vocab_size != tok.vocab_size:  # e.g. a character model exported by export_hf.py
+            raise UserError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not GPT-2's; sample.py "
+                            f"reads Hugging Face directories with GPT-2 BPE only - sample from the training out_dir.")
     if attn is not None:
         model.set_attention(attn)
     if model.config.vocab_size > tok.vocab_size:

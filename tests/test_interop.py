@@ -69,6 +69,12 @@ def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the
     torch.testing.assert_close(our_logits(back, ids), our_logits(ours, ids), rtol=0, atol=0)
 
 
+def test_sampling_a_character_export_by_directory_is_refused_rather_than_decoded_as_bpe(char_data, tmp_path):
+    hf_dir = export_hf.export(Checkpoint.load(trained(char_data, tmp_path / "run") / "ckpt.pt"), tmp_path / "hf")
+    with pytest.raises(UserError, match="vocabulary, not GPT-2's; sample.py reads Hugging Face directories with GPT-2"):
+        sample.main([f"--init_from={hf_dir}", "--device=cpu"])
+
+
 @pytest.mark.parametrize("kind, prompt", [("char", "To be, or"), ("bpe", "The king said")])
 def test_pipeline_greedy_text_equals_sample_py_greedy_text(kind, prompt, char_data, bpe_data, tmp_path):
     out = trained(char_data if kind == "char" else bpe_data, tmp_path / "run")
