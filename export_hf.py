@@ -22,7 +22,7 @@ import runtime
 from checkpoint import Checkpoint
 from configurator import configure
 from errors import UserError
-from hf import CONV1D_WEIGHTS, HF_ACTIVATIONS
+from hf import CONV1D_WEIGHTS
 from model import GPT
 from tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
 
@@ -34,13 +34,10 @@ top_k = 200
 
 
 def hf_config(model: GPT, meta: Optional[dict]):
-    """GPT2Config for this model, or one sentence on what GPT-2's format cannot express."""
+    """GPT2Config for this model: GPT-2's shape, with its GELU and dropout."""
     from transformers import GPT2Config
     c = model.config
-    activation = {gelu: name for name, gelu in HF_ACTIVATIONS.items()}.get(c.gelu)
-    if activation is None:
-        raise UserError(f"this model uses gelu={c.gelu!r}, which GPT-2's config cannot name; only 'tanh' "
-                        f"(gelu_new) and 'none' (gelu) export.")
+    activation = {"tanh": "gelu_new", "none": "gelu"}[c.gelu]  # GPTConfig allows these two; hf.py reads both back
     eot = GPT2_EOT_TOKEN if is_bpe(meta) else None  # a character vocabulary has no end-of-text token
     return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                       n_head=c.n_head, n_inner=None, activation_function=activation, resid_pdrop=c.dropout,

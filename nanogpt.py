@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from errors import UserError
-from model import GPT, GPTConfig
+from model import GPTConfig
 from tokenizer import GPT2_VOCAB_SIZE
 
 NANOGPT_PADDED_VOCAB = 50304  # nanoGPT's default for GPT-2 BPE: 50257 rounded up to a multiple of 64
@@ -40,7 +40,7 @@ def from_nanogpt(contents: dict, path: Path) -> dict:
     optimizer = contents.get("optimizer")
     return dict(model=model_state, model_config=dataclasses.asdict(config), iter_num=int(contents.get("iter_num", 0)),
                 best_val_loss=float(contents.get("best_val_loss", float("inf"))),
-                optimizer=named_optimizer_state(optimizer, GPT(config)) if optimizer else None,
+                optimizer=named_optimizer_state(optimizer, model_state) if optimizer else None,
                 rng=None, settings=dict(contents.get("config") or {}), meta=meta)
 
 
@@ -64,11 +64,12 @@ def nanogpt_model_state(state: dict) -> dict:
     return out
 
 
-def named_optimizer_state(state: dict, model: GPT) -> dict:
+def named_optimizer_state(state: dict, model_state: dict) -> dict:
     """AdamW's state dict keyed by parameter number -> keyed by parameter name, as train.py saves it. nanoGPT
-    numbers the parameters as GPT.configure_optimizers groups them: the >= 2-D ones, then the rest, each group in
-    named_parameters order."""
-    params = dict(model.named_parameters())
+    numbers the parameters as its configure_optimizers groups them: the >= 2-D ones, then the rest, each group in
+    named_parameters order - the order of the (converted) state dict without lm_head.weight, which is tied to
+    the token embedding and so not a parameter of its own."""
+    params = {name: tensor for name, tensor in model_state.items() if name != "lm_head.weight"}
     order = [n for n, p in params.items() if p.dim() >= 2] + [n for n, p in params.items() if p.dim() < 2]
     count = sum(len(g["params"]) for g in state["param_groups"])
     if count != len(order):
