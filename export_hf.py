@@ -128,10 +128,9 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     try:
         hf_model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        if is_bpe(checkpoint.meta):  # the slow GPT2Tokenizer's files too, as on the hub
-            paths = check_gpt2_files(gpt2_files_dir())
-            shutil.copyfile(paths["encoder.json"], staging / "vocab.json")
-            shutil.copyfile(paths["vocab.bpe"], staging / "merges.txt")
+        if is_bpe(checkpoint.meta):  # the slow GPT2Tokenizer's files too, as on the hub (hash-checked by gpt2_bpe)
+            shutil.copyfile(gpt2_files_dir() / "encoder.json", staging / "vocab.json")
+            shutil.copyfile(gpt2_files_dir() / "vocab.bpe", staging / "merges.txt")
         if hf_dir.exists():
             hf_dir.rmdir()  # empty, checked above
         staging.rename(hf_dir)
