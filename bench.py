@@ -41,7 +41,7 @@ from runtime import Runtime
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone;
                           # "generate": greedy generation (bench_generate.py)
-attn = None               # comma-separated keys of attention.ATTENTION, or "all" (None: all; generate: GENERATE_ATTN)
+attn = None               # comma-separated keys of attention.ATTENTION, or "all" (None: all; generate: GENERATE_SIZES)
 padding = None            # vocab padding to a multiple of 64 (50257 -> 50304): "off", "on" or "off,on" (None: off,on;
                           # generate: off)
 # model (None: sized for the device, see SIZES)
@@ -71,7 +71,8 @@ attn_head_sizes = None    # e.g. 64,128
 prompt_len = 1
 new_tokens = None
 gen_batch = 1
-weights = "float32,bfloat16,int8"  # the weights' dtype per row; int8 is weight-only (torchao)
+weights = None            # the weights' dtype per row: float32,bfloat16,int8 (int8 weight-only, torchao); None: sized
+                          # for the device (a CPU gets bf16 rows only where bf16 is native)
 cache = "none,cache,compiled"      # none (nanoGPT's generate), the static KV cache, and that compiled
 # system
 device = "auto"           # auto, cpu, cuda, cuda:N, mps
@@ -103,11 +104,15 @@ SIZES = {
 
 # Generation at batch 1 is bound by reading the weights. CPU: the 10M-parameter character model of the README's
 # quickstart size (6 x 384, block 256), 255 tokens from one. CUDA: GPT-2 124M at its full context.
+# Every compiled row compiles once (on 2 CPU cores ~20-60 s with autotuning), so a CPU's default rows are few: manual
+# and sdpa (on a CPU sdpa runs flash), fp32 and int8 weights, and bf16 only where bf16 is native (an AVX2 CPU
+# emulates it at ~20x fp32's cost). --attn=all --weights=float32,bfloat16,int8 for the whole sweep.
 GENERATE_SIZES = {
-    "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=255, iters=3),
-    "cpu": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=65, seq_len=256, new_tokens=255, iters=2),
+    "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=255, iters=3,
+                 attn="manual,sdpa,flash", weights="float32,bfloat16,int8"),
+    "cpu": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=65, seq_len=256, new_tokens=255, iters=2,
+                attn="manual,sdpa", weights="float32,int8"),
 }
-GENERATE_ATTN = "manual,sdpa,flash"  # every row compiles once: --attn=all for the rest
 
 # -- settings ------------------------------------------------------------------------------------------
 
@@ -119,12 +124,14 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
         raise UserError(f"mode must be 'train', 'attention' or 'generate', got '{cfg.mode}'.")
     generating = cfg.mode == "generate"
     sizes = (GENERATE_SIZES if generating else SIZES)["cuda" if rt.is_cuda else "cpu"]
+    if generating and rt.device_type == "cpu" and runtime.bf16_is_native("cpu", runtime.cpu_capability()):
+        sizes = {**sizes, "weights": "float32,bfloat16,int8"}
     for key, value in {**SIZES["cuda" if rt.is_cuda else "cpu"], **sizes}.items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
         if isinstance(value, int) and type(getattr(cfg, key)) is not int:  # LIMITS checked the range already
             raise UserError(f"{key} must be a whole number, got {getattr(cfg, key)!r}.")
-    cfg.attn = attention_names(cfg.attn or (GENERATE_ATTN if generating else "all"))
+    cfg.attn = attention_names(cfg.attn or "all")
     for baseline in ("manual", "sdpa") if generating else ("manual",):  # what speedups are measured against
         if baseline not in cfg.attn:
             cfg.attn.insert(0, baseline)
@@ -409,6 +416,18 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     return title
 
 
+def sweep_plan(cfg: Settings) -> str:
+    """One line on what the sweep will run, said before it starts."""
+    if cfg.mode == "generate":
+        rows = len(cfg.attn) * len(cfg.weights) * len(cfg.cache) * len(cfg.padding)
+        compiled = rows // len(cfg.cache) if "compiled" in cfg.cache else 0
+        return (f"generate: {rows} rows, {compiled} of them compiled (each compiles once: ~20-60 s on a 2-core CPU), "
+                f"{cfg.iters} timed rounds of {cfg.new_tokens} tokens; rows are saved to {cfg.out_dir} as they finish")
+    rows = len(cfg.attn) * (len(cfg.padding) if cfg.mode == "train" else 2 * len(cfg.attn_seq_lens) *
+                            len(cfg.attn_head_sizes))
+    return f"{cfg.mode}: {rows} rows x ({cfg.warmup} warm-up + {cfg.iters} timed) runs"
+
+
 def environment(rt: Runtime, argv: list[str]) -> dict:
     return dict(device=rt.device, device_name=rt.name, torch=torch.__version__,
                 cuda=torch.version.cuda if rt.is_cuda else None, dtype=rt.dtype,
@@ -430,8 +449,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(cfg.out_dir)
     runtime.check_writable_dir(out)  # before the sweep, not after it
     env = environment(rt, argv)
-    sweep = {"train": train_sweep, "attention": attention_sweep, "generate": generate_sweep}[cfg.mode]
-    rows = sweep(cfg, rt)
+    path = out / f"{cfg.mode}.json"
+
+    def save(rows: list[dict], complete: bool = False) -> None:
+        path.write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete, rows=rows), indent=1))
+    print(sweep_plan(cfg), file=sys.stderr)
+    try:
+        if cfg.mode == "generate":
+            rows = generate_sweep(cfg, rt, save)  # saved as rows finish: an interrupted sweep keeps them
+        else:
+            rows = {"train": train_sweep, "attention": attention_sweep}[cfg.mode](cfg, rt)
+    except KeyboardInterrupt:
+        kept = f"; what was measured is in {path}" if path.exists() else ""
+        print(f"interrupted{kept}", file=sys.stderr)
+        return 130
     columns = {"train": TRAIN_COLUMNS, "attention": ATTENTION_COLUMNS, "generate": GENERATE_COLUMNS}[cfg.mode]
     if not cfg.max_batch:
         columns = {k: v for k, v in columns.items() if k != "max batch"}
@@ -442,7 +473,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"! {row['attn']} ran {row['kernel']} ({', '.join(row['kernel_ops']) or 'no SDPA op'}), not "
                   f"{' or '.join(row['kernel_expected'])}: a fused kernel refused these settings and PyTorch fell "
                   f"back without a word (dropout, a mask, the dtype or the head size)")
-    (out / f"{cfg.mode}.json").write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), rows=rows), indent=1))
+    save(rows, complete=True)
     chart(out / f"{cfg.mode}.png", rows, cfg, env)
     print(f"wrote {out / (cfg.mode + '.json')} and {out / (cfg.mode + '.png')}")
     return 0

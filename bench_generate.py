@@ -77,16 +77,18 @@ def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, 
     return described, runnable
 
 
-def first_calls(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) -> dict[str, float]:
-    """Each row's first full generation (it compiles the compiled rows): its tokens and seconds, recorded."""
+def first_calls(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar, save) -> dict[str, float]:
+    """Each row's first full generation (it compiles the compiled rows): its tokens and seconds, recorded and saved
+    as each row finishes."""
     seconds = {}
     for key, row in rows.items():
         try:
             tokens, seconds[key] = runtime.time_call(row.generation(row.new_tokens), rt)
-            described[key]["tokens"] = tokens[:, row.prompt.size(1):].tolist()
+            described[key].update(tokens=tokens[:, row.prompt.size(1):].tolist(), first_call_s=seconds[key])
         except Exception as e:
             described[key].update(status="oom", reason=out_of_memory(e, rt))
         bar.update()
+        save()
     return seconds
 
 
@@ -109,35 +111,48 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
         bar.update()
 
 
-def generate_sweep(cfg, rt: Runtime) -> list[dict]:
+def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
     """One row per attn x weights x cache (x padding): tokens/s, prefill ms, ms per new token, compile seconds,
-    weight and KV-cache bytes, peak memory, the kernel, same-tokens-as-no-cache, speed over nanoGPT's way."""
+    weight and KV-cache bytes, peak memory, the kernel, same-tokens-as-no-cache, speed over nanoGPT's way.
+    `save(rows)` is called with every row so far whenever one has something new (a first call, its audit, a timed
+    round), so an interrupted sweep keeps what it measured."""
     out = []
     for pad in cfg.padding:
         described, rows = build_rows(cfg, rt, pad)
+        progress = lambda: save(out + list(described.values()))  # noqa: E731
         calls = {}
         for key, row in rows.items():
             calls[key] = row.generation(row.new_tokens)
             calls[key + "#prefill"] = row.generation(1)  # the prompt through the model, and one token drawn
         with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr) as bar:
-            first = first_calls(rows, described, rt, bar)
+            first = first_calls(rows, described, rt, bar, progress)
             audit(rows, described, rt, bar)
+            progress()
             failed = {k: d["reason"] for k, d in described.items() if d["status"] == "oom"}
             failed.update({k + "#prefill": r for k, r in failed.items()})
-            ms = time_round_robin(calls, cfg.iters, rt, bar, failed)
-        for key, row in rows.items():
-            d = described[key]
-            if d["status"] != "ok" or key not in ms:
-                continue
-            total, prefill = runtime.summarize(ms[key]), runtime.summarize(ms[key + "#prefill"])
-            d.update(ms_all=ms[key], ms_per_call=total["median"], ms_p25=total["p25"], ms_p75=total["p75"],
-                     prefill_ms=prefill["median"],
-                     ms_per_token=(total["median"] - prefill["median"]) / max(1, cfg.new_tokens - 1),
-                     tokens_per_s=cfg.gen_batch * cfg.new_tokens / (total["median"] / 1e3),
-                     compile_s=first[key] - total["median"] / 1e3 if row.cache == "compiled" else None)
-        mark_against_baselines(described, cfg, pad)
+
+            def timed_round(ms: dict[str, list[float]]) -> None:
+                add_timings(described, rows, ms, first, cfg)
+                mark_against_baselines(described, cfg, pad)
+                progress()
+            time_round_robin(calls, cfg.iters, rt, bar, failed, timed_round)
         out += list(described.values())
     return out
+
+
+def add_timings(described: dict[str, dict], rows: dict[str, Row], ms: dict[str, list[float]], first: dict,
+                cfg) -> None:
+    """Each row's timing over the rounds timed so far."""
+    for key, row in rows.items():
+        d = described[key]
+        if d["status"] != "ok" or not ms.get(key) or not ms.get(key + "#prefill"):
+            continue
+        total, prefill = runtime.summarize(ms[key]), runtime.summarize(ms[key + "#prefill"])
+        d.update(ms_all=list(ms[key]), ms_per_call=total["median"], ms_p25=total["p25"], ms_p75=total["p75"],
+                 prefill_ms=prefill["median"], rounds=len(ms[key]),
+                 ms_per_token=(total["median"] - prefill["median"]) / max(1, cfg.new_tokens - 1),
+                 tokens_per_s=cfg.gen_batch * cfg.new_tokens / (total["median"] / 1e3),
+                 compile_s=first[key] - total["median"] / 1e3 if row.cache == "compiled" else None)
 
 
 def mark_against_baselines(described: dict[str, dict], cfg, pad: bool) -> None:

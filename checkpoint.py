@@ -64,10 +64,21 @@ class Checkpoint:
             raise UserError(f"could not save the checkpoint to {path} ({e.strerror or e}); {kept} - free disk "
                             f"space or pass --out_dir= another folder, then resume.") from None
 
+    @staticmethod
+    def describe(path: Path) -> str:
+        """A few words on the run a checkpoint holds ('iter 3000, val loss 1.600'), read without loading its
+        tensors; 'an unreadable checkpoint' when it cannot be read."""
+        try:
+            contents = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return f"iter {int(contents['iter_num'])}, val loss {float(contents['best_val_loss']):.4g}"
+        except Exception:
+            return "an unreadable checkpoint"
+
     @classmethod
-    def load(cls, path: Path, for_training: bool = False) -> "Checkpoint":
+    def load(cls, path: Path, for_training: bool = False, data_dir: Path | None = None) -> "Checkpoint":
         """The checkpoint at `path`, on the CPU, or one sentence on why it cannot be read. `for_training`: it
-        must also hold the optimizer and RNG state that resuming needs."""
+        must also hold the optimizer and RNG state that resuming needs. `data_dir`: the training data, where a
+        nanoGPT checkpoint's vocabulary (meta.pkl) is looked for first."""
         path = Path(path)
         if not path.is_file():
             raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
@@ -82,7 +93,7 @@ class Checkpoint:
             raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
                             f"with 'model' and 'model_config', as train.py writes them.")
         if nanogpt.is_nanogpt(contents):  # karpathy/nanoGPT's layout: converted, nothing on disk changes
-            contents = nanogpt.from_nanogpt(contents, path)
+            contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
             if for_training and contents["optimizer"] is None:
                 raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only "
                                 f"one with its optimizer resumes.")

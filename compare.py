@@ -206,6 +206,7 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
               "appendix_a": {"layer": layer, "head_size": model.config.head_size,
                              **{dt: appendix_a(qkv, dt) for dt in ("float32", run.reduced)}}}
     first_name, first = None, None
+    printed: dict[str, list] = {}  # the implementation whose samples were printed -> those samples
     for name in names:
         if name in skipped:
             print(f"=== {name}: skipped, {skipped[name]}")
@@ -225,8 +226,13 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
             verdict = f"tokens identical to {first_name}'s"
         else:
             verdict = f"tokens differ from {first_name}'s at sample {div['sample']}, new token {div['token']}"
-        print(f"=== {name}: {verdict}")
-        print_samples(tok, run.prompt, result["samples"])
+        same_as = next((other for other, samples in printed.items() if samples == result["samples"]), None)
+        if same_as is None:
+            print(f"=== {name}: {verdict}")
+            print_samples(tok, run.prompt, result["samples"])
+            printed[name] = result["samples"]
+        else:  # identical text is printed once, under the first implementation that produced it
+            print(f"=== {name}: {verdict} (the samples printed under {same_as})")
         report["implementations"][name] = result
     return report
 

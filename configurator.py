@@ -109,8 +109,8 @@ def configure(namespace: dict, argv: list[str], limits: dict[str, str] | None = 
             continue
         path = Path(arg)
         if not path.is_file():
-            raise UserError(f"config file '{arg}' not found; pass a path like config/train_shakespeare_char.py "
-                            f"or an override like --{arg}=VALUE.")
+            raise UserError(f"config file '{arg}' not found; pass the path of an existing config file, "
+                            f"like config/train_shakespeare_char.py.")
         scope: dict = {}
         try:
             exec(compile(path.read_text(), str(path), "exec"), scope)

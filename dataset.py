@@ -19,7 +19,7 @@ from errors import UserError
 
 DATA = Path(__file__).resolve().parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
-DATA_FILES = ("train.bin", "val.bin", "meta.json")
+DATA_FILES = ("train.bin", "val.bin", "meta.json", "meta.pkl")
 
 
 def dataset_dir(data_dir: str, name: str) -> Path:
@@ -75,13 +75,19 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
         top = max_token_id(path)
         if top >= vocab_size:
             raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "
-                            f"(0-{vocab_size - 1}); the data was tokenized for another vocabulary - check "
-                            f"{data_dir / 'meta.json'} or prepare the data again.")
+                            f"(0-{vocab_size - 1}); the data was tokenized for another vocabulary - check its "
+                            f"meta.json (or nanoGPT's meta.pkl) or prepare the data again.")
 
 
 def read_meta(data_dir: Path) -> dict | None:
-    from tokenizer import read_meta as read
-    return read(data_dir / "meta.json") if (data_dir / "meta.json").exists() else None
+    """The vocabulary of a prepared folder: its meta.json, else nanoGPT's meta.pkl (read without running any code),
+    else None (GPT-2 BPE, as nanoGPT's shakespeare and openwebtext folders are)."""
+    from tokenizer import read_meta as read_json, read_nanogpt_meta
+    if (data_dir / "meta.json").exists():
+        return read_json(data_dir / "meta.json")
+    if (data_dir / "meta.pkl").exists():
+        return read_nanogpt_meta(data_dir / "meta.pkl")
+    return None
 
 
 def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tensor:

@@ -108,7 +108,10 @@ def characters(chars: list[str]):
 
 def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k: Optional[int] = 200) -> Path:
     """Write the Hugging Face directory: into a temporary folder beside hf_dir, renamed into place when complete."""
-    from transformers import GenerationConfig, GPT2LMHeadModel
+    with runtime.quiet_imports():  # transformers imports torchao: its CUDA-extension notes are noise here
+        from transformers import GenerationConfig, GPT2LMHeadModel
+        from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # "Writing model shards": one file, written in a moment
     hf_dir = Path(hf_dir)
     if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
         raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
@@ -119,10 +122,11 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     hf_model = GPT2LMHeadModel(config)
     hf_model.load_state_dict(hf_state_dict(model), strict=True)
     sampled = temperature > 0
+    # what transformers' own GPT-2 export carries (the end-of-text ids), plus sample.py's sampling; no max_length:
+    # a pipeline's max_new_tokens would then warn that both were set
     hf_model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id,
-        max_length=model.config.block_size, do_sample=sampled, temperature=temperature if sampled else None,
-        top_k=top_k if sampled else None)
+        do_sample=sampled, temperature=temperature if sampled else None, top_k=top_k if sampled else None)
     runtime.check_writable_dir(hf_dir.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.", dir=hf_dir.parent))
     try:

@@ -108,10 +108,11 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
     return {e.name() for e in prof.profiler.kineto_results.events()}, added
 
 
-def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict) -> dict[str, list[float]]:
+def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,
+                     after_round: Optional[Callable[[dict], None]] = None) -> dict[str, list[float]]:
     """Milliseconds of each call, `iters` times: every iteration runs all calls in turn (starting one further
     along each time), so drift and neighbours' load hit them alike. The device is synchronized around each.
-    A call that runs out of memory is dropped, its reason put in `failed`."""
+    A call that runs out of memory is dropped, its reason put in `failed`. `after_round` sees the times so far."""
     ms = {key: [] for key in calls if key not in failed}
     for i in range(iters):
         keys = [k for k in ms if k not in failed]
@@ -121,6 +122,8 @@ def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict) ->
             except Exception as e:
                 failed[key] = out_of_memory(e, rt)
             bar.update()
+        if after_round is not None:
+            after_round({key: v for key, v in ms.items() if key not in failed})
     return {key: v for key, v in ms.items() if key not in failed}
 
 

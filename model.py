@@ -302,15 +302,16 @@ class GPT(nn.Module):
         return [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]
 
     def configure_muon(self, weight_decay: float, learning_rate: float, muon_lr: float, momentum: float, betas,
-                       device_type: str) -> list[torch.optim.Optimizer]:
-        """torch.optim.Muon for muon_parameters() at muon_lr, AdamW for every other parameter at learning_rate.
+                       device_type: str, orthogonalize_dtype: torch.dtype) -> list[torch.optim.Optimizer]:
+        """Muon (muon.py) for muon_parameters() at muon_lr, AdamW for every other parameter at learning_rate.
         Muon's update is scaled to AdamW's RMS ("match_rms_adamw", Moonshot's recipe), so AdamW's learning rates
-        and weight decay carry over as starting points."""
+        and weight decay carry over as starting points; its Newton-Schulz runs in orthogonalize_dtype."""
+        from muon import Muon
         matrices = self.muon_parameters()
         chosen = {id(p) for p in matrices}
         rest = [p for p in self.parameters() if id(p) not in chosen]
-        muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=momentum,
-                                weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        muon = Muon(matrices, lr=muon_lr, momentum=momentum, weight_decay=weight_decay,
+                    adjust_lr_fn="match_rms_adamw", orthogonalize_dtype=orthogonalize_dtype)
         return [muon, self.configure_optimizers(weight_decay, learning_rate, betas, device_type, params=rest)]
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> float:

@@ -9,13 +9,12 @@ number), `model_args`, `iter_num`, `best_val_loss` and `config`. Its character v
 """
 
 import dataclasses
-import pickle
 import shutil
 from pathlib import Path
 
 from errors import UserError
 from model import GPTConfig
-from tokenizer import GPT2_VOCAB_SIZE
+from tokenizer import GPT2_VOCAB_SIZE, read_nanogpt_meta
 
 NANOGPT_PADDED_VOCAB = 50304  # nanoGPT's default for GPT-2 BPE: 50257 rounded up to a multiple of 64
 COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before every key
@@ -25,10 +24,12 @@ def is_nanogpt(contents: dict) -> bool:
     return "model_args" in contents and "model_config" not in contents
 
 
-def from_nanogpt(contents: dict, path: Path) -> dict:
-    """The fields of a Checkpoint for nanoGPT's checkpoint `contents` (read from `path`)."""
+def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_dir: Path | None = None) -> dict:
+    """The fields of a Checkpoint for nanoGPT's checkpoint `contents` (read from `path`). Only a run that resumes
+    (`for_training`) gets the optimizer state, converted; sampling and export read the weights and vocabulary.
+    `data_dir`: the training data's folder, whose meta.pkl is the first place looked for the vocabulary."""
     args = contents["model_args"]
-    meta = nanogpt_meta(path.parent, contents.get("config") or {}, args["vocab_size"], path)
+    meta = nanogpt_meta(path.parent, contents.get("config") or {}, args["vocab_size"], path, data_dir)
     # nanoGPT's 50304 rows are GPT-2's 50257 padded: here the padding is a switch, and padded ids get a -inf
     # logit (never sampled), where nanoGPT leaves them trainable; the 50257 real logits are the same
     padded = args["vocab_size"] == NANOGPT_PADDED_VOCAB and meta["tokenizer"] == "gpt2"
@@ -37,10 +38,10 @@ def from_nanogpt(contents: dict, path: Path) -> dict:
                        dropout=args.get("dropout", 0.0), bias=args.get("bias", True), pad_vocab=padded,
                        gelu="none")  # nanoGPT's nn.GELU() is the exact (erf) one
     model_state = nanogpt_model_state(contents["model"])
-    optimizer = contents.get("optimizer")
+    optimizer = contents.get("optimizer") if for_training else None
     return dict(model=model_state, model_config=dataclasses.asdict(config), iter_num=int(contents.get("iter_num", 0)),
                 best_val_loss=float(contents.get("best_val_loss", float("inf"))),
-                optimizer=named_optimizer_state(optimizer, model_state) if optimizer else None,
+                optimizer=named_optimizer_state(optimizer, model_state, path) if optimizer else None,
                 rng=None, settings=dict(contents.get("config") or {}), meta=meta)
 
 
@@ -64,75 +65,46 @@ def nanogpt_model_state(state: dict) -> dict:
     return out
 
 
-def named_optimizer_state(state: dict, model_state: dict) -> dict:
+def named_optimizer_state(state: dict, model_state: dict, path: Path) -> dict:
     """AdamW's state dict keyed by parameter number -> keyed by parameter name, as train.py saves it. nanoGPT
     numbers the parameters as its configure_optimizers groups them: the >= 2-D ones, then the rest, each group in
     named_parameters order - the order of the (converted) state dict without lm_head.weight, which is tied to
     the token embedding and so not a parameter of its own."""
     params = {name: tensor for name, tensor in model_state.items() if name != "lm_head.weight"}
     order = [n for n, p in params.items() if p.dim() >= 2] + [n for n, p in params.items() if p.dim() < 2]
-    count = sum(len(g["params"]) for g in state["param_groups"])
-    if count != len(order):
-        raise UserError(f"the nanoGPT checkpoint's optimizer covers {count} parameters but its model has "
-                        f"{len(order)}; it was not written by nanoGPT's configure_optimizers.")
+    if not is_numbered_optimizer_state(state, len(order)):
+        raise UserError(f"{path}'s optimizer state is not AdamW's as nanoGPT's configure_optimizers writes it "
+                        f"({len(order)} parameters numbered 0-{len(order) - 1} in param_groups); it samples and "
+                        f"exports, but does not resume.")
     groups = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
     return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
 
 
-def nanogpt_meta(folder: Path, config: dict, vocab_size: int, path: Path) -> dict:
-    """This project's meta (which tokenizer decodes the ids) for a nanoGPT run: its meta.pkl, looked for beside
-    ckpt.pt and then in data/<dataset>/, or GPT-2 BPE for a GPT-2-sized vocabulary."""
+def is_numbered_optimizer_state(state, count: int) -> bool:
+    """A torch optimizer state dict whose groups number `count` parameters 0..count-1, state keyed by those numbers."""
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) or not isinstance(
+            state.get("state"), dict):
+        return False
+    groups = state["param_groups"]
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return False
+    numbers = [i for g in groups for i in g["params"]]
+    return sorted(numbers) == list(range(count)) and all(i in range(count) for i in state["state"])
+
+
+def nanogpt_meta(folder: Path, config: dict, vocab_size: int, path: Path, data_dir: Path | None = None) -> dict:
+    """This project's meta (which tokenizer decodes the ids) for a nanoGPT run: the meta.pkl of its data, looked for
+    in data_dir, beside ckpt.pt, in data/<dataset>/ and in the nanoGPT checkout the out_dir sits in; else GPT-2 BPE
+    for a GPT-2-sized vocabulary."""
     dataset = str(config.get("dataset", ""))
-    candidates = [folder / "meta.pkl"] + ([Path("data") / dataset / "meta.pkl"] if dataset else [])
+    candidates = ([Path(data_dir) / "meta.pkl"] if data_dir else []) + [folder / "meta.pkl"]
+    if dataset:
+        candidates += [Path("data") / dataset / "meta.pkl", folder.parent / "data" / dataset / "meta.pkl"]
     found = next((p for p in candidates if p.is_file()), None)
     if found is not None:
-        return char_meta(read_plain_pickle(found), found)
+        return read_nanogpt_meta(found)
     if vocab_size in (GPT2_VOCAB_SIZE, NANOGPT_PADDED_VOCAB):
         return {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
     raise UserError(f"{path} is a nanoGPT model with a {vocab_size}-token vocabulary and no meta.pkl was found "
-                    f"({', '.join(str(p) for p in candidates)}); copy its data/<dataset>/meta.pkl next to ckpt.pt.")
-
-
-def char_meta(meta: dict, path: Path) -> dict:
-    """nanoGPT's {'vocab_size', 'itos', 'stoi'} -> this project's character meta."""
-    itos = meta.get("itos") if isinstance(meta, dict) else None
-    size = meta.get("vocab_size") if isinstance(meta, dict) else None
-    if not isinstance(itos, dict) or sorted(itos) != list(range(len(itos))) or size != len(itos) or not all(
-            isinstance(c, str) and len(c) == 1 for c in itos.values()):
-        raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
-                        f"characters); copy the one from the run's data folder.")
-    return {"tokenizer": "char", "vocab_size": size, "chars": [itos[i] for i in range(size)]}
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Builds only what pickle makes without naming a class or function: every import request is refused, so
-    nothing in the file can run."""
-
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"refers to {module}.{name}")
-
-
-PLAIN_TYPES = (dict, list, str, int)
-
-
-def read_plain_pickle(path: Path):
-    """A pickle of plain dicts, lists, strings and ints, read without executing anything; anything else is refused
-    in one sentence."""
-    try:
-        with open(path, "rb") as f:
-            value = _PlainUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
-        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
-                        f"nothing in it was run.") from None
-    if not is_plain(value):
-        raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
-    return value
-
-
-def is_plain(value) -> bool:
-    if isinstance(value, dict):
-        return all(is_plain(k) and is_plain(v) for k, v in value.items())
-    if isinstance(value, list):
-        return all(is_plain(v) for v in value)
-    return isinstance(value, (str, int))
-
+                    f"({', '.join(str(p) for p in candidates)}); copy its data folder's meta.pkl next to ckpt.pt "
+                    f"(train.py also reads it from --data_dir).")

@@ -4,15 +4,20 @@ grad scaler, TF32, peak FLOP/s, memory), compiling, out-of-memory handling, proc
 the one clock, and the top-level wrapper that turns a UserError into one line.
 """
 
+import contextlib
 import functools
 import gc
 import inspect
+import io
+import json
+import logging
 import os
 import platform
 import resource
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +53,15 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
-def cpu_has_amx_bf16() -> bool:
-    """True when the CPU has AMX tiles for bf16. Only those make bf16 autocast pay on CPU: with AVX512-BF16
-    alone (no AMX) a bf16 training step measured 1.5x *slower* than fp32 here (README, "Precision on CPU")."""
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+@functools.cache
+def cpu_capability() -> str:
+    """What this CPU has for matmuls, as every published figure names it: 'AMX' (bf16 tiles), 'AVX512_BF16'
+    (native bf16 dot products, no tiles), else torch's own capability ('AVX512', 'AVX2', 'DEFAULT', ...)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512_BF16"
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def cuda_has_bf16() -> bool:
@@ -63,18 +70,32 @@ def cuda_has_bf16() -> bool:
     return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def pick_dtype(dtype: str, device: str) -> str:
+def bf16_is_native(device_type: str, capability: str) -> bool:
+    """bf16 matmuls run in hardware: CUDA from Ampere on, CPUs with AMX or AVX512-BF16. Elsewhere (AVX2 CPUs) they
+    are emulated, ~20x slower than fp32 (docs/measured.md)."""
+    if device_type == "cuda":
+        return cuda_has_bf16()
+    return device_type == "cpu" and capability in ("AMX", "AVX512_BF16")
+
+
+def bf16_autocast_pays(device_type: str, capability: str) -> bool:
+    """bf16 autocast trains faster than fp32: CUDA with native bf16, and CPUs with AMX. With AVX512-BF16 alone a
+    bf16 training step measured 1.5x *slower* than fp32 (README, "Precision on CPU")."""
+    if device_type == "cuda":
+        return cuda_has_bf16()
+    return device_type == "cpu" and capability == "AMX"
+
+
+def pick_dtype(dtype: str, device: str, capability: str = "") -> str:
     """'auto' is bf16 where the hardware runs it fast, fp16 (with a GradScaler) on older GPUs, fp32 otherwise."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise UserError(f"unknown dtype '{dtype}'; use auto, {', '.join(DTYPES)}.")
         return dtype
     kind = device.split(":")[0]
-    if kind == "cuda":
-        return "bfloat16" if cuda_has_bf16() else "float16"
-    if kind == "cpu" and cpu_has_amx_bf16():
+    if bf16_autocast_pays(kind, capability or cpu_capability()):
         return "bfloat16"
-    return "float32"
+    return "float16" if kind == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,7 @@ class Runtime:
     than parsing device strings itself."""
     device: str  # "cpu", "cuda:N" or "mps"
     dtype: str   # a key of DTYPES: the autocast dtype, or float32 for none
+    orthogonalize: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 only where it is native)
 
     @property
     def device_type(self) -> str:
@@ -115,6 +137,7 @@ class Runtime:
 
     @functools.cached_property
     def name(self) -> str:
+        """The device as tables name it; a CPU with its thread count and capability ('AMD EPYC (2 threads, AVX2)')."""
         if self.is_cuda:
             return torch.cuda.get_device_name(self.device)
         if self.device_type == "mps":
@@ -123,7 +146,11 @@ class Runtime:
         threads = f"{n} thread{'s' if n != 1 else ''}"
         cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
         model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
-        return f"{model or platform.processor() or 'CPU'} ({threads})"
+        return f"{model or platform.processor() or 'CPU'} ({threads}, {cpu_capability()})"
+
+    @property
+    def orthogonalize_dtype(self) -> torch.dtype:
+        return DTYPES[self.orthogonalize]
 
     @functools.cached_property
     def peak_flops(self) -> float:
@@ -155,15 +182,21 @@ class Runtime:
         return {"mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9}
 
 
-def resolve_runtime(device: str = "auto", dtype: str = "auto") -> Runtime:
-    """Pick the device and dtype, make a cuda:N device current (so nothing lands on GPU 0), and let fp32
-    matmuls use TF32 tensor cores: the one place these are set, for every script alike."""
+def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: str = "auto") -> Runtime:
+    """Pick the device, the autocast dtype and Muon's orthogonalization dtype ('auto': bf16 where bf16 is native,
+    else fp32), make a cuda:N device current (so nothing lands on GPU 0), and let fp32 matmuls use TF32 tensor
+    cores: the one place these are decided, for every script alike."""
     device = pick_device(device)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    return Runtime(device, pick_dtype(dtype, device))
+    kind = device.split(":")[0]
+    if orthogonalize == "auto":
+        orthogonalize = "bfloat16" if bf16_is_native(kind, cpu_capability()) else "float32"
+    elif orthogonalize not in ("float32", "bfloat16"):
+        raise UserError(f"unknown muon_dtype '{orthogonalize}'; use auto, float32 or bfloat16.")
+    return Runtime(device, pick_dtype(dtype, device), orthogonalize)
 
 
 # How running out of device memory reads when it is not a torch.OutOfMemoryError: cuBLAS and cuDNN failing to
@@ -242,8 +275,36 @@ def datasheet_peak_flops(name: str, dtype: str) -> float | None:
 
 @functools.lru_cache(maxsize=None)
 def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
-    """The best FLOP/s of large square matmuls in rt's dtype: the practical peak of a CPU or an unlisted GPU.
-    On a GPU many matmuls run between two synchronizations, so launch latency is not what gets measured."""
+    """The practical peak FLOP/s of a CPU or an unlisted GPU in rt's dtype: the best rate of large square matmuls
+    ever measured on this machine. A rate measured while other work loads the machine comes out low, and an MFU
+    over it high (the same 4,100 tokens/s once read 0.19 and once 0.077), so each run measures, then keeps the
+    best of its own figure and those of earlier runs (peak_flops.json in the user's cache folder): load can then
+    only lower an MFU, as it lowers the speed it measures."""
+    key = f"{rt.name}, {rt.dtype}, torch {torch.__version__}"
+    cache = peak_flops_cache()
+    try:
+        known = json.loads(cache.read_text()) if cache.exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    measured = best_matmul_flops(rt, repeats)
+    if measured > known.get(key, 0.0):
+        known[key] = measured
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(known, indent=1))
+        except OSError:
+            pass  # a read-only home: this run's own figure stands
+    return known[key]
+
+
+def peak_flops_cache() -> Path:
+    """Where the best measured peaks are kept: $XDG_CACHE_HOME (or ~/.cache)/nanogpt-attn/peak_flops.json."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt-attn" / "peak_flops.json"
+
+
+def best_matmul_flops(rt: Runtime, repeats: int) -> float:
+    """The best FLOP/s of `repeats` rounds of large square matmuls. On a GPU many matmuls run between two
+    synchronizations, so launch latency is not what gets measured."""
     n, calls = (8192, 20) if rt.is_cuda else (1024, 3)
     with torch.random.fork_rng(devices=[]):  # leave the global RNG where training expects it
         a, b = (torch.randn(n, n).to(rt.device, rt.torch_dtype) for _ in range(2))
@@ -391,6 +452,26 @@ class StepTimer:
         if running:
             self.start()
         return seconds, steps
+
+
+# -- third-party imports ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def quiet_imports():
+    """Around importing torchao (directly, or through transformers): it prints that it cannot load CUDA extensions
+    (on any machine without them), and torch's pytree logs deprecation notes for torchao's enums - nothing a user
+    of this repository can act on. Errors still raise."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # -- scripts ------------------------------------------------------------------------------------------

@@ -79,6 +79,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     out = Path(cfg.out_dir)
     runtime.check_writable_dir(out)
+    machine = runtime.Runtime("cpu", "float32").name  # the CPU with its threads and capability (AVX2, AMX, ...)
+    print(f"on {machine}", flush=True)
     names = list(RECIPES)
     rounds = []
     for i in range(cfg.runs):
@@ -87,7 +89,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"round {i + 1}: " + "; ".join(f"{n} {r['seconds'] and round(r['seconds'], 1)} s" for n, r in
                                               rounds[-1].items()), flush=True)
     base = names[0]
-    print(f"\ntime to val/loss <= {cfg.target}, launch to printed line, {cfg.runs} round(s): median (min-max)")
+    print(f"\ntime to val/loss <= {cfg.target}, launch to printed line, {cfg.runs} round(s), {machine}: "
+          f"median (min-max)")
     print(f"{'recipe':<22}  {'seconds':>22}  {'x ' + base:>24}  {'iter':>16}  {'final val':>22}  {'wall s':>22}")
     for name in names:
         ratios = [r[name]["seconds"] / r[base]["seconds"] for r in rounds if r[name]["seconds"] and r[base]["seconds"]]
@@ -97,7 +100,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{summary([r[name]['final_loss'] for r in rounds], 3) if cfg.full else '-':>22}  "
               f"{summary([r[name]['wall_s'] for r in rounds]):>22}")
     path = out / "time_to_loss.json"
-    path.write_text(json.dumps({"config": cfg.as_dict(), "recipes": RECIPES, "rounds": rounds}, indent=1))
+    path.write_text(json.dumps({"config": cfg.as_dict(), "machine": machine, "capability": runtime.cpu_capability(),
+                                "recipes": RECIPES, "rounds": rounds}, indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,49 @@ def read_meta(meta_path: Path) -> dict:
     if not isinstance(meta, dict) or "tokenizer" not in meta:
         raise UserError(f"{meta_path} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
     return meta
+
+
+def read_nanogpt_meta(path: Path) -> dict:
+    """nanoGPT's meta.pkl ({'vocab_size', 'itos', 'stoi'} of a character vocabulary), read without running any code,
+    as this project's character meta."""
+    meta = read_plain_pickle(path)
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if not isinstance(itos, dict) or sorted(itos) != list(range(len(itos))) or size != len(itos) or not all(
+            isinstance(c, str) and len(c) == 1 for c in itos.values()):
+        raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
+                        f"characters); copy the one from the run's data folder.")
+    return {"tokenizer": "char", "vocab_size": size, "chars": [itos[i] for i in range(size)]}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle makes without naming a class or function: every import request is refused, so
+    nothing in the file can run."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refers to {module}.{name}")
+
+
+def read_plain_pickle(path: Path):
+    """A pickle of plain dicts, lists, strings and ints, read without executing anything; anything else is refused
+    in one sentence."""
+    try:
+        with open(path, "rb") as f:
+            value = _PlainUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
+                        f"nothing in it was run.") from None
+    if not is_plain(value):
+        raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
+    return value
+
+
+def is_plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(is_plain(v) for v in value)
+    return isinstance(value, (str, int))
 
 
 def write_meta(meta_path: Path, meta: dict) -> None:

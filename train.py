@@ -31,6 +31,7 @@ from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing,
 from errors import UserError
 from attention import check_attention
 from model import GPT, GPTConfig
+from muon import Muon
 from runtime import Dist, Runtime
 
 # I/O
@@ -42,6 +43,7 @@ eval_train = True                 # evaluate train batches too (the overfitting 
 eval_only = False                 # evaluate once (a resumed model at its step), write nothing, exit
 always_save_checkpoint = True     # save at every eval, not only when val loss improves
 init_from = "scratch"             # 'scratch', 'resume' (from out_dir), 'gpt2*', or a local Hugging Face directory
+overwrite = False                 # a new run (init_from not 'resume') may replace out_dir's ckpt.pt and metrics.jsonl
 max_seconds = 0.0                 # stop after this much training time (eval excluded), then evaluate and save; 0: off
 # wandb logging (the mode comes from the environment: WANDB_MODE=offline or disabled work as usual)
 wandb_log = False
@@ -66,6 +68,7 @@ gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact o
 optimizer = "adamw"               # 'adamw' or 'muon'
 muon_lr = None                    # Muon's peak learning rate (None: learning_rate; its update is scaled to AdamW's RMS)
 muon_momentum = 0.95
+muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where bf16 is native: CUDA Ampere+, AMX/AVX512-BF16 CPUs; else fp32)
 learning_rate = 6e-4              # AdamW's peak learning rate
 max_iters = 600000
 weight_decay = 1e-1
@@ -156,7 +159,7 @@ def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoi
     if cfg.optimizer == "adamw":
         return [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
     return model.configure_muon(cfg.weight_decay, cfg.learning_rate, muon_peak_lr(cfg), cfg.muon_momentum, betas,
-                                rt.device_type)
+                                rt.device_type, rt.orthogonalize_dtype)
 
 
 def muon_peak_lr(cfg: Settings) -> float:
@@ -166,7 +169,7 @@ def muon_peak_lr(cfg: Settings) -> float:
 def set_learning_rates(optimizers: list, fraction: float, cfg: Settings) -> None:
     """One schedule, each optimizer's own peak: Muon's muon_lr, AdamW's learning_rate, times `fraction`."""
     for optimizer in optimizers:
-        peak = muon_peak_lr(cfg) if isinstance(optimizer, torch.optim.Muon) else cfg.learning_rate
+        peak = muon_peak_lr(cfg) if isinstance(optimizer, Muon) else cfg.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = peak * fraction
 
@@ -351,6 +354,22 @@ class Trainer:
         self.log.log({**metrics, **self.rt.memory_metrics()})
 
 
+def claim_out_dir(cfg: Settings) -> None:
+    """A new run never replaces another run's checkpoint or adds to its metrics unless --overwrite=True says so;
+    then the old metrics.jsonl goes now and the old ckpt.pt at the first save."""
+    if cfg.init_from == "resume":
+        return
+    out = Path(cfg.out_dir)
+    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
+    if cfg.overwrite:
+        log.unlink(missing_ok=True)
+        return
+    if ckpt.exists() or log.exists():
+        what = f"another run's checkpoint ({Checkpoint.describe(ckpt)})" if ckpt.exists() else "another run's metrics.jsonl"
+        raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
+                        f"or replace it with --overwrite=True.")
+
+
 def tokens_per_iter(cfg: Settings) -> int:
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
 
@@ -365,13 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.optimizer == "muon" and ranks.is_distributed and cfg.parallel == "fsdp":
         raise UserError("optimizer='muon' does not run under --parallel=fsdp: torch.optim.Muon orthogonalizes each "
                         "whole weight matrix and FSDP2 gives every rank a shard of it; use --parallel=ddp.")
-    rt = runtime.resolve_runtime(ranks.device, cfg.dtype)
+    rt = runtime.resolve_runtime(ranks.device, cfg.dtype, cfg.muon_dtype)
     if cfg.gradient_accumulation_steps % ranks.world_size:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                         f"the {ranks.world_size} ranks; make it a multiple of the world size.")
     micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         runtime.on_master(lambda: runtime.check_writable_dir(Path(cfg.out_dir)), ranks.device)
+        runtime.on_master(lambda: claim_out_dir(cfg), ranks.device)
 
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
@@ -381,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
     resuming = cfg.init_from == "resume"
-    checkpoint = Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only) if resuming else None
+    checkpoint = (Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
+                  if resuming else None)
     if checkpoint is not None and checkpoint.source_format == "nanoGPT" and not cfg.eval_only:
         runtime.on_master(lambda: nanogpt.keep_original(Path(cfg.out_dir) / "ckpt.pt"), ranks.device)
     raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
@@ -403,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizers = make_optimizers(raw_model, cfg, rt, checkpoint)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     run_config = {**cfg.as_dict(), "world_size": ranks.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
+                  "resolved_muon_dtype": rt.orthogonalize if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
     trainer = Trainer(cfg, ranks, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
@@ -414,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.best_val_loss = checkpoint.best_val_loss
         checkpoint = None  # free the memory
     if ranks.is_master:
+        muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
-              f"{rt.name}, world size {ranks.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
+              f"{rt.name}{muon}, world size {ranks.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
 
     # the loop
     peak_flops = rt.peak_flops  # measured on CPU and unlisted GPUs: before the clock starts

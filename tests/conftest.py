@@ -17,6 +17,19 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
         "--warmup_iters=2", "--lr_decay_iters=100", "--learning_rate=3e-3"]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def own_cache_folder(tmp_path_factory):
+    """Measured peaks (runtime.peak_flops_cache) go to a folder of the test session's, in process and in every
+    script a test launches, never to the user's ~/.cache."""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if saved is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def char_data_session(tmp_path_factory) -> Path:
     """A small character-level dataset: train.bin, val.bin (uint16) and meta.json."""
@@ -34,6 +47,14 @@ def char_data_session(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def char_data(char_data_session) -> Path:
     return char_data_session
+
+
+def strict_recompile_limit():
+    """Dynamo raises instead of silently running eagerly past a recompile limit. Through the config's own patch(),
+    which restores the old value on the way out: pytest's monkeypatch deletes an attribute it could not read, and a
+    deleted torch config key stays hidden for the rest of the session (ConfigModule.__delattr__)."""
+    import torch
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
 
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True,

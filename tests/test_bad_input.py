@@ -59,6 +59,27 @@ def test_eval_only_after_resume_evaluates_at_the_resumed_step_and_writes_nothing
     assert sorted(p.name for p in trained.iterdir()) == ["ckpt.pt", "metrics.jsonl"]
 
 
+def test_a_new_run_into_another_runs_out_dir_is_refused_and_its_files_survive(trained, char_data):
+    before = {name: (trained / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
+    with pytest.raises(UserError) as refused:
+        train_tiny(f"--data_dir={char_data}", "--max_iters=2", "--optimizer=muon", f"--out_dir={trained}")
+    val = metrics(trained, "val/loss")[2]
+    assert str(refused.value) == (f"{trained} already holds another run's checkpoint (iter 2, val loss {val:.4g}); "
+                                  f"continue it with --init_from=resume, pass another --out_dir=, or replace it "
+                                  f"with --overwrite=True.")
+    assert {name: (trained / name).read_bytes() for name in before} == before
+    (trained / "ckpt.pt").unlink()  # a run that stopped before its first checkpoint: its metrics are kept too
+    with pytest.raises(UserError, match="already holds another run's metrics.jsonl"):
+        train_tiny(f"--data_dir={char_data}", "--max_iters=2", f"--out_dir={trained}")
+
+
+def test_overwrite_starts_the_out_dir_afresh(trained, char_data):
+    train_tiny(f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3", "--overwrite=True",
+               f"--out_dir={trained}")
+    assert sorted(metrics(trained, "train/loss")) == [1, 2, 3]  # this run's lines only
+    assert Checkpoint.load(trained / "ckpt.pt").iter_num == 3
+
+
 def test_a_mistyped_data_dir_is_refused_and_the_custom_corpus_in_the_default_folder_survives(
         char_data, tmp_path, monkeypatch):
     data = tmp_path / "data"

@@ -12,10 +12,12 @@ import matplotlib.image
 import pytest
 import torch
 
-import measure
 import bench
+import measure
+import runtime
 from configurator import Settings
 from attention import ATTENTION
+from conftest import strict_recompile_limit
 from runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,9 +186,9 @@ def test_speedup_pairs_iterations_so_drift_that_hits_every_row_cancels():
 def no_recompile_fallback(monkeypatch):
     """Dynamo raises instead of silently running a row eagerly past its recompile limit; its eager backend keeps
     compilation fast (the recompile bookkeeping is dynamo's, whatever the backend)."""
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    yield
+    with strict_recompile_limit():
+        yield
     torch._dynamo.reset()
 
 
@@ -292,6 +294,37 @@ def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the
         assert (row["compile_s"] is None) == (cache != "compiled")
     assert rows["sdpa", "int8", "cache"]["weight_bytes"] < 0.6 * rows["sdpa", "float32", "cache"]["weight_bytes"]
     assert (tmp_path / "generate.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_an_interrupted_generate_sweep_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    import bench_generate
+    real = bench_generate.time_round_robin
+
+    def ctrl_c_in_round_two(calls, iters, rt, bar, failed, after_round):
+        def after(ms):
+            after_round(ms)
+            raise KeyboardInterrupt  # what Ctrl-C (or a timeout's SIGINT) raises, once round 1 is done
+        return real(calls, iters, rt, bar, failed, after)
+    monkeypatch.setattr(bench_generate, "time_round_robin", ctrl_c_in_round_two)
+    args = [*TINY, "--mode=generate", "--attn=sdpa", "--seq_len=16", "--new_tokens=4", "--weights=float32",
+            "--cache=none,cache", "--iters=3", f"--out_dir={tmp_path}"]
+    assert bench.main(args) == 130
+    assert capsys.readouterr().err.strip().endswith(f"interrupted; what was measured is in {tmp_path / 'generate.json'}")
+    saved = json.loads((tmp_path / "generate.json").read_text())
+    assert saved["complete"] is False and len(saved["rows"]) == 4  # manual and sdpa x no cache and cache
+    for row in saved["rows"]:
+        assert row["rounds"] == 1 and len(row["ms_all"]) == 1 and row["tokens_per_s"] > 0 and row["kernel_ok"]
+
+
+@pytest.mark.parametrize("capability,weights", [("AVX2", ["float32", "int8"]),
+                                                ("AVX512_BF16", ["float32", "bfloat16", "int8"])])
+def test_generate_defaults_on_a_cpu_are_a_few_rows_with_bf16_only_where_it_is_native(monkeypatch, capability,
+                                                                                       weights):
+    monkeypatch.setattr(runtime, "cpu_capability", lambda: capability)
+    cfg, _ = bench.settings(["--mode=generate", "--device=cpu"])
+    assert cfg.attn == ["manual", "sdpa"] and cfg.weights == weights and cfg.cache == ["none", "cache", "compiled"]
+    assert bench.sweep_plan(cfg).startswith(f"generate: {2 * len(weights) * 3} rows, {2 * len(weights)} of them "
+                                            f"compiled")
 
 
 def test_generate_mode_refuses_unknown_weights_and_caches_in_one_sentence(tmp_path):

@@ -212,7 +212,7 @@ def test_openwebtext_pipeline_on_a_local_jsonl_corpus(tmp_path):
             f.write(json.dumps({"id": len(d), "body": d}) + "\n")
     report = load_script("openwebtext").prepare(
         tmp_path / "out", data_files=[str(tmp_path / "corpus.jsonl")], text_column="body", num_proc=2,
-        val_fraction=0.1, cache_dir=str(tmp_path / "hf_cache"))
+        val_fraction=0.1, cache_dir=str(tmp_path / "hf_cache"), block_size=8)
     assert report["val_documents"] == 4
     check_owt_outputs(tmp_path / "out", report, docs)
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257}
@@ -222,10 +222,45 @@ def test_openwebtext_pipeline_on_a_text_corpus_keeps_one_val_document(tmp_path):
     docs = [f"Paragraph {i} — with  spaces\nand a second line." for i in range(25)]
     (tmp_path / "corpus.txt").write_text("\n\n".join(docs), encoding="utf-8")  # documents are paragraphs
     report = load_script("openwebtext").prepare(
-        tmp_path / "out", data_files=[str(tmp_path / "corpus.txt")], num_proc=1,
+        tmp_path / "out", data_files=[str(tmp_path / "corpus.txt")], num_proc=1, block_size=8,
         cache_dir=str(tmp_path / "hf_cache"))  # default val_fraction 0.0005 of 25 documents rounds up to 1
     assert report["val_documents"] == 1
     check_owt_outputs(tmp_path / "out", report, docs)
+
+
+def test_openwebtext_skips_records_without_text_counts_them_and_refuses_when_too_few_are_left(tmp_path):
+    owt = load_script("openwebtext")
+    docs = [f"Document {i} of the corpus, with words enough." for i in range(30)]
+    with open(tmp_path / "mixed.jsonl", "w", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"text": d}) + "\n")
+            if i % 6 == 0:
+                f.write(json.dumps({"title": f"no text here {i}"}) + "\n")  # 5 records without the field
+    report = owt.prepare(tmp_path / "out", data_files=[str(tmp_path / "mixed.jsonl")], num_proc=1, val_fraction=0.1,
+                         cache_dir=str(tmp_path / "hf_cache"), block_size=8)
+    assert report["skipped_records"] == 5
+    check_owt_outputs(tmp_path / "out", report, docs)  # every document with text, and nothing else
+    with open(tmp_path / "titles.jsonl", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "the only text"}) + "\n")
+        for i in range(4):
+            f.write(json.dumps({"title": f"title {i}"}) + "\n")
+    with pytest.raises(UserError, match=r"titles.jsonl has 1 document\(s\) \(4 of 5 records have no 'text'\); a "
+                                        r"train and a val split need at least 2 - pass --text_column="):
+        owt.prepare(tmp_path / "out2", data_files=[str(tmp_path / "titles.jsonl")], num_proc=1,
+                    cache_dir=str(tmp_path / "hf_cache"))
+    assert not (tmp_path / "out2").exists()
+
+
+def test_openwebtext_refuses_a_split_smaller_than_one_training_block_and_writes_nothing(tmp_path, capsys):
+    owt = load_script("openwebtext")
+    (tmp_path / "c.txt").write_text("\n\n".join(f"paragraph {i} of a short corpus" for i in range(40)))
+    assert owt.main([f"--data_files={tmp_path / 'c.txt'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1",
+                     f"--cache_dir={tmp_path / 'hf_cache'}"]) == 2  # default block_size 1024: train.py's
+    lines = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars, then the error
+    error = [line for line in lines if line.startswith("error:")]
+    assert error == lines[-1:] and error[0].startswith("error: the train split would hold ")
+    assert "and training reads 1,025 at a time (--block_size=1024)" in error[0] and "Nothing was written." in error[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_openwebtext_refuses_empty_and_missing_data_files(tmp_path):
@@ -290,7 +325,8 @@ def test_a_failure_while_writing_removes_temporaries_and_keeps_old_files(tmp_pat
             raise UserError("simulated failure after train.bin.tmp was written")
     monkeypatch.setattr(owt, "write_split", write_then_fail)
     with pytest.raises(UserError, match="simulated"):
-        owt.prepare(out_dir, data_files=[str(tmp_path / "c.txt")], num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
+        owt.prepare(out_dir, data_files=[str(tmp_path / "c.txt")], num_proc=1, cache_dir=str(tmp_path / "hf_cache"),
+                    block_size=2)
     assert snapshot(out_dir) == before
 
 

@@ -3,6 +3,8 @@ computes the same logits and greedy text; an out_dir as nanoGPT writes it resume
 
 import json
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import export_hf
 import sample
 import train
 from checkpoint import Checkpoint
-from conftest import TINY, metrics
+from conftest import REPO, TINY, metrics
 from errors import UserError
 from model import GPT, GPTConfig
 from tokenizer import GPT2Tokenizer, tokenizer_from_meta, write_meta
@@ -45,6 +47,35 @@ def our_logits(model: GPT, ids: torch.Tensor) -> torch.Tensor:
 
 
 # -- export ------------------------------------------------------------------------------------------------
+
+def readme_blocks(heading: str) -> list[tuple[str, str]]:
+    """The fenced code blocks (language, text) of one README section, in order."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(heading):]
+    section = section[:section.index("\n#", 1)] if "\n#" in section[1:] else section
+    parts = section.split("```")[1::2]
+    return [(part.split("\n", 1)[0].strip(), part.split("\n", 1)[1]) for part in parts]
+
+
+def test_the_readmes_export_and_pipeline_snippet_run_as_written_on_the_quickstarts_out_dir(tmp_path):
+    """The quickstart's model shape (block 64: a prompt plus new tokens must fit), its out_dir name, then the
+    README's own commands, literally, from a user's folder: no error and no warning."""
+    cfg = train.configure(vars(train), [str(REPO / "config" / "train_shakespeare_char_cpu.py")])
+    chars = sorted(set("ROMEO:\nJULIET: wherefore art thou, abcdefghijklmnopqrstuvwxyz!?."))
+    model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": len(chars)}))
+    Checkpoint.of(model, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
+        tmp_path / cfg.out_dir / "ckpt.pt")
+    (sh_lang, sh), (py_lang, snippet) = readme_blocks("### To Hugging Face")[:2]
+    assert (sh_lang, py_lang) == ("sh", "python")
+    for line in sh.strip().splitlines():
+        program, script, *args = line.split()
+        done = subprocess.run([sys.executable, str(REPO / script), *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "max_length" not in done.stderr and "warn" not in done.stderr.lower(), done.stderr
+    assert done.stdout.startswith("ROMEO:")
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
@@ -265,5 +296,56 @@ def test_a_meta_pkl_of_other_plain_types_is_refused(char_data, tmp_path):
 def test_a_nanogpt_character_model_without_its_meta_pkl_names_the_file_to_copy(char_data, tmp_path):
     folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
     (folder / "meta.pkl").unlink()
-    with pytest.raises(UserError, match=r"no meta.pkl was found .*; copy its data/<dataset>/meta.pkl next to ckpt.pt"):
+    with pytest.raises(UserError, match=r"no meta.pkl was found .*; copy its data folder's meta.pkl next to ckpt.pt "
+                                        r"\(train.py also reads it from --data_dir\)"):
         sample.main([f"--out_dir={folder}", "--device=cpu"])
+
+
+# -- nanoGPT's data folders: train.bin, val.bin and meta.pkl (no meta.json) ----------------------------------
+
+def nanogpt_data_dir(folder: Path, char_data: Path) -> Path:
+    """A data folder as nanoGPT's data/shakespeare_char/prepare.py leaves it: the token files and meta.pkl."""
+    folder.mkdir(parents=True)
+    for name in ("train.bin", "val.bin"):
+        (folder / name).write_bytes((char_data / name).read_bytes())
+    chars = chars_of(char_data)
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in
+                                                                                         enumerate(chars)}}, f)
+    return folder
+
+
+def test_a_nanogpt_run_resumes_from_its_out_dir_and_its_data_folder(char_data, tmp_path):
+    """The vocabulary comes from the data folder's meta.pkl: there is none beside the checkpoint."""
+    data = nanogpt_data_dir(tmp_path / "nanoGPT" / "data" / "shakespeare_char", char_data)
+    out, _ = nanogpt_out_dir(tmp_path / "elsewhere" / "out-shakespeare-char", chars_of(char_data))
+    (out / "meta.pkl").unlink()
+    train.main(TINY + [f"--data_dir={data}", "--init_from=resume", f"--out_dir={out}", "--max_iters=9",
+                       "--eval_interval=9"])
+    assert sorted(metrics(out, "train/loss")) == [8, 9]
+    assert Checkpoint.load(out / "ckpt.pt").meta == {"tokenizer": "char", "vocab_size": len(chars_of(char_data)),
+                                                     "chars": chars_of(char_data)}
+
+
+def test_a_new_run_on_a_nanogpt_data_folder_takes_its_vocabulary_and_samples_with_it(char_data, tmp_path):
+    data = nanogpt_data_dir(tmp_path / "data", char_data)
+    out = trained(data, tmp_path / "run")
+    checkpoint = Checkpoint.load(out / "ckpt.pt")
+    assert checkpoint.model_config["vocab_size"] == len(chars_of(char_data))  # not GPT-2's 50257
+    assert checkpoint.meta["chars"] == chars_of(char_data)
+    sample.main([f"--out_dir={out}", "--start=To be", "--max_new_tokens=5", "--num_samples=1", "--device=cpu",
+                 f"--json={tmp_path / 's.json'}"])
+    assert json.loads((tmp_path / "s.json").read_text())["texts"][0].startswith("To be")
+
+
+def test_sampling_a_nanogpt_checkpoint_never_reads_its_optimizer_state_and_resuming_refuses_a_bad_one(
+        char_data, tmp_path, capsys):
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    contents = torch.load(folder / "ckpt.pt", weights_only=True)
+    contents["optimizer"] = {"state": {}, "param_groups": [{"params": ["not", "numbers"]}]}  # not nanoGPT's layout
+    torch.save(contents, folder / "ckpt.pt")
+    assert sample.main([f"--out_dir={folder}", "--max_new_tokens=3", "--num_samples=1", "--device=cpu"]) == 0
+    assert export_hf.main([f"--out_dir={folder}", f"--hf_dir={tmp_path / 'hf'}"]) == 0
+    with pytest.raises(UserError, match=r"ckpt.pt's optimizer state is not AdamW's as nanoGPT's configure_optimizers "
+                                        r"writes it .*; it samples and exports, but does not resume"):
+        train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}"])

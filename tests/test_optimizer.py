@@ -7,14 +7,16 @@ import runtime
 import train
 from conftest import TINY, TWO_RANKS, metrics, run_train, straight_and_resumed
 from model import GPT, GPTConfig, UserError
+from muon import Muon, orthogonalize
 
 BLOCK_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def test_every_parameter_is_in_exactly_one_group_and_muon_gets_the_block_matrices():
     model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=2, n_head=2, n_embd=32, pad_vocab=True))
-    muon, adamw = model.configure_muon(0.1, 1e-3, 2e-2, 0.95, (0.9, 0.95), "cpu")
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    muon, adamw = model.configure_muon(0.1, 1e-3, 2e-2, 0.95, (0.9, 0.95), "cpu", torch.float32)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert muon.orthogonalize_dtype == torch.float32
     grouped = [id(p) for optimizer in (muon, adamw) for g in optimizer.param_groups for p in g["params"]]
     assert len(grouped) == len(set(grouped))  # no parameter twice (lm_head is tied to wte: one tensor)
     assert set(grouped) == {id(p) for p in model.parameters()}  # and none left out
@@ -64,7 +66,7 @@ def test_two_ranks_with_muon_match_one_rank_with_the_same_global_batch(char_data
     run_train(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
     one, two = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
     assert sorted(one) == sorted(two) == list(range(1, 7))
-    for it, loss in one.items():  # DDP averages the same gradients in another order; Muon rounds them to bf16
+    for it, loss in one.items():  # DDP averages the same gradients in another order
         assert two[it] == pytest.approx(loss, abs=1e-4), it
 
 
@@ -82,6 +84,87 @@ def test_resuming_with_another_optimizer_is_refused(char_data, tmp_path):
                            f"--out_dir={tmp_path}"])
     with pytest.raises(UserError, match="optimizer must be 'adamw' or 'muon', got 'sgd'"):
         train.main(TINY + [f"--data_dir={char_data}", "--optimizer=sgd", f"--out_dir={tmp_path}"])
+
+
+# -- Muon's orthogonalization and its dtype ----------------------------------------------------------------
+
+def singular_values(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(x.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48)])  # wide and tall: a tall one is iterated transposed
+def test_newton_schulz_orthogonalizes_in_fp32_and_in_bf16(dtype, shape):
+    rows, cols = shape
+    k, generator = min(shape), torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, generator=generator))  # (rows, k), orthonormal columns
+    v, _ = torch.linalg.qr(torch.randn(cols, k, generator=generator))  # (cols, k)
+    g = u @ torch.diag(torch.logspace(0, -1.5, k)) @ v.T  # singular values from 1 down to 0.03
+    before = singular_values(g)
+    assert before.max() / before.min() > 30
+    s = singular_values(orthogonalize(g, dtype))
+    assert s.shape == before.shape and 0.6 < s.min() and s.max() < 1.25  # Keller's quintic: ~0.7-1.2, not exactly 1
+    assert orthogonalize(g, dtype).dtype == dtype
+
+
+def test_fp32_newton_schulz_is_nearer_a_float64_iteration_than_bf16():
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    exact = orthogonalize(g.double(), torch.float64)
+    fp32, bf16 = ((orthogonalize(g, d).double() - exact).abs().max() for d in (torch.float32, torch.bfloat16))
+    assert fp32 < 1e-4 < bf16
+
+
+def test_muon_in_bf16_takes_exactly_torch_optim_muons_steps():
+    """torch.optim.Muon is the independent reference: it always iterates in bf16."""
+    models = [GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=32)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ours = Muon(models[0].muon_parameters(), lr=0.02, adjust_lr_fn="match_rms_adamw", orthogonalize_dtype=torch.bfloat16)
+    theirs = torch.optim.Muon(models[1].muon_parameters(), lr=0.02, adjust_lr_fn="match_rms_adamw")
+    x = torch.randint(61, (4, 16), generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        for model, optimizer in zip(models, (ours, theirs)):
+            model(x, x)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    assert ours.state_dict()["param_groups"][0].keys() == theirs.state_dict()["param_groups"][0].keys()
+
+
+@pytest.mark.parametrize("device_type,capability,bf16_gpu,wanted", [
+    ("cpu", "AVX2", False, "float32"),        # bf16 emulated: ~20x an fp32 iteration
+    ("cpu", "AVX512", False, "float32"),
+    ("cpu", "AVX512_BF16", False, "bfloat16"),
+    ("cpu", "AMX", False, "bfloat16"),
+    ("cuda", "AVX2", True, "bfloat16"),       # Ampere and later
+    ("cuda", "AVX2", False, "float32"),       # a V100 or T4 only emulates bf16
+])
+def test_muon_iterates_in_bf16_only_where_bf16_is_native(monkeypatch, device_type, capability, bf16_gpu, wanted):
+    monkeypatch.setattr(runtime, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(runtime, "cuda_has_bf16", lambda: bf16_gpu)
+    monkeypatch.setattr(runtime, "pick_device", lambda device: "cuda:0" if device_type == "cuda" else "cpu")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    rt = runtime.resolve_runtime(device_type, "float32")
+    assert rt.orthogonalize == wanted
+    assert runtime.resolve_runtime(device_type, "float32", "bfloat16").orthogonalize == "bfloat16"  # a setting wins
+    cfg = train.configure(vars(train), ["--optimizer=muon"], train.LIMITS)
+    muon, _ = train.make_optimizers(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)), cfg,
+                                    rt, None)
+    assert muon.orthogonalize_dtype == rt.orthogonalize_dtype
+
+
+@pytest.mark.parametrize("capability,wanted", [("AVX2", "float32"), ("AVX512_BF16", "float32"), ("AMX", "bfloat16")])
+def test_dtype_auto_on_a_cpu_picks_bf16_only_with_amx(monkeypatch, capability, wanted):
+    monkeypatch.setattr(runtime, "cpu_capability", lambda: capability)
+    assert runtime.pick_dtype("auto", "cpu") == wanted
+
+
+def test_the_run_records_its_newton_schulz_dtype(char_data, tmp_path, capsys):
+    train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--optimizer=muon", "--max_iters=1",
+                       "--muon_dtype=float32"])
+    assert "Muon's Newton-Schulz in float32" in capsys.readouterr().out
+    with pytest.raises(UserError, match="unknown muon_dtype 'fp8'; use auto, float32 or bfloat16"):
+        train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'x'}", "--muon_dtype=fp8"])
 
 
 # -- time to loss (time_to_loss.py) -------------------------------------------------------------------------
@@ -104,3 +187,4 @@ def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(char_
         assert never["seconds"] is None and never["final_iter"] == 5 and never["final_loss"] > 2.8
     table = capsys.readouterr().out
     assert "time to val/loss <= 2.8" in table and "not reached" in table
+    assert f"{runtime.cpu_capability()}): median" in table  # the CPU's capability names every figure

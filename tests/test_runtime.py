@@ -2,6 +2,7 @@
 rank-0 failures that stop every rank, and a profiler that keeps the console clean. The GPU-only branches are
 reached here by standing in for torch.cuda's answers; tests/test_gpu.py runs them for real."""
 
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +62,18 @@ def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches():
     assert runtime.measured_matmul_flops(rt) >= 0.5 * (2 * 1024 * 384 * 1536 / best)  # 0.5: a noisy machine
 
 
+def test_a_peak_measured_under_load_cannot_lower_the_one_kept_so_mfu_cannot_rise_with_load(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rt = runtime.Runtime("cpu", "float32")
+    for measured, kept in [(100e9, 100e9), (40e9, 100e9), (150e9, 150e9)]:  # a loaded machine measures 40
+        runtime.measured_matmul_flops.cache_clear()
+        monkeypatch.setattr(runtime, "best_matmul_flops", lambda rt, repeats: measured)
+        assert runtime.measured_matmul_flops(rt) == kept
+    saved = json.loads((tmp_path / "nanogpt-attn" / "peak_flops.json").read_text())
+    assert saved == {f"{rt.name}, float32, torch {torch.__version__}": 150e9}
+    runtime.measured_matmul_flops.cache_clear()
+
+
 # -- device and precision ----------------------------------------------------------------------------
 
 @pytest.fixture()
@@ -71,6 +84,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # Ampere or later
     return calls
 
 
@@ -99,7 +113,7 @@ def test_tf32_is_set_in_one_place_that_every_script_goes_through(monkeypatch, tm
     class Resolved(Exception):
         pass
 
-    def resolve_runtime(device, dtype):
+    def resolve_runtime(device, dtype, orthogonalize="auto"):
         raise Resolved
     monkeypatch.setattr(runtime, "resolve_runtime", resolve_runtime)
     for script in (train, sample, bench):

@@ -193,8 +193,10 @@ def test_config_files_apply_in_order_and_are_checked_too(tmp_path):
     assert (s.batch_size, s.attn) == (64, "math")
     with pytest.raises(UserError, match="did you mean batch_size"):
         configure(settings_namespace(), [str(tmp_path / "bad.py")])
-    with pytest.raises(UserError, match="config file 'nope.py' not found"):
+    with pytest.raises(UserError) as missing:
         configure(settings_namespace(), ["nope.py"])
+    assert str(missing.value) == ("config file 'nope.py' not found; pass the path of an existing config file, like "
+                                  "config/train_shakespeare_char.py.")
 
 
 def test_the_gpt2_recipe_pads_the_vocabulary_as_the_posts_fast_path():

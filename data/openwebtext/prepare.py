@@ -37,7 +37,8 @@ from errors import UserError  # noqa: E402
 DEFAULT_DATASET = "openwebtext"
 SEED = 2357  # the validation split nanoGPT holds out
 MAX_WRITE_SHARDS = 1024  # a split is written in this many contiguous shards (fewer for small corpora)
-LIMITS = {"num_proc": "[1, inf)", "val_fraction": "(0, 1)"}  # the allowed range of each numeric option
+LIMITS = {"num_proc": "[1, inf)", "val_fraction": "(0, 1)", "block_size": "[1, inf)"}
+DEFAULT_BLOCK_SIZE = 1024  # train.py's default (and GPT-2's): a split must hold more tokens than one block  # the allowed range of each numeric option
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 # token ids are stored as uint16 in datasets' cache too: a quarter of the disk of the default int64
 TOKENIZED_FEATURES = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
@@ -75,8 +76,9 @@ def error_reason(e: BaseException) -> str:
 
 
 def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: str,
-                num_proc: int, cache_dir: str | None) -> tuple[datasets.Dataset, str]:
-    """All documents as one Dataset, and a short description of where they came from."""
+                num_proc: int, cache_dir: str | None) -> tuple[datasets.Dataset, str, int]:
+    """All documents as one Dataset, a short description of where they came from, and how many records were
+    skipped for having no text (a JSON record without the field, a null)."""
     if data_files is not None:
         builder = builder_for(data_files)
         source = ", ".join(data_files)
@@ -98,9 +100,14 @@ def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: 
     if ds.features[text_column] not in (datasets.Value("string"), datasets.Value("large_string")):
         raise UserError(f"column {text_column!r} of {source} holds {ds.features[text_column]}, not text; "
                         f"pass --text_column= a text column")
-    if ds.num_rows < 2:
-        raise UserError(f"{source} has {ds.num_rows} document(s); a train and a val split need at least 2")
-    return ds, source
+    with_text = ds.filter(lambda texts: [t is not None for t in texts], input_columns=text_column, batched=True,
+                          num_proc=min(num_proc, ds.num_rows), desc="dropping records without text")
+    skipped = ds.num_rows - with_text.num_rows
+    if with_text.num_rows < 2:
+        without = f" ({skipped} of {ds.num_rows} records have no {text_column!r})" if skipped else ""
+        raise UserError(f"{source} has {with_text.num_rows} document(s){without}; a train and a val split need at "
+                        f"least 2 - pass --text_column= the field that holds the text")
+    return with_text, source, skipped
 
 
 def split_corpus(ds: datasets.Dataset, val_fraction: float) -> dict[str, datasets.Dataset]:
@@ -151,23 +158,35 @@ def write_split(tokenized: datasets.Dataset, path: Path, name: str) -> int:
     return total
 
 
+def check_split_sizes(splits: dict[str, datasets.Dataset], block_size: int) -> None:
+    """Each split must hold more than block_size tokens: train.py reads block_size + 1 at a time from both."""
+    for name, part in splits.items():
+        tokens = int(np.sum(part.with_format("numpy")["len"], dtype=np.uint64))
+        if tokens <= block_size:
+            raise UserError(f"the {name} split would hold {tokens:,} tokens, and training reads {block_size + 1:,} "
+                            f"at a time (--block_size={block_size}); add documents, raise --val_fraction, or pass "
+                            f"--block_size= the block you will train with. Nothing was written.")
+
+
 def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[str] | None = None,
             text_column: str = "text", num_proc: int | None = None, val_fraction: float = 0.0005,
-            cache_dir: str | None = None) -> dict:
+            cache_dir: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written.
     Reads `data_files` when given, else the Hugging Face dataset `dataset` (default "openwebtext")."""
     if dataset and data_files is not None:
         raise UserError("pass either --dataset or --data_files, not both")
-    check_limits({"num_proc": num_proc, "val_fraction": val_fraction}, LIMITS, {})
+    check_limits({"num_proc": num_proc, "val_fraction": val_fraction, "block_size": block_size}, LIMITS, {})
     num_proc = default_num_proc() if num_proc is None else num_proc
     tokenizer.gpt2_encoding()  # fail on bad vocabulary files here, with a clear message, not inside a worker
-    ds, source = load_corpus(dataset, data_files, text_column, num_proc, cache_dir)
+    ds, source, skipped = load_corpus(dataset, data_files, text_column, num_proc, cache_dir)
     splits = {name: tokenize(part, text_column, num_proc, name) for name, part in split_corpus(ds, val_fraction).items()}
+    check_split_sizes(splits, block_size)
     with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
         tokens = {name: write_split(part, tmp[f"{name}.bin"], name) for name, part in splits.items()}
         tokenizer.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE})
     return {
         "source": source,
+        "skipped_records": skipped,  # records with no text (no such field, or null)
         "train_documents": splits["train"].num_rows,
         "val_documents": splits["val"].num_rows,
         "vocab_size": tokenizer.GPT2_VOCAB_SIZE,
@@ -187,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val_fraction", type=float, default=0.0005, help="share of documents held out for val")
     parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
     parser.add_argument("--cache_dir", default=None, help="datasets cache (default: ~/.cache/huggingface/datasets)")
+    parser.add_argument("--block_size", type=int, default=DEFAULT_BLOCK_SIZE,
+                        help="the block you will train with: each split must hold more tokens than this")
     args = parser.parse_args(argv)
     data_files = [f for f in args.data_files.split(",") if f] if args.data_files is not None else None
     return tokenizer.report_or_error(lambda: prepare(args.out_dir, args.dataset, data_files, args.text_column,
-                                                     args.num_proc, args.val_fraction, args.cache_dir))
+                                                     args.num_proc, args.val_fraction, args.cache_dir,
+                                                     args.block_size))
 
 
 if __name__ == "__main__":
