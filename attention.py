@@ -14,6 +14,7 @@ Every function in ATTENTION computes the same causal attention; they differ only
 
 import functools
 import math
+import re
 import warnings
 from typing import Callable, Optional
 
@@ -22,6 +23,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import runtime
 from errors import UserError
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
@@ -92,10 +94,23 @@ def _score_mod_of(mask: torch.Tensor):
     return masked
 
 
+FLEX_REGION = "attention.flex_attention"  # the profiler region every flex call runs in
+FLEX_RECOMPILE_LIMIT = 16  # per use: fp32/bf16 x grad/no-grad x a static then a dynamic length, with room to spare
+
+
 @functools.cache
-def _compiled_flex_attention():
-    # FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in memory)
-    return torch.compile(flex_attention)
+def _compiled_flex_attention(use: str):
+    """flex_attention compiled for one use ('causal': training and prefill, with a block mask; 'decode': one query
+    and a score mod), each with a recompile count of its own: one shared callable would meet fp32 and bf16, grad
+    and no-grad, every length and the probes, and past dynamo's shared limit (8) run eagerly without a word.
+    FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in memory)."""
+    return runtime.compile_isolated(flex_attention, recompile_limit=FLEX_RECOMPILE_LIMIT)
+
+
+def _compile_flex_here(q: torch.Tensor) -> bool:
+    """On CUDA flex is always compiled (inside a compiled model dynamo traces flex_attention itself). On CPU only
+    inside a compiled model (compile=True): compiling costs seconds per shape, and CPU flex is inference-only."""
+    return q.is_cuda and not torch.compiler.is_compiling()
 
 
 def flex_causal_attention(q, k, v, mask, dropout_p):
@@ -105,19 +120,22 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         # inductor's flex lowering (torch 2.13, CPU) fails on a one-query view whose size-1 dimension keeps an odd
         # stride ("not enough values to unpack"); a copy with plain strides compiles. One query: a tiny copy.
         q = q.clone(memory_format=torch.contiguous_format)
-    if mask is not None and q.size(-2) == 1 and not q.is_cuda and not torch.compiler.is_compiling():
-        # eager CPU flex is the unfused reference, where a score mod costs more than the whole step: read exactly
+    compile_here = _compile_flex_here(q)
+    if mask is not None and q.size(-2) == 1 and not compile_here and not torch.compiler.is_compiling():
+        # eager flex (CPU) is the unfused reference, where a score mod costs more than the whole step: read exactly
         # the keys the mask allows (a prefix) instead, and no mask is needed
         written = int(mask.sum())
         k, v, mask = k[:, :, :written], v[:, :, :written], None
     # a decode step's mask is read by a score mod (one query row: no blocks worth skipping); causal is a block mask
     score_mod = None if mask is None else _score_mod_of(mask)
     block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device) if mask is None and q.size(-2) > 1 else None
-    # On CUDA always compiled (inside a compiled model dynamo traces flex_attention itself). On CPU only inside
-    # a compiled model (compile=True): compiling costs seconds per shape, and CPU flex is inference-only anyway.
-    compiled = q.is_cuda and not torch.compiler.is_compiling()
-    return (_compiled_flex_attention() if compiled else flex_attention)(q, k, v, score_mod=score_mod,
-                                                                        block_mask=block_mask)
+    flex = _compiled_flex_attention("causal" if score_mod is None else "decode") if compile_here else flex_attention
+    if torch.compiler.is_compiling():  # inside a compiled model: bench audits it through an eager twin
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    # a compiled call shows the profiler no FlexAttention op of its own, only a compiled region: name it, so the
+    # kernel audit (measure.py) sees flex in both cases
+    with torch.profiler.record_function(FLEX_REGION):
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
 ATTENTION: dict[str, AttentionFn] = {
@@ -196,11 +214,36 @@ def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, he
                 else:
                     ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
         except (RuntimeError, NotImplementedError) as e:
-            # CUDA warns a header ("Flash attention kernel not used because:") and then the reason itself
-            reasons = [line for w in caught for line in str(w.message).splitlines()[:1] if not line.endswith("because:")]
-            reasons = reasons or [str(e).splitlines()[0]]
-            return f"PyTorch has no kernel for it ({reasons[0].rstrip('.')})"
+            reason = refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
+            return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
     return None
+
+
+# The headers SDPA warns before each kernel's reasons ("Flash attention kernel not used because:"), by the attn
+# that forces that kernel. CUDA checks them in the order efficient, flash, cuDNN whatever is forced, so a forced
+# flash also explains that the efficient kernel "has been runtime disabled": only the forced kernel's lines count.
+KERNEL_HEADERS = {"flash": "Flash attention", "efficient": "Memory efficient", "cudnn": "CuDNN attention"}
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at .*\)\s*$")  # what a warning from C++ carries at its end
+
+
+def refusal_reason(messages: list[str], attn: str) -> Optional[str]:
+    """The first reason SDPA's warnings give for refusing the kernel `attn` forces (any kernel's for the others),
+    without the C++ source location; None if they give none."""
+    sections: dict[Optional[str], list[str]] = {}
+    current = None
+    for message in messages:
+        for line in message.splitlines():
+            line = _TRIGGERED.sub("", line).strip()
+            kernel = next((k for k, h in KERNEL_HEADERS.items() if line.startswith(h) and line.endswith("because:")),
+                          None)
+            if kernel is not None:
+                current = kernel
+            elif line:
+                sections.setdefault(current, []).append(line)
+    if attn in KERNEL_HEADERS:
+        return next(iter(sections.get(attn, [])), None)
+    reasons = [line for lines in sections.values() for line in lines if "has been runtime disabled" not in line]
+    return next(iter(reasons), None)
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from attention import attention_problem
 from errors import UserError
 from generate import Decoder, for_inference, weight_bytes
-from measure import expected_kernels, kernel_of, out_of_memory, paired_speedup, profiled_run, time_round_robin
+from measure import (expected_kernels, kernel_of, out_of_memory, paired_speedup, profiled_run, ran_as_expected,
+                     time_round_robin)
 from model import GPT, GPTConfig
 from runtime import Runtime
 import runtime
@@ -104,7 +105,8 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
         kernel, names = kernel_of(ops)
         expected = expected_kernels(described[key]["attn"], rt.device_type)
         d = described[key]
-        d.update(kernel=kernel, kernel_ops=names, kernel_expected=sorted(expected), kernel_ok=kernel in expected,
+        d.update(kernel=kernel, kernel_ops=names, kernel_expected=sorted(expected),
+                 kernel_ok=ran_as_expected(kernel, expected),
                  weight_bytes=weight_bytes(row.model), kv_cache_bytes=row.model.cache_bytes() if row.cache != "none"
                  else 0, kernel_audit="eager twin" if row.cache == "compiled" else "this run")
         d["mem/peak_gb"] = (d["weight_bytes"] + d["kv_cache_bytes"] + added) / 1e9

@@ -175,7 +175,7 @@ def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str
 
 def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
     """Generation with and without the KV cache, and teacher-forced logits, of one implementation."""
-    sampling, decoder = run.sampling, Decoder(model, run.compile)
+    sampling, decoder = run.sampling, Decoder(model, run.compile, dtype=run.rt.torch_dtype)  # draws under autocast
     warmup = full_warmup(model, sampling)
     cached, t_cached, _ = draw_samples(decoder, run.prompt, run.rt, sampling, True, warmup)
     plain, t_plain, _ = draw_samples(decoder, run.prompt, run.rt, sampling, False, warmup)
@@ -318,7 +318,7 @@ def weights_study(model: GPT, run: Run, quantize: str, data: Optional[Path]) -> 
     for label, dtype, q in (("float32", "float32", ""), (run.reduced, run.reduced, ""), (quantize, run.rt.dtype, quantize)):
         weights = for_inference(copy.deepcopy(model), run.rt.device, runtime.DTYPES[dtype], q)
         loss, tokens = held_out_loss(weights, windows)
-        decoder = Decoder(weights, run.compile)
+        decoder = Decoder(weights, run.compile, dtype=runtime.DTYPES[dtype])
         sample, seconds, _ = draw_samples(decoder, run.prompt, Runtime(run.rt.device, dtype), greedy, True,
                                           full_warmup(weights, greedy))
         ref = ref or {"tokens": tokens, "sample": sample, "loss": loss}

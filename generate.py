@@ -58,13 +58,14 @@ def decode_logits(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> tor
     return last_logits(model, idx, input_pos)
 
 
-def compiled_steps(model: GPT, tune: bool = True) -> tuple[Step, Step]:
+def compiled_steps(model: GPT, dtype: torch.dtype, tune: bool = True) -> tuple[Step, Step]:
     """The prefill, compiled for any prompt length, and the decode step, compiled for its one shape with
-    fullgraph=True. With `tune`, on CPU the decode step's matmuls are autotuned with the weights frozen into the
-    graph (prepacked for batch-1 matmuls: ~2.5x the untuned step here, for ~10 s more compiling); on CUDA it runs
-    as a CUDA graph. Frozen weights are a copy: a model changed after its first decode step needs a new Decoder."""
+    fullgraph=True; `dtype` is the one decoding computes in (the KV cache's). With `tune`, on CPU the decode
+    step's matmuls are autotuned with the weights frozen into the graph (prepacked for batch-1 matmuls: ~2.5x the
+    untuned step here, for ~10 s more compiling); on CUDA it runs as a CUDA graph. Frozen weights are a copy: a
+    model changed after its first decode step needs a new Decoder."""
     weight = model.transformer.wpe.weight
-    if not decodes_with_mask(model.config.attn, weight.device.type, weight.dtype, model.config.head_size):
+    if not decodes_with_mask(model.config.attn, weight.device.type, dtype, model.config.head_size):
         raise UserError(f"attn='{model.config.attn}' takes no mask on {weight.device.type}, and a compiled decode "
                         f"step (one shape at every position) needs one; compile with attn=sdpa or run without compile.")
     prefill = runtime.compile_isolated(prefill_logits, fullgraph=True, dynamic=True)
@@ -90,12 +91,24 @@ def _quietly(step: Step, freeze: bool = False) -> Step:
     return call
 
 
-class Decoder:
-    """Generation with one model: its prefill and decode steps, eager or compiled (once, then reused)."""
+def decoding_dtype(model: GPT) -> torch.dtype:
+    """The dtype decoding computes in, and the KV cache is made in: autocast's when autocast is on, else the
+    weights'."""
+    device = model.transformer.wpe.weight.device
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return model.transformer.wpe.weight.dtype
 
-    def __init__(self, model: GPT, compile: bool = False, tune: bool = True):
-        self.model = model
-        self.prefill, self.decode = compiled_steps(model, tune) if compile else (last_logits, last_logits)
+
+class Decoder:
+    """Generation with one model: its prefill and decode steps, eager or compiled (once, then reused). `dtype`: the
+    one decoding will run in, which decides whether the kernel takes a compiled decode step's mask (cuDNN does in
+    bf16, not in fp32); by default the dtype at construction (autocast's if on, else the weights')."""
+
+    def __init__(self, model: GPT, compile: bool = False, tune: bool = True, dtype: Optional[torch.dtype] = None):
+        self.model, self.compiled = model, compile
+        self.dtype = dtype or decoding_dtype(model)
+        self.prefill, self.decode = compiled_steps(model, self.dtype, tune) if compile else (last_logits, last_logits)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -128,9 +141,10 @@ class Decoder:
     def _ensure_cache(self, batch_size: int) -> None:
         """A cache for this batch in the dtype the keys will have (autocast's, if on); an existing one is reused,
         so compiled steps keep reading the same buffers."""
-        device = self.model.transformer.wpe.weight.device
-        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
-                 else self.model.transformer.wpe.weight.dtype)
+        dtype = decoding_dtype(self.model)
+        if self.compiled and dtype != self.dtype:
+            raise ValueError(f"this Decoder compiled its steps for {self.dtype} and now decodes in {dtype}; "
+                             f"pass Decoder(..., dtype={dtype})")
         cache = self.model.transformer.h[0].attn.kv_cache
         if cache is None or cache.k.size(0) != batch_size or cache.k.dtype != dtype:
             self.model.setup_cache(batch_size, dtype)

@@ -96,6 +96,29 @@ def test_audit_labels_and_expectations():
     assert measure.kernel_of({"aten::_scaled_dot_product_efficient_attention", "aten::mm"})[0] == "efficient"
 
 
+def test_a_row_is_judged_by_the_set_of_kernels_it_ran():
+    """A bf16 sdpa generation row on CUDA runs flash for the prompt and efficient for the masked decode steps."""
+    cuda_sdpa = measure.expected_kernels("sdpa", "cuda")
+    both, _ = measure.kernel_of({"aten::_scaled_dot_product_flash_attention",
+                                 "aten::_scaled_dot_product_efficient_attention"})
+    assert both == "efficient+flash" and measure.ran_as_expected(both, cuda_sdpa)
+    assert not measure.ran_as_expected(both, measure.expected_kernels("flash", "cuda"))  # forced flash ran another
+    assert not measure.ran_as_expected("flash+math", cuda_sdpa)  # a silent fallback next to a fused kernel
+
+
+def test_a_compiled_flex_call_is_audited_as_flex(monkeypatch):
+    """CUDA always runs flex through torch.compile, whose call records no FlexAttention op: the audit reads the
+    region attention.py names instead. Run here by compiling CPU flex as CUDA would."""
+    import attention
+    monkeypatch.setattr(attention, "_compile_flex_here", lambda q: not torch.compiler.is_compiling())
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))  # (B, nh, T, hs)
+    with torch.no_grad():
+        attention.ATTENTION["flex"](q, k, v, None, 0.0)  # compiles, unprofiled
+        ops, _ = measure.profiled_run(lambda: attention.ATTENTION["flex"](q, k, v, None, 0.0), Runtime("cpu", "float32"))
+    assert "FlexAttentionAutogradOp" not in ops  # what the audit used to look for is not there when compiled
+    assert measure.kernel_of(ops)[0] == "flex"
+
+
 def test_sdpa_with_dropout_on_cpu_falls_back_to_math_and_is_flagged(tmp_path, capsys):
     result = run_bench(tmp_path, "--attn=sdpa,flash", "--padding=off", "--dropout=0.1")
     rows = rows_by(result, "attn")

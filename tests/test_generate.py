@@ -107,6 +107,41 @@ def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatc
         Decoder(model, compile=True)
 
 
+def test_the_compiled_decode_gate_asks_about_the_dtype_decoding_runs_in_not_the_weights(monkeypatch):
+    """cuDNN on CUDA takes a decode mask in bf16 and refuses fp32: compare.py decodes fp32 weights under bf16
+    autocast, so the gate must ask about bf16 (run here by making CPU sdpa answer as cuDNN would)."""
+    asked = []
+
+    def like_cudnn(attn, device_type, dtype, head_size):
+        asked.append(dtype)
+        return dtype == torch.bfloat16
+    monkeypatch.setattr(generate, "decodes_with_mask", like_cudnn)
+    monkeypatch.setattr(generate.runtime, "compile_isolated", lambda fn, **options: fn)  # the gate, not inductor
+    model = small_model("sdpa")  # fp32 weights
+    with pytest.raises(UserError, match="takes no mask on cpu"):
+        Decoder(model, compile=True)
+    assert Decoder(model, compile=True, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert Decoder(model, compile=True).dtype == torch.bfloat16  # autocast's dtype, by default
+    assert asked == [torch.float32, torch.bfloat16, torch.bfloat16]
+    with pytest.raises(ValueError, match="compiled its steps for torch.bfloat16 and now decodes in torch.float32"):
+        Decoder(model, compile=True, dtype=torch.bfloat16).generate(prompts(), 2, temperature=0.0)
+
+
+def test_compare_builds_its_decoders_for_the_dtype_it_draws_in(monkeypatch):
+    import compare
+    import sample
+    made = []
+    real = compare.Decoder
+    monkeypatch.setattr(compare, "Decoder", lambda model, compile, dtype: made.append(dtype) or real(model, compile,
+                                                                                                       dtype=dtype))
+    run = compare.Run(rt=generate.runtime.Runtime("cpu", "bfloat16"), reduced="bfloat16", prompt=[1, 2],
+                      sampling=sample.Sampling(1, 2, 0.0, None, 1), compile=False, x=torch.tensor([[1, 2, 3]]),
+                      ref_logits=torch.zeros(3, SMALL["vocab_size"], dtype=torch.float64))
+    compare.compare_one(small_model("sdpa"), run, None)
+    assert made == [torch.bfloat16]  # fp32 weights, bf16 autocast: the cache and the gate are bf16
+
+
 def test_cpu_flash_takes_a_decode_mask():
     assert attention.decodes_with_mask("flash", "cpu", torch.float32, 16)
     assert not attention.decodes_with_mask("efficient", "cpu", torch.float32, 16)  # CUDA-only

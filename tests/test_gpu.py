@@ -12,6 +12,7 @@ import string
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import bench
 import measure
@@ -41,6 +42,7 @@ def runs(attn: str, dtype: torch.dtype, dropout: float = 0.0, training: bool = T
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("attn", list(ATTENTION))
 def test_every_attention_trains_in_reduced_precision_or_says_why_not(char_data, tmp_path, attn, dtype):
+    # catches: a kernel that crashes, NaNs under fp16 loss scaling, a refusal that is a traceback, no memory logged
     args = GPU + [f"--data_dir={char_data}", f"--attn={attn}", f"--dtype={dtype}", "--max_iters=4",
                   "--eval_interval=4", f"--out_dir={tmp_path}"]
     if not runs(attn, runtime.DTYPES[dtype]):
@@ -54,6 +56,7 @@ def test_every_attention_trains_in_reduced_precision_or_says_why_not(char_data, 
 
 
 def test_logits_of_every_implementation_agree_with_fp32_manual_within_the_bf16_tolerance():
+    # catches: an implementation computing other attention on CUDA (a wrong mask alignment, scale or layout)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256, attn="manual")).cuda().eval()
     x = torch.randint(512, (2, 256), device="cuda")
@@ -78,22 +81,26 @@ def default_bench(tmp_path_factory) -> dict:
 
 
 def test_the_audit_names_the_cuda_kernel_each_row_really_ran(default_bench):
+    # catches: a forced backend that silently runs another kernel, or an audit that misreads CUDA's op names
     rows = {(r["attn"], r["pad_vocab"]): r for r in default_bench["rows"]}
     for attn in ("flash", "efficient", "cudnn", "math"):
         row = rows[(attn, False)]
         assert row["status"] != "ok" or (row["kernel"] == attn and row["kernel_ok"]), row
     assert rows[("flash", False)]["status"] == "ok"
+    assert rows[("flex", False)]["status"] != "ok" or rows[("flex", False)]["kernel"] == "flex"  # compiled on CUDA
     assert rows[("sdpa_mask", False)]["kernel"] != "flash"  # an explicit mask rules the flash kernel out
     assert rows[("manual", False)]["kernel"] == "none"
 
 
 def test_mfu_is_between_1_and_100_percent_and_peak_memory_is_recorded(default_bench):
+    # catches: a wrong datasheet peak or FLOP count (MFU off by 10x either way), CUDA memory not read
     ran = [r for r in default_bench["rows"] if r["status"] == "ok"]
     assert ran and all(0.01 < r["mfu"] < 1.0 and r["mem/peak_gb"] > 0 for r in ran), \
         [(r["attn"], r["mfu"], r["mem/peak_gb"]) for r in ran]
 
 
 def test_compile_and_flex_train_together(char_data, tmp_path):
+    # catches: flex's backward failing to compile on CUDA, or a compiled flex model that does not learn
     assert train.main(GPU + [f"--data_dir={char_data}", "--attn=flex", "--compile=True", "--dtype=bfloat16",
                              "--max_iters=20", "--eval_interval=20", f"--out_dir={tmp_path}"]) == 0
     val = metrics(tmp_path, "val/loss")
@@ -101,6 +108,7 @@ def test_compile_and_flex_train_together(char_data, tmp_path):
 
 
 def test_resume_continues_the_same_losses_in_fp32(char_data, tmp_path):
+    # catches: CUDA RNG state or optimizer state not restored on resume
     straight, stopped = straight_and_resumed(
         GPU + [f"--data_dir={char_data}", "--attn=manual", "--dtype=float32", "--eval_interval=3"], tmp_path)
     straight, resumed = metrics(straight, "train/loss"), metrics(stopped, "train/loss")
@@ -108,14 +116,29 @@ def test_resume_continues_the_same_losses_in_fp32(char_data, tmp_path):
         assert resumed[i] == pytest.approx(straight[i], abs=1e-5)
 
 
-def test_sample_compare_all_finishes_on_the_gpu(tmp_path, capsys):
+def test_sample_compare_all_finishes_on_the_gpu(tmp_path, monkeypatch):
+    # catches: a CUDA implementation whose cached decoding differs from its cache-free decoding, or a crash in
+    # --compare's numerics. Greedy fp32 with TF32 off: every path then rounds alike, so equality is the bar (in
+    # bf16 at temperature 0.8 different kernels round differently and one flipped sample diverges for good).
+    real_resolve = runtime.resolve_runtime
+
+    def fp32_without_tf32(*args, **kwargs):
+        rt = real_resolve(*args, **kwargs)  # turns TF32 on, as for every script
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        return rt
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)  # restored after
+    monkeypatch.setattr(runtime, "resolve_runtime", fp32_without_tf32)
     chars = sorted(set("\n .,;:!?'-" + string.ascii_letters))
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=128))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked logits: few near ties
     Checkpoint.of(model, iter_num=1, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
         tmp_path / "ckpt.pt")
     assert sample.main([f"--out_dir={tmp_path}", "--compare=all", "--num_samples=1", "--max_new_tokens=80",
-                        "--start=To be", f"--json={tmp_path / 'compare.json'}"]) == 0
+                        "--temperature=0", "--dtype=float32", "--start=To be",
+                        f"--json={tmp_path / 'compare.json'}"]) == 0
     report = json.loads((tmp_path / "compare.json").read_text())
     assert set(report["implementations"]) | set(report["skipped"]) == set(ATTENTION)
     assert all(r["cache_equals_no_cache"] for r in report["implementations"].values())
@@ -124,7 +147,9 @@ def test_sample_compare_all_finishes_on_the_gpu(tmp_path, capsys):
 @pytest.mark.parametrize("attn", list(ATTENTION))
 def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_says_why_not(attn, monkeypatch):
     """fp32 where the kernel takes it (TF32 off: the three paths then round alike), else bf16, where paths that
-    sum in another order may flip a near tie: there 95% of the tokens must agree."""
+    sum in another order may flip a near tie: there 95% of the tokens must agree.
+    Catches: a cache or decode mask that differs from cache-free attention on CUDA; a compiled decode step that is
+    no CUDA graph (a skipped cudagraph) or that recompiles at every position."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     dtype = torch.float32 if runs(attn, torch.float32, training=False) else torch.bfloat16
     torch.manual_seed(0)
@@ -147,10 +172,16 @@ def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_s
             Decoder(model, compile=True)
         return
     torch._dynamo.reset()
-    assert agrees(Decoder(copy.deepcopy(model), compile=True).generate(x, 70, temperature=0.0))  # a CUDA graph
+    counters.clear()
+    decoder = Decoder(copy.deepcopy(model), compile=True)
+    assert agrees(decoder.generate(x, 70, temperature=0.0))  # warm-up: compiles, records the CUDA graph
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert agrees(decoder.generate(x, 70, temperature=0.0))  # every shape met before: no recompile
+    assert counters["inductor"]["cudagraph_skips"] == 0  # the decode step really ran as a CUDA graph
 
 
 def test_int8_weights_and_the_generate_benchmark_run_on_the_gpu(tmp_path):
+    # catches: torchao's int8 path failing on CUDA, a silent kernel fallback in generation, int8 bytes not saved
     assert bench.main(["--mode=generate", "--new_tokens=64", "--iters=1", f"--out_dir={tmp_path}"]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
     ran = [r for r in rows if r["status"] == "ok"]
@@ -164,6 +195,7 @@ def test_int8_weights_and_the_generate_benchmark_run_on_the_gpu(tmp_path):
 
 
 def test_the_max_batch_search_returns_a_batch_that_really_trains():
+    # catches: a max-batch search that reports a batch that then runs out of memory, or never finds a limit
     cfg, rt = bench.settings(["--attn=manual", "--seq_len=2048", "--max_batch_limit=256"])
     found = measure.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), cfg.max_batch_limit)
     assert 1 <= found < 256  # manual attention at T=2048 runs out of memory well before 256
@@ -176,6 +208,7 @@ def test_the_max_batch_search_returns_a_batch_that_really_trains():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_gpus_match_one_process_with_the_same_global_batch(char_data, tmp_path, parallel):
+    # catches: NCCL DDP/FSDP2 training on other data or with unsynchronised gradients
     common = GPU + [f"--data_dir={char_data}", "--dtype=float32", "--attn=manual", "--max_iters=4",
                     "--eval_interval=100", "--gradient_accumulation_steps=2"]
     run_train(common + [f"--out_dir={tmp_path / 'one'}"])

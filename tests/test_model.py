@@ -240,6 +240,41 @@ def test_compiled_flex_forward_equals_eager():
     assert rel_err(logits.double(), eager_logits.double()) <= 1e-5
 
 
+def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(monkeypatch):
+    """CUDA compiles every flex call. Its uses - fp32 and bf16, prompts of any length, decode steps at every
+    position, the availability probes - must never pass dynamo's recompile limit, past which flex would run eagerly
+    without a word. Run here by compiling CPU flex as CUDA does (inference only: CPU flex has no backward), with
+    dynamo raising at a limit instead of falling back."""
+    import attention
+    from conftest import strict_recompile_limit
+    monkeypatch.setattr(attention, "_compile_flex_here", lambda q: not torch.compiler.is_compiling())
+    attention._compiled_flex_attention.cache_clear()
+    attention.attention_problem.cache_clear()
+    torch._dynamo.reset()
+    flex, generator = attention.ATTENTION["flex"], torch.Generator().manual_seed(0)
+    try:
+        with strict_recompile_limit(), torch.no_grad():
+            for dtype in (torch.float32, torch.bfloat16):
+                cache = torch.randn(2, 1, 2, 64, 16, generator=generator).to(dtype)  # (k|v, B, nh, block, hs)
+                for T in (5, 9, 17, 33, 64):  # prompts and training-length blocks
+                    q = torch.randn(1, 2, T, 16, generator=generator).to(dtype)  # (B, nh, T, hs)
+                    y = flex(q, cache[0][:, :, :T], cache[1][:, :, :T], None, 0.0)
+                    reference = attention.manual_attention(q.float(), cache[0][:, :, :T].float(),
+                                                           cache[1][:, :, :T].float(), None, 0.0)
+                    assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
+                for position in range(5, 40, 3):  # decode steps over the whole cache, a mask row each
+                    mask = (torch.arange(64) <= position)[None]  # (1, block): the positions written so far
+                    q = torch.randn(1, 2, 1, 16, generator=generator).to(dtype)
+                    y = flex(q, cache[0], cache[1], mask, 0.0)
+                    reference = attention.manual_attention(q.float(), cache[0].float(), cache[1].float(), mask, 0.0)
+                    assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
+                assert attention.attention_problem("flex", "cpu", dtype, 0.0, 16, False, 32) is None  # the probes
+    finally:
+        attention._compiled_flex_attention.cache_clear()
+        attention.attention_problem.cache_clear()
+        torch._dynamo.reset()
+
+
 # -- clear errors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("attn,reason", [("efficient", "CUDA-only"), ("cudnn", "CUDA-only")])
@@ -264,25 +299,48 @@ def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
     assert attention_problem("sdpa", "cpu", torch.float32, 0.1, 8, True) is None  # sdpa falls back to math
 
 
-def test_an_unforeseen_kernel_refusal_reports_pytorchs_own_reason(monkeypatch):
-    """What CUDA does for, e.g., flash in fp32: a header warning, the reason as a warning, then an error."""
-    import warnings
-
+def probe_with(monkeypatch, attn: str, fn) -> str:
+    """attention_problem for `attn` with its function replaced by `fn`."""
     import attention
-
-    def refusing(q, k, v, mask, dropout_p):
-        warnings.warn("Flash attention kernel not used because:")
-        warnings.warn("Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float")
-        raise RuntimeError("No available kernel. Aborting execution.")
-
-    monkeypatch.setitem(attention.ATTENTION, "math", refusing)
+    monkeypatch.setitem(attention.ATTENTION, attn, fn)
     attention_problem.cache_clear()
     try:
-        problem = attention_problem("math", "cpu", torch.float32, 0.0, 8, True)
+        return attention_problem(attn, "cpu", torch.float32, 0.0, 8, True)
     finally:
         attention_problem.cache_clear()
-    assert problem == ("PyTorch has no kernel for it (Expected query, key and value to all be of dtype: "
-                       "{Half, BFloat16}. Got Query dtype: float)")
+
+
+def test_a_kernel_refusal_on_cpu_reports_pytorchs_reason_without_the_cpp_location(monkeypatch):
+    """A real refusal of the CPU flash kernel: C++ warns a header, then the reason, each ending in
+    '(Triggered internally at <file>:<line>.)'."""
+    flash = ATTENTION["flash"]
+
+    def mismatched_v(q, k, v, mask, dropout_p):
+        v = torch.cat([v, v], dim=-1)  # (B, nh, T, 2 hs): the flash kernel needs one head size for q, k and v
+        return flash(q, k, v, mask, dropout_p)
+    assert probe_with(monkeypatch, "flash", mismatched_v) == (
+        "PyTorch has no kernel for it (Flash attention requires q,k,v to have the same last dimension. Got "
+        "Query.size(-1): 8, Key.size(-1): 8, Value.size(-1): 16 instead)")
+
+
+def test_a_forced_cuda_kernel_reports_its_own_reason_not_another_kernels(monkeypatch):
+    """What CUDA warns for attn=flash in fp32 (torch 2.13's sdp_utils.cpp, word for word): every kernel's header in
+    turn, efficient first, each line with its C++ location; the efficient kernel is only 'runtime disabled'."""
+    import warnings
+
+    def cuda_flash_in_fp32(q, k, v, mask, dropout_p):
+        for text in ["Memory efficient kernel not used because:",
+                     "Memory Efficient attention has been runtime disabled.",
+                     "Flash attention kernel not used because:",
+                     "Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float, "
+                     "Key dtype: float, and Value dtype: float instead.",
+                     "CuDNN attention kernel not used because:",
+                     "CuDNN attention has been runtime disabled."]:
+            warnings.warn(f"{text} (Triggered internally at /pytorch/aten/src/ATen/native/transformers/sdp_utils.cpp:1.)")
+        raise RuntimeError("No available kernel. Aborting execution.")
+    assert probe_with(monkeypatch, "flash", cuda_flash_in_fp32) == (
+        "PyTorch has no kernel for it (Expected query, key and value to all be of dtype: {Half, BFloat16}. Got "
+        "Query dtype: float, Key dtype: float, and Value dtype: float instead)")
 
 
 def test_dropout_applies_in_training_only():
