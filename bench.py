@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import flops
 import runtime
 from measure import (audited_row, max_batch_size, measure_calls, out_of_memory, paired_speedup,
                      profiled_run)
@@ -258,7 +259,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                 rows[key]["vocab"] = trainers[pad].model.config.padded_vocab_size
                 calls[key] = functools.partial(trainers[pad].step, a)
                 audits[key] = functools.partial(trainers[pad].eager_pass, a)
-    peak = rt.peak_flops
+    peak = flops.peak_flops(rt)
     with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr) as bar:
         measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),
                                  audits if cfg.compile else None)
@@ -432,7 +433,7 @@ def sweep_plan(cfg: Settings) -> str:
 def environment(rt: Runtime, argv: list[str]) -> dict:
     return dict(device=rt.device, device_name=rt.name, torch=torch.__version__,
                 cuda=torch.version.cuda if rt.is_cuda else None, dtype=rt.dtype,
-                threads=torch.get_num_threads(), peak_flops=rt.peak_flops,
+                threads=torch.get_num_threads(), peak_flops=flops.peak_flops(rt),
                 python=platform.python_version(), platform=platform.platform(),
                 command=" ".join(["python", "bench.py", *argv]), time=time.strftime("%Y-%m-%d %H:%M:%S"))
 

@@ -105,3 +105,19 @@ class Checkpoint:
                             f"checkpoint written by train.py.")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in contents.items() if k in known})
+
+
+def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
+    """A new run never replaces another run's checkpoint or adds to its metrics unless --overwrite=True says so;
+    then the old metrics.jsonl goes now and the old ckpt.pt at the first save."""
+    if resuming:
+        return
+    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
+    if overwrite:
+        log.unlink(missing_ok=True)
+        return
+    if ckpt.exists() or log.exists():
+        what = (f"another run's checkpoint ({Checkpoint.describe(ckpt)})" if ckpt.exists()
+                else "another run's metrics.jsonl")
+        raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
+                        f"or replace it with --overwrite=True.")

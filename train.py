@@ -11,7 +11,6 @@ Every setting below can be set in a config file or overridden with --key=value.
 
 import dataclasses
 import inspect
-import json
 import math
 import sys
 from contextlib import nullcontext
@@ -23,10 +22,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import flops
 import nanogpt
 import runtime
-from checkpoint import Checkpoint
+from checkpoint import Checkpoint, claim_out_dir
 from configurator import Settings, configure
+from metrics import MetricsLog
 from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing, read_meta
 from errors import UserError
 from attention import check_attention
@@ -230,32 +231,6 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 # -- logging and evaluation ------------------------------------------------------------------------------
 
-class MetricsLog:
-    """Console, out_dir/metrics.jsonl, and wandb when enabled. Only the master rank writes."""
-
-    def __init__(self, cfg: Settings, run_config: dict, enabled: bool, to_file: bool = True):
-        self.enabled, self.wandb = enabled, None
-        self.path = Path(cfg.out_dir) / "metrics.jsonl" if to_file else None
-        if enabled and cfg.wandb_log:
-            import wandb  # mode (online/offline/disabled) comes from WANDB_MODE, never hard-coded
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run_config)
-
-    def log(self, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-        print(text, flush=True)
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if k != "iter"}, step=metrics["iter"])
-
-    def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
 @torch.no_grad()
 def estimate_loss(model, cfg: Settings, data_dir: Path, ranks: Dist, rt: Runtime) -> dict:
     """Mean loss over eval_iters batches per split, the same batches at every evaluation (a fixed seed),
@@ -354,22 +329,6 @@ class Trainer:
         self.log.log({**metrics, **self.rt.memory_metrics()})
 
 
-def claim_out_dir(cfg: Settings) -> None:
-    """A new run never replaces another run's checkpoint or adds to its metrics unless --overwrite=True says so;
-    then the old metrics.jsonl goes now and the old ckpt.pt at the first save."""
-    if cfg.init_from == "resume":
-        return
-    out = Path(cfg.out_dir)
-    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
-    if cfg.overwrite:
-        log.unlink(missing_ok=True)
-        return
-    if ckpt.exists() or log.exists():
-        what = f"another run's checkpoint ({Checkpoint.describe(ckpt)})" if ckpt.exists() else "another run's metrics.jsonl"
-        raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
-                        f"or replace it with --overwrite=True.")
-
-
 def tokens_per_iter(cfg: Settings) -> int:
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
 
@@ -391,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         runtime.on_master(lambda: runtime.check_writable_dir(Path(cfg.out_dir)), ranks.device)
-        runtime.on_master(lambda: claim_out_dir(cfg), ranks.device)
+        runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), cfg.init_from == "resume", cfg.overwrite),
+                          ranks.device)
 
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
@@ -441,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{rt.name}{muon}, world size {ranks.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
 
     # the loop
-    peak_flops = rt.peak_flops  # measured on CPU and unlisted GPUs: before the clock starts
+    peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
     timer = runtime.StepTimer(rt)
     steps_run = 0  # optimizer steps taken by this process
     try:

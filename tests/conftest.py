@@ -19,7 +19,7 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 
 @pytest.fixture(autouse=True, scope="session")
 def own_cache_folder(tmp_path_factory):
-    """Measured peaks (runtime.peak_flops_cache) go to a folder of the test session's, in process and in every
+    """Measured peaks (flops.peak_flops_cache) go to a folder of the test session's, in process and in every
     script a test launches, never to the user's ~/.cache."""
     saved = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import flops
 import measure
 import bench
 import compare
@@ -36,20 +37,20 @@ DEVICE_NAMES = {
 @pytest.mark.parametrize("name", DEVICE_NAMES)
 def test_datasheet_peaks_match_the_names_gpus_really_report(name):
     half, fp32 = DEVICE_NAMES[name]
-    assert runtime.datasheet_peak_flops(name, "float16") == pytest.approx(half * 1e12)
-    assert runtime.datasheet_peak_flops(name, "float32") == pytest.approx(fp32 * 1e12)
+    assert flops.datasheet_peak_flops(name, "float16") == pytest.approx(half * 1e12)
+    assert flops.datasheet_peak_flops(name, "float32") == pytest.approx(fp32 * 1e12)
 
 
 def test_an_h100_sxm_is_not_read_as_the_pcie_part_nor_an_a10_as_an_a100():
-    assert runtime.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
-    assert runtime.datasheet_peak_flops("NVIDIA A10", "bfloat16") == pytest.approx(125e12)
-    assert runtime.datasheet_peak_flops("NVIDIA L40S", "bfloat16") != runtime.datasheet_peak_flops("NVIDIA L4", "bfloat16")
+    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
+    assert flops.datasheet_peak_flops("NVIDIA A10", "bfloat16") == pytest.approx(125e12)
+    assert flops.datasheet_peak_flops("NVIDIA L40S", "bfloat16") != flops.datasheet_peak_flops("NVIDIA L4", "bfloat16")
 
 
 def test_gpus_without_native_bf16_and_unlisted_gpus_have_no_datasheet_peak():
-    assert runtime.datasheet_peak_flops("Tesla T4", "bfloat16") is None  # emulated: measured instead
-    assert runtime.datasheet_peak_flops("NVIDIA A10G", "bfloat16") is None
-    assert runtime.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
+    assert flops.datasheet_peak_flops("Tesla T4", "bfloat16") is None  # emulated: measured instead
+    assert flops.datasheet_peak_flops("NVIDIA A10G", "bfloat16") is None
+    assert flops.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
 
 
 def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches():
@@ -59,19 +60,19 @@ def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches():
     a, b = torch.randn(1024, 384), torch.randn(384, 1536)
     a @ b
     best = min(runtime.time_call(lambda: a @ b, rt)[1] for _ in range(20))
-    assert runtime.measured_matmul_flops(rt) >= 0.5 * (2 * 1024 * 384 * 1536 / best)  # 0.5: a noisy machine
+    assert flops.measured_matmul_flops(rt) >= 0.5 * (2 * 1024 * 384 * 1536 / best)  # 0.5: a noisy machine
 
 
 def test_a_peak_measured_under_load_cannot_lower_the_one_kept_so_mfu_cannot_rise_with_load(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     rt = runtime.Runtime("cpu", "float32")
     for measured, kept in [(100e9, 100e9), (40e9, 100e9), (150e9, 150e9)]:  # a loaded machine measures 40
-        runtime.measured_matmul_flops.cache_clear()
-        monkeypatch.setattr(runtime, "best_matmul_flops", lambda rt, repeats: measured)
-        assert runtime.measured_matmul_flops(rt) == kept
+        flops.measured_matmul_flops.cache_clear()
+        monkeypatch.setattr(flops, "best_matmul_flops", lambda rt, repeats: measured)
+        assert flops.measured_matmul_flops(rt) == kept
     saved = json.loads((tmp_path / "nanogpt-attn" / "peak_flops.json").read_text())
     assert saved == {f"{rt.name}, float32, torch {torch.__version__}": 150e9}
-    runtime.measured_matmul_flops.cache_clear()
+    flops.measured_matmul_flops.cache_clear()
 
 
 # -- device and precision ----------------------------------------------------------------------------
