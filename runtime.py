@@ -71,7 +71,7 @@ def cuda_has_bf16() -> bool:
 
 def bf16_is_native(device_type: str, capability: str) -> bool:
     """bf16 matmuls run in hardware: CUDA from Ampere on, CPUs with AMX or AVX512-BF16. Elsewhere (AVX2 CPUs) they
-    are emulated, ~20x slower than fp32 (docs/measured.md)."""
+    are emulated, ~20-35x slower than fp32 (docs/quickstart.md)."""
     if device_type == "cuda":
         return cuda_has_bf16()
     return device_type == "cpu" and capability in ("AMX", "AVX512_BF16")
@@ -85,14 +85,14 @@ def bf16_autocast_pays(device_type: str, capability: str) -> bool:
     return device_type == "cpu" and capability == "AMX"
 
 
-def pick_dtype(dtype: str, device: str, capability: str = "") -> str:
+def pick_dtype(dtype: str, device: str) -> str:
     """'auto' is bf16 where the hardware runs it fast, fp16 (with a GradScaler) on older GPUs, fp32 otherwise."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise UserError(f"unknown dtype '{dtype}'; use auto, {', '.join(DTYPES)}.")
         return dtype
     kind = device.split(":")[0]
-    if bf16_autocast_pays(kind, capability or cpu_capability()):
+    if bf16_autocast_pays(kind, cpu_capability()):
         return "bfloat16"
     return "float16" if kind == "cuda" else "float32"
 

@@ -27,10 +27,10 @@ import nanogpt
 import runtime
 from checkpoint import Checkpoint, claim_out_dir
 from configurator import Settings, configure
-from metrics import MetricsLog
 from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing, read_meta
 from errors import UserError
 from attention import check_attention
+from metrics import MetricsLog
 from model import GPT, GPTConfig
 from muon import Muon
 from runtime import Dist, Runtime
@@ -69,7 +69,7 @@ gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact o
 optimizer = "adamw"               # 'adamw' or 'muon'
 muon_lr = None                    # Muon's peak learning rate (None: learning_rate; its update is scaled to AdamW's RMS)
 muon_momentum = 0.95
-muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where bf16 is native: CUDA Ampere+, AMX/AVX512-BF16 CPUs; else fp32)
+muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where bf16 is native, else fp32), float32, bfloat16
 learning_rate = 6e-4              # AdamW's peak learning rate
 max_iters = 600000
 weight_decay = 1e-1
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"optimizer must be 'adamw' or 'muon', got '{cfg.optimizer}'.")
     ranks = runtime.init_distributed(runtime.pick_device(cfg.device))
     if cfg.optimizer == "muon" and ranks.is_distributed and cfg.parallel == "fsdp":
-        raise UserError("optimizer='muon' does not run under --parallel=fsdp: torch.optim.Muon orthogonalizes each "
+        raise UserError("optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes each "
                         "whole weight matrix and FSDP2 gives every rank a shard of it; use --parallel=ddp.")
     rt = runtime.resolve_runtime(ranks.device, cfg.dtype, cfg.muon_dtype)
     if cfg.gradient_accumulation_steps % ranks.world_size:
@@ -349,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"the {ranks.world_size} ranks; make it a multiple of the world size.")
     micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
-        runtime.on_master(lambda: runtime.check_writable_dir(Path(cfg.out_dir)), ranks.device)
-        runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), cfg.init_from == "resume", cfg.overwrite),
-                          ranks.device)
+        def writable_and_ours() -> None:
+            runtime.check_writable_dir(Path(cfg.out_dir))
+            claim_out_dir(Path(cfg.out_dir), resuming=cfg.init_from == "resume", overwrite=cfg.overwrite)
+        runtime.on_master(writable_and_ours, ranks.device)
 
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)

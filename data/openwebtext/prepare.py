@@ -37,8 +37,8 @@ from errors import UserError  # noqa: E402
 DEFAULT_DATASET = "openwebtext"
 SEED = 2357  # the validation split nanoGPT holds out
 MAX_WRITE_SHARDS = 1024  # a split is written in this many contiguous shards (fewer for small corpora)
-LIMITS = {"num_proc": "[1, inf)", "val_fraction": "(0, 1)", "block_size": "[1, inf)"}
-DEFAULT_BLOCK_SIZE = 1024  # train.py's default (and GPT-2's): a split must hold more tokens than one block  # the allowed range of each numeric option
+LIMITS = {"num_proc": "[1, inf)", "val_fraction": "(0, 1)", "block_size": "[1, inf)"}  # each numeric option's range
+DEFAULT_BLOCK_SIZE = 1024  # train.py's default (and GPT-2's): a split must hold more tokens than one block
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 # token ids are stored as uint16 in datasets' cache too: a quarter of the disk of the default int64
 TOKENIZED_FEATURES = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
