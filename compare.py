@@ -27,10 +27,10 @@ import runtime
 from attention import ATTENTION, attention_names, attention_problem
 from dataset import read_windows
 from errors import UserError
-from generate import Decoder, for_inference, weight_bytes
+from generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
+                      weight_bytes)
 from model import GPT, GPTConfig
 from runtime import Runtime
-from sample import Sampling, draw_samples, full_warmup, print_samples, tokens_per_s
 from tokenizer import CharTokenizer, Tokenizer
 
 _MIN_NUMERICS_TOKENS = 16  # a shorter prompt is too little text for the teacher-forced comparison

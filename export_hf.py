@@ -7,7 +7,7 @@ Export a training run to a Hugging Face GPT-2 directory that transformers loads 
 
 The directory holds config.json, model.safetensors, generation_config.json and the tokenizer (tokenizer.json and
 tokenizer_config.json; BPE models also get GPT-2's vocab.json and merges.txt). Vocabulary padding is undone: the
-export has the real vocabulary only. GPT.from_pretrained(hf_dir) reads it back into this repo.
+export has the real vocabulary only. hf.from_pretrained(hf_dir) reads it back into this repo.
 """
 
 import shutil

@@ -4,7 +4,7 @@ with both steps compiled - and int8 weight-only weights for sampling.
 
     decoder = Decoder(model, compile=True)     # the decode step compiles once (fullgraph), the prefill once too
     idx = decoder.generate(idx, max_new_tokens=100, temperature=0)
-    model.generate(idx, 100)                   # nanoGPT's API: the same loop, eager
+    idx = generate(model, idx, 100)            # nanoGPT's model.generate: the same loop, eager
 
 Positions are absolute (learned position embeddings), so once the text is longer than block_size every new token
 shifts the whole window: each such step is a full prefill of block_size tokens, which is what the cache-free path
@@ -12,6 +12,7 @@ pays at every step. The cache saves work while the text fits in block_size.
 """
 
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -153,8 +154,52 @@ class Decoder:
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
              use_cache: bool = True) -> torch.Tensor:
-    """Eager generation (GPT.generate)."""
+    """nanoGPT's `model.generate`, as a function: eager generation over the KV cache (use_cache=False: the
+    cache-free loop)."""
     return Decoder(model).generate(idx, max_new_tokens, temperature, top_k, generator, use_cache)
+
+
+# -----------------------------------------------------------------------------
+# sampling a batch, timed (sample.py, compare.py)
+
+@dataclass
+class Sampling:
+    num_samples: int
+    max_new_tokens: int
+    temperature: float
+    top_k: Optional[int]
+    seed: int
+
+
+def draw_samples(decoder: Decoder, prompt: list[int], rt: runtime.Runtime, sampling: Sampling, use_cache: bool = True,
+                 warmup: int = 8) -> tuple[list[list[int]], float, float]:
+    """num_samples samples drawn together (one batch) from a generator seeded with sampling.seed: the new tokens
+    of each, the seconds they took, and the seconds of an untimed warm-up of `warmup` tokens first, which pays
+    for one-time work (compilation; CPU kernels are built per shape)."""
+    x = torch.tensor([prompt] * sampling.num_samples, dtype=torch.long, device=rt.device)  # (num_samples, T)
+    generator = torch.Generator(rt.device).manual_seed(sampling.seed)
+    with rt.autocast():
+        _, warmup_s = runtime.time_call(lambda: decoder.generate(
+            x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache), rt)
+        y, seconds = runtime.time_call(lambda: decoder.generate(
+            x, sampling.max_new_tokens, sampling.temperature, sampling.top_k, generator, use_cache), rt)
+    return y[:, len(prompt):].tolist(), seconds, warmup_s  # y: (num_samples, T + new)
+
+
+def full_warmup(model: GPT, sampling: Sampling) -> int:
+    """Warm-up tokens that meet every shape a timed run will (the cache refills past block_size)."""
+    return min(sampling.max_new_tokens, model.config.block_size + 1)
+
+
+def tokens_per_s(seconds: float, sampling: Sampling) -> float:
+    """New tokens per second over the whole batch."""
+    return sampling.num_samples * sampling.max_new_tokens / seconds
+
+
+def print_samples(tok, prompt: list[int], samples: list[list[int]]) -> None:
+    for sample in samples:
+        print(tok.decode(prompt + sample))
+        print("---------------")
 
 
 # -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 GPT-2 weights in Hugging Face's format: reading a local directory (model.safetensors or pytorch_model.bin, plus
 config.json) or a hub name, and converting GPT2LMHeadModel's state dict to this project's GPT.
 
-    model = GPT.from_pretrained("gpt2", attn="flash")       # calls gpt2_from_hf
+    from hf import from_pretrained
+    model = from_pretrained("gpt2", attn="flash")
 """
 
 import json
@@ -14,7 +15,7 @@ from errors import UserError
 from model import GPT, GPTConfig
 
 
-def gpt2_from_hf(name_or_path: str, **overrides) -> GPT:
+def from_pretrained(name_or_path: str, **overrides) -> GPT:
     """GPT-2 weights from a local Hugging Face directory or a hub name; `overrides` may set attn, pad_vocab and
     dropout."""
     allowed = {"attn", "pad_vocab", "dropout"}

@@ -3,10 +3,11 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(attn="flash", pad_vocab=True))
-    model = GPT.from_pretrained("gpt2", attn="sdpa")          # or a local Hugging Face directory (hf.py)
+    logits, loss = model(idx, targets)
 
-The implementations themselves, and what decides whether one can run here, are in attention.py; fast
-generation over the static KV cache (compiled, int8) is in generate.py.
+The implementations themselves, and what decides whether one can run here, are in attention.py. Built on this
+file: generation over the static KV cache (generate.py: nanoGPT's `generate(model, idx, n)`, compiled decoding,
+int8) and GPT-2 weights from Hugging Face (hf.py: `from_pretrained("gpt2")`).
 """
 
 import dataclasses
@@ -323,23 +324,3 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_s: float, peak_flops: float, seq_len: Optional[int] = None) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak for the dtype in use."""
         return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
-
-    # -- generation -------------------------------------------------------------------------------------
-
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 use_cache: bool = True) -> torch.Tensor:
-        """nanoGPT's generate: append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy.
-        With the KV cache unless use_cache=False; generate.py has the loop, and compiled decoding."""
-        from generate import generate  # generate.py builds on this module
-        return generate(self, idx, max_new_tokens, temperature, top_k, generator, use_cache)
-
-    # -- GPT-2 weights ----------------------------------------------------------------------------------
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str, **overrides) -> "GPT":
-        """GPT-2 weights from a local Hugging Face directory or a hub name ('gpt2', 'gpt2-medium', ...).
-        `overrides` may set attn, pad_vocab and dropout. See hf.py."""
-        from hf import gpt2_from_hf  # hf.py builds on this module
-        return gpt2_from_hf(name_or_path, **overrides)
-

@@ -12,11 +12,8 @@ that the original attention and SDPA sample alike (with --quantize=int8, also wh
 
 import json as jsonlib
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-
-import torch
 
 import runtime
 from attention import check_attention
@@ -24,7 +21,9 @@ from checkpoint import Checkpoint
 from configurator import configure
 from dataset import dataset_dir
 from errors import UserError
-from generate import Decoder, check_quantize, for_inference
+from hf import from_pretrained
+from generate import (Decoder, Sampling, check_quantize, draw_samples, for_inference, full_warmup, print_samples,
+                      tokens_per_s)
 from model import GPT
 from runtime import Runtime
 from tokenizer import Tokenizer, tokenizer_from_meta
@@ -55,15 +54,6 @@ LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature"
 
 
 
-@dataclass
-class Sampling:
-    num_samples: int
-    max_new_tokens: int
-    temperature: float
-    top_k: Optional[int]
-    seed: int
-
-
 # -----------------------------------------------------------------------------
 # model, tokenizer, prompt
 
@@ -79,7 +69,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
         source = f"{path} (iter {checkpoint.iter_num})"
         data = training_data(checkpoint.settings)
     else:
-        model, tok, source = GPT.from_pretrained(init_from), tokenizer_from_meta(None), init_from
+        model, tok, source = from_pretrained(init_from), tokenizer_from_meta(None), init_from
         if model.config.vocab_size != tok.vocab_size:  # e.g. a character model exported by export_hf.py
             raise UserError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not GPT-2's; sample.py "
                             f"reads Hugging Face directories with GPT-2 BPE only - sample from the training out_dir.")
@@ -118,40 +108,6 @@ def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
         raise UserError("the prompt is empty; pass --start=TEXT or --start=FILE:path "
                         "(for GPT-2 BPE, --start='<|endoftext|>' starts from nothing).")
     return ids
-
-
-# -----------------------------------------------------------------------------
-# generation
-
-def draw_samples(decoder: Decoder, prompt: list[int], rt: Runtime, sampling: Sampling, use_cache: bool = True,
-                 warmup: int = 8) -> tuple[list[list[int]], float, float]:
-    """num_samples samples drawn together (one batch) from a generator seeded with sampling.seed: the new tokens
-    of each, the seconds they took, and the seconds of an untimed warm-up of `warmup` tokens first, which pays
-    for one-time work (compilation; CPU kernels are built per shape)."""
-    x = torch.tensor([prompt] * sampling.num_samples, dtype=torch.long, device=rt.device)  # (num_samples, T)
-    generator = torch.Generator(rt.device).manual_seed(sampling.seed)
-    with rt.autocast():
-        _, warmup_s = runtime.time_call(lambda: decoder.generate(
-            x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache), rt)
-        y, seconds = runtime.time_call(lambda: decoder.generate(
-            x, sampling.max_new_tokens, sampling.temperature, sampling.top_k, generator, use_cache), rt)
-    return y[:, len(prompt):].tolist(), seconds, warmup_s  # y: (num_samples, T + new)
-
-
-def full_warmup(model: GPT, sampling: Sampling) -> int:
-    """Warm-up tokens that meet every shape a timed run will (the cache refills past block_size)."""
-    return min(sampling.max_new_tokens, model.config.block_size + 1)
-
-
-def tokens_per_s(seconds: float, sampling: Sampling) -> float:
-    """New tokens per second over the whole batch."""
-    return sampling.num_samples * sampling.max_new_tokens / seconds
-
-
-def print_samples(tok: Tokenizer, prompt: list[int], samples: list[list[int]]) -> None:
-    for sample in samples:
-        print(tok.decode(prompt + sample))
-        print("---------------")
 
 
 # -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from checkpoint import Checkpoint, claim_out_dir
 from configurator import Settings, configure
 from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing, read_meta
 from errors import UserError
+from hf import from_pretrained
 from attention import check_attention
 from metrics import MetricsLog
 from model import GPT, GPTConfig
@@ -139,7 +140,7 @@ def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -
     elif cfg.init_from == "scratch":
         model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": vocab_size}))
     else:
-        model = GPT.from_pretrained(cfg.init_from, attn=cfg.attn, pad_vocab=cfg.pad_vocab, dropout=cfg.dropout)
+        model = from_pretrained(cfg.init_from, attn=cfg.attn, pad_vocab=cfg.pad_vocab, dropout=cfg.dropout)
         if model.config.vocab_size != vocab_size:
             raise UserError(f"{cfg.init_from} has vocab_size {model.config.vocab_size} but dataset "
                             f"'{cfg.dataset}' has {vocab_size}; use a GPT-2 tokenized dataset.")

@@ -11,9 +11,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import attention
-import generate
+import runtime
 import train
-from generate import Decoder, for_inference, quantize_int8, tensor_bytes, weight_bytes
+from generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
 from model import GPT, GPTConfig, UserError
 from tests.conftest import TINY as TINY_ARGS
 
@@ -90,8 +90,8 @@ def test_the_compiled_decode_step_compiles_once_for_every_position():
 
 def test_batched_prompts_give_each_prompt_its_own_tokens():
     model = small_model()
-    together = model.generate(prompts(B=3), 15, temperature=0.0)
-    alone = torch.cat([model.generate(prompts(B=3)[i:i + 1], 15, temperature=0.0) for i in range(3)])
+    together = generate(model, prompts(B=3), 15, temperature=0.0)
+    alone = torch.cat([generate(model, prompts(B=3)[i:i + 1], 15, temperature=0.0) for i in range(3)])
     assert torch.equal(together, alone)
 
 
@@ -99,10 +99,10 @@ def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatc
     """CUDA's flash kernel takes no mask: eager decoding then slices the cache to the written positions (run here
     by making CPU flash claim the same), and a compiled decode step is refused with one sentence."""
     model = small_model("flash")
-    expected = model.generate(prompts(), 20, temperature=0.0, use_cache=False)
+    expected = generate(model, prompts(), 20, temperature=0.0, use_cache=False)
     monkeypatch.setattr("model.decodes_with_mask", lambda *args: False)
-    monkeypatch.setattr(generate, "decodes_with_mask", lambda *args: False)
-    assert torch.equal(model.generate(prompts(), 20, temperature=0.0), expected)
+    monkeypatch.setattr("generate.decodes_with_mask", lambda *args: False)
+    assert torch.equal(generate(model, prompts(), 20, temperature=0.0), expected)
     with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
         Decoder(model, compile=True)
 
@@ -115,8 +115,8 @@ def test_the_compiled_decode_gate_asks_about_the_dtype_decoding_runs_in_not_the_
     def like_cudnn(attn, device_type, dtype, head_size):
         asked.append(dtype)
         return dtype == torch.bfloat16
-    monkeypatch.setattr(generate, "decodes_with_mask", like_cudnn)
-    monkeypatch.setattr(generate.runtime, "compile_isolated", lambda fn, **options: fn)  # the gate, not inductor
+    monkeypatch.setattr("generate.decodes_with_mask", like_cudnn)
+    monkeypatch.setattr(runtime, "compile_isolated", lambda fn, **options: fn)  # the gate, not inductor
     model = small_model("sdpa")  # fp32 weights
     with pytest.raises(UserError, match="takes no mask on cpu"):
         Decoder(model, compile=True)
@@ -130,13 +130,12 @@ def test_the_compiled_decode_gate_asks_about_the_dtype_decoding_runs_in_not_the_
 
 def test_compare_builds_its_decoders_for_the_dtype_it_draws_in(monkeypatch):
     import compare
-    import sample
     made = []
     real = compare.Decoder
     monkeypatch.setattr(compare, "Decoder", lambda model, compile, dtype: made.append(dtype) or real(model, compile,
                                                                                                        dtype=dtype))
-    run = compare.Run(rt=generate.runtime.Runtime("cpu", "bfloat16"), reduced="bfloat16", prompt=[1, 2],
-                      sampling=sample.Sampling(1, 2, 0.0, None, 1), compile=False, x=torch.tensor([[1, 2, 3]]),
+    run = compare.Run(rt=runtime.Runtime("cpu", "bfloat16"), reduced="bfloat16", prompt=[1, 2],
+                      sampling=Sampling(1, 2, 0.0, None, 1), compile=False, x=torch.tensor([[1, 2, 3]]),
                       ref_logits=torch.zeros(3, SMALL["vocab_size"], dtype=torch.float64))
     compare.compare_one(small_model("sdpa"), run, None)
     assert made == [torch.bfloat16]  # fp32 weights, bf16 autocast: the cache and the gate are bf16
@@ -189,7 +188,7 @@ def test_int8_logits_are_within_2_percent_of_fp32_and_greedy_tokens_agree(traine
     assert (logits - ref).abs().max() <= 0.02 * ref.abs().max()
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
     prompt = x[:1, :8]
-    assert torch.equal(int8.generate(prompt, 40, temperature=0.0), trained.generate(prompt, 40, temperature=0.0))
+    assert torch.equal(generate(int8, prompt, 40, temperature=0.0), generate(trained, prompt, 40, temperature=0.0))
 
 
 def test_int8_weights_take_about_a_quarter_of_fp32_bytes():
@@ -209,9 +208,9 @@ def test_bf16_weights_halve_the_bytes():
 
 
 def test_importing_torchao_prints_nothing():
-    code = ("import torch, generate; from model import GPT, GPTConfig; "
-            "m = generate.quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "
-            "print(m.generate(torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
+    code = ("import torch; from generate import generate, quantize_int8; from model import GPT, GPTConfig; "
+            "m = quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "
+            "print(generate(m, torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "torch.Size([1, 4])\n" and result.stderr == ""

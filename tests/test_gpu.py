@@ -22,7 +22,7 @@ from checkpoint import Checkpoint
 import train
 from conftest import TINY, metrics, run_train, straight_and_resumed
 from attention import ATTENTION, attention_problem, decodes_with_mask
-from generate import Decoder, for_inference
+from generate import Decoder, for_inference, generate
 from model import GPT, GPTConfig, UserError
 
 pytestmark = [pytest.mark.gpu,
@@ -160,13 +160,13 @@ def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_s
     x = torch.randint(512, (2, 5), device="cuda")
     if not runs(attn, dtype, training=False):
         with pytest.raises(UserError, match=f"attn='{attn}' cannot run for inference on cuda"):
-            model.generate(x, 4)
+            generate(model, x, 4)
         return
-    plain = model.generate(x, 70, temperature=0.0, use_cache=False)  # 5 + 70 > block_size 64: refills too
+    plain = generate(model, x, 70, temperature=0.0, use_cache=False)  # 5 + 70 > block_size 64: refills too
 
     def agrees(tokens):
         return torch.equal(tokens, plain) if dtype == torch.float32 else (tokens == plain).float().mean() >= 0.95
-    assert agrees(model.generate(x, 70, temperature=0.0))
+    assert agrees(generate(model, x, 70, temperature=0.0))
     if not decodes_with_mask(attn, "cuda", dtype, 64):  # flash: eager reads the written keys; compiled is refused
         with pytest.raises(UserError, match=f"attn='{attn}' takes no mask on cuda"):
             Decoder(model, compile=True)

@@ -18,6 +18,7 @@ import train
 from checkpoint import Checkpoint
 from conftest import REPO, TINY, metrics
 from errors import UserError
+from hf import from_pretrained
 from model import GPT, GPTConfig
 from tokenizer import GPT2Tokenizer, tokenizer_from_meta, write_meta
 
@@ -92,7 +93,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the
         with torch.no_grad():
             theirs = loaded.eval()(ids).logits
         torch.testing.assert_close(theirs, our_logits(ours, ids), rtol=0, atol=1e-5)
-    back = GPT.from_pretrained(str(hf_dir), pad_vocab=padded)
+    back = from_pretrained(str(hf_dir), pad_vocab=padded)
     assert back.config.gelu == ours.config.gelu
     real = ours.config.vocab_size  # padded rows are not exported: they come back as zeros, still behind -inf
     for key, tensor in ours.state_dict().items():

@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from hf import convert_hf_state_dict
+from generate import generate
+from hf import convert_hf_state_dict, from_pretrained
 from attention import ATTENTION, attention_names, attention_problem, check_attention
 from model import GPT, GPTConfig, UserError
 
@@ -119,7 +120,7 @@ def test_from_pretrained_reads_a_local_hf_directory(hf_gpt2, tmp_path, safe_seri
     x, _ = batch()
     expected = hf_logits(hf_gpt2, "eager", x)[:, -1]
     for pad_vocab in (False, True):
-        model = GPT.from_pretrained(str(tmp_path), attn="sdpa", pad_vocab=pad_vocab).eval()
+        model = from_pretrained(str(tmp_path), attn="sdpa", pad_vocab=pad_vocab).eval()
         with torch.no_grad():
             logits, _ = model(x)
         assert (logits[:, -1, :101] - expected).abs().max().item() <= 1e-4
@@ -127,7 +128,7 @@ def test_from_pretrained_reads_a_local_hf_directory(hf_gpt2, tmp_path, safe_seri
 
 def test_from_pretrained_without_weights_says_what_to_pass(tmp_path):
     with pytest.raises(UserError, match="config.json"):
-        GPT.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 # -- vocab padding ---------------------------------------------------------------------------------------
@@ -168,9 +169,9 @@ def test_padded_ids_are_never_sampled_even_when_their_logits_would_win():
         hidden = model.transformer.ln_f(model.transformer.wte(x) + model.transformer.wpe(torch.arange(4)))
         raw = hidden @ model.lm_head.weight.t()
     assert (raw.argmax(-1) >= 101).float().mean() > 0.5  # the padded rows would win without the mask
-    out = model.generate(x, 40, temperature=2.0, generator=torch.Generator().manual_seed(0))
+    out = generate(model, x, 40, temperature=2.0, generator=torch.Generator().manual_seed(0))
     assert out.max().item() < 101
-    greedy = model.generate(x, 10, temperature=0)
+    greedy = generate(model, x, 10, temperature=0)
     assert greedy.max().item() < 101
 
 
@@ -182,9 +183,9 @@ def test_kv_cache_generation_returns_the_cache_free_tokens(attn):
     prompt, _ = batch(B=2, T=5)
     # 45 new tokens from 5 run past block_size=32, so the crop-and-refill path is exercised too.
     for top_k in (None, 10):
-        cached = model.generate(prompt, 45, temperature=0.9, top_k=top_k,
+        cached = generate(model, prompt, 45, temperature=0.9, top_k=top_k,
                                 generator=torch.Generator().manual_seed(7), use_cache=True)
-        plain = model.generate(prompt, 45, temperature=0.9, top_k=top_k,
+        plain = generate(model, prompt, 45, temperature=0.9, top_k=top_k,
                                generator=torch.Generator().manual_seed(7), use_cache=False)
         assert torch.equal(cached, plain)
         assert cached.shape == (2, 50)
@@ -193,8 +194,8 @@ def test_kv_cache_generation_returns_the_cache_free_tokens(attn):
 def test_the_same_seed_gives_the_same_tokens_and_prompts_longer_than_block_size_are_cropped():
     model = tiny_model().eval()
     prompt, _ = batch(B=1, T=40)  # longer than block_size=32
-    a = model.generate(prompt, 8, generator=torch.Generator().manual_seed(3))
-    b = model.generate(prompt, 8, generator=torch.Generator().manual_seed(3))
+    a = generate(model, prompt, 8, generator=torch.Generator().manual_seed(3))
+    b = generate(model, prompt, 8, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b) and a.shape == (1, 48)
     assert torch.equal(a[:, :40], prompt)
 

@@ -17,7 +17,7 @@ import runtime
 import sample
 from checkpoint import Checkpoint
 from conftest import strict_recompile_limit
-from generate import Decoder
+from generate import Decoder, Sampling, draw_samples
 from model import GPT, GPTConfig, UserError
 from tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -27,7 +27,7 @@ CHAR_META = {"tokenizer": "char", "vocab_size": len(CHARS), "chars": CHARS}
 TINY = dict(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
 CPU_RUNNABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math", "flex"]
 CPU_FP32 = runtime.Runtime("cpu", "float32")
-SAMPLING = sample.Sampling(num_samples=2, max_new_tokens=45, temperature=0.9, top_k=20, seed=7)
+SAMPLING = Sampling(num_samples=2, max_new_tokens=45, temperature=0.9, top_k=20, seed=7)
 
 
 def confident_char_model() -> GPT:
@@ -50,9 +50,9 @@ def char_ckpt(tmp_path_factory) -> Path:
     return save_checkpoint(tmp_path_factory.mktemp("char"), confident_char_model(), CHAR_META)
 
 
-def draw(model: GPT, prompt: list[int], rt: runtime.Runtime, sampling: sample.Sampling, use_cache=True):
+def draw(model: GPT, prompt: list[int], rt: runtime.Runtime, sampling: Sampling, use_cache=True):
     """The new tokens of sampling.num_samples samples, drawn eagerly."""
-    samples, _, _ = sample.draw_samples(Decoder(model), prompt, rt, sampling, use_cache)
+    samples, _, _ = draw_samples(Decoder(model), prompt, rt, sampling, use_cache)
     return samples
 
 
