@@ -121,11 +121,6 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         # stride ("not enough values to unpack"); a copy with plain strides compiles. One query: a tiny copy.
         q = q.clone(memory_format=torch.contiguous_format)
     compile_here = _compile_flex_here(q)
-    if mask is not None and q.size(-2) == 1 and not compile_here and not torch.compiler.is_compiling():
-        # eager flex (CPU) is the unfused reference, where a score mod costs more than the whole step: read exactly
-        # the keys the mask allows (a prefix) instead, and no mask is needed
-        written = int(mask.sum())
-        k, v, mask = k[:, :, :written], v[:, :, :written], None
     # a decode step's mask is read by a score mod (one query row: no blocks worth skipping); causal is a block mask
     score_mod = None if mask is None else _score_mod_of(mask)
     block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device) if mask is None and q.size(-2) > 1 else None
@@ -244,6 +239,36 @@ def refusal_reason(messages: list[str], attn: str) -> Optional[str]:
         return next(iter(sections.get(attn, [])), None)
     reasons = [line for lines in sections.values() for line in lines if "has been runtime disabled" not in line]
     return next(iter(reasons), None)
+
+
+def attend(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+           dropout_p: float, block_size: int) -> torch.Tensor:
+    """The model's one call into ATTENTION[attn], with the signature above. Eager, it first checks that `attn` can
+    run here (one sentence naming what can, instead of a kernel's failure), lets a decode step read only the written
+    keys where the whole-cache mask does not suit the kernel, and turns a kernel's late refusal into the same
+    sentence. Compiled code was checked when it was traced."""
+    if torch.compiler.is_compiling():
+        return ATTENTION[attn](q, k, v, mask, dropout_p)
+    device_type, head_size = q.device.type, q.size(-1)
+    check_attention(attn, device_type, q.dtype, dropout_p, head_size, q.requires_grad, block_size)
+    if mask is not None and reads_written_keys(attn, q):
+        written = int(mask[-1].sum())  # a decode mask's row is a prefix: the keys written so far
+        k, v, mask = k[:, :, :written], v[:, :, :written], None
+    try:
+        return ATTENTION[attn](q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
+    except RuntimeError as e:  # a kernel refusing a shape or layout the probe did not meet
+        if "No available kernel" not in str(e):
+            raise
+        check_attention(attn, device_type, q.dtype, dropout_p, head_size, q.requires_grad, block_size,
+                        problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
+        raise
+
+
+def reads_written_keys(attn: str, q: torch.Tensor) -> bool:
+    """Whether an eager decode step reads exactly the keys written so far rather than the whole cache and a mask: a
+    kernel that takes no mask (CUDA's flash), or eager flex off CUDA, PyTorch's unfused reference, where a score
+    mod costs more than the whole step."""
+    return not decodes_with_mask(attn, q.device.type, q.dtype, q.size(-1)) or (attn == "flex" and not q.is_cuda)
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,

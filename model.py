@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from attention import ATTENTION, check_attention, decodes_with_mask
+from attention import ATTENTION, attend
 from errors import UserError
 
 
@@ -98,8 +98,7 @@ class CausalSelfAttention(nn.Module):
         self.set_attention(config.attn)
 
     def set_attention(self, attn: str) -> None:
-        self.attn_name = attn                # a key of ATTENTION, for checks and messages
-        self.attention = ATTENTION[attn]     # the function that computes it
+        self.attn_name = attn  # a key of ATTENTION: attention.attend calls it
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -107,29 +106,15 @@ class CausalSelfAttention(nn.Module):
         the KV cache at input_pos; `mask` None means a prefill from position 0 (x is the whole context), a mask
         (T, block_size) a decode step that reads the whole cache."""
         B, T, C = x.size()
-        hs = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        dropout_p = self.attn_dropout if self.training else 0.0
-        eager = not torch.compiler.is_compiling()  # compiled code was checked when it was traced
-        if eager:
-            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, self.block_size)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if input_pos is not None:
             cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # (B, nh, block_size, hs)
-            if mask is not None:
-                k, v = cached_k, cached_v
-                if eager and not decodes_with_mask(self.attn_name, q.device.type, q.dtype, hs):
-                    written = int(input_pos[-1]) + 1  # CUDA's flash kernel takes no mask: read what is written
-                    k, v, mask = k[:, :, :written], v[:, :, :written], None
-        try:
-            y = self.attention(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
-        except RuntimeError as e:  # a kernel refusing a shape or layout the probe did not meet
-            if not eager or "No available kernel" not in str(e):
-                raise
-            check_attention(self.attn_name, q.device.type, q.dtype, dropout_p, hs, q.requires_grad, self.block_size,
-                            problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
+            k, v = (cached_k, cached_v) if mask is not None else (k, v)
+        dropout_p = self.attn_dropout if self.training else 0.0
+        y = attend(self.attn_name, q, k, v, mask, dropout_p, self.block_size)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 

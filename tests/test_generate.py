@@ -100,7 +100,7 @@ def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatc
     by making CPU flash claim the same), and a compiled decode step is refused with one sentence."""
     model = small_model("flash")
     expected = generate(model, prompts(), 20, temperature=0.0, use_cache=False)
-    monkeypatch.setattr("model.decodes_with_mask", lambda *args: False)
+    monkeypatch.setattr("attention.decodes_with_mask", lambda *args: False)
     monkeypatch.setattr("generate.decodes_with_mask", lambda *args: False)
     assert torch.equal(generate(model, prompts(), 20, temperature=0.0), expected)
     with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
