@@ -32,7 +32,7 @@ import flops
 import runtime
 from measure import (audited_row, max_batch_size, measure_calls, out_of_memory, paired_speedup,
                      profiled_run)
-from configurator import Settings, as_list, configure
+from configurator import Settings, as_list, comma_list_of, configure, one_of
 from errors import UserError
 from attention import ATTENTION, attention_names, attention_problem
 from bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_chart, generate_sweep
@@ -90,7 +90,9 @@ LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vo
           "dropout": "[0, 1)", "batch_size": "[1, inf)", "seq_len": "[1, inf)", "warmup": "[0, inf)",
           "iters": "[1, inf)", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)", "attn_batch": "[1, inf)",
           "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)", "prompt_len": "[1, inf)",
-          "new_tokens": "[1, inf)", "gen_batch": "[1, inf)"}
+          "new_tokens": "[1, inf)", "gen_batch": "[1, inf)", "mode": one_of("train", "attention", "generate"),
+          "padding": comma_list_of("off", "on"), "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
+          "dtype": one_of("auto", *runtime.DTYPES)}
 
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
@@ -122,8 +124,6 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     """Settings left at None sized for the device, device/dtype picked, comma lists split and checked."""
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
     cfg.device, cfg.dtype = rt.device, rt.dtype
-    if cfg.mode not in ("train", "attention", "generate"):
-        raise UserError(f"mode must be 'train', 'attention' or 'generate', got '{cfg.mode}'.")
     generating = cfg.mode == "generate"
     sizes = (GENERATE_SIZES if generating else SIZES)["cuda" if rt.is_cuda else "cpu"]
     if generating and rt.device_type == "cpu" and runtime.bf16_is_native("cpu", runtime.cpu_capability()):
@@ -138,16 +138,11 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
         if baseline not in cfg.attn:
             cfg.attn.insert(0, baseline)
     if generating:
-        cfg.weights, cfg.cache = as_list(cfg.weights), as_list(cfg.cache)
-        for key, known in (("weights", WEIGHTS), ("cache", tuple(CACHES))):
-            if not getattr(cfg, key) or set(getattr(cfg, key)) - set(known):
-                raise UserError(f"{key} must be a comma list of {', '.join(known)}; got {getattr(cfg, key)!r}.")
+        cfg.weights, cfg.cache = as_list(cfg.weights), as_list(cfg.cache)  # checked against LIMITS' words
         if cfg.prompt_len + 1 > cfg.seq_len:
             raise UserError(f"prompt_len={cfg.prompt_len} leaves no room in block_size (seq_len) {cfg.seq_len}; "
                             f"use a shorter prompt.")
-    words = as_list(cfg.padding or ("off" if generating else "off,on"))
-    if not words or set(words) - {"off", "on"}:
-        raise UserError(f"padding must be off, on or off,on; got '{cfg.padding}'.")
+    words = as_list(cfg.padding or ("off" if generating else "off,on"))  # checked against LIMITS' words
     cfg.padding = [w == "on" for w in dict.fromkeys(words)]
     for key in ("attn_seq_lens", "attn_head_sizes"):
         setattr(cfg, key, as_list(getattr(cfg, key), int))

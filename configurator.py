@@ -1,6 +1,7 @@
 """
 Settings for train.py, sample.py and bench.py: each script keeps its settings as module globals with a comment
-each, declares the allowed range of every numeric one in LIMITS, then calls
+each, declares the allowed range of every numeric one and the allowed words of every choice in LIMITS
+("[1, inf)", one_of("ddp", "fsdp"), comma_list_of("off", "on")), then calls
 `cfg = configure(globals(), argv, LIMITS)`, which returns the settings as an object (cfg.batch_size) and leaves
 the globals as they were.
 
@@ -14,6 +15,7 @@ import ast
 import difflib
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,15 +67,40 @@ def _interval_text(lo: float, hi: float, lo_closed: bool, hi_closed: bool) -> st
     return " and ".join(words)
 
 
-def check_limits(values: dict, limits: dict[str, str], defaults: dict) -> None:
-    """Every numeric setting within its declared interval, e.g. "[1, inf)" or "[0, 1)"; None passes (it means
-    "pick for me" where a script allows it). A setting with a numeric default but no interval is a bug."""
+@dataclass(frozen=True)
+class Choice:
+    """The words a setting may hold: one of them, or (`many`) a comma list of them."""
+    words: tuple[str, ...]
+    many: bool = False
+
+    def check(self, key: str, value) -> None:
+        given = as_list(value) if self.many else [value]
+        if not given or any(word not in self.words for word in given):
+            what = "a comma list of" if self.many else "one of"
+            raise UserError(f"{key} must be {what} {', '.join(map(repr, self.words))}, got {value!r}.")
+
+
+def one_of(*words: str) -> Choice:
+    return Choice(tuple(words))
+
+
+def comma_list_of(*words: str) -> Choice:
+    return Choice(tuple(words), many=True)
+
+
+def check_limits(values: dict, limits: dict, defaults: dict) -> None:
+    """Every numeric setting within its declared interval, e.g. "[1, inf)" or "[0, 1)", and every choice among its
+    words; None passes (it means "pick for me" where a script allows it). A setting with a numeric default but no
+    interval is a bug."""
     undeclared = [k for k, v in defaults.items() if type(v) in (int, float) and k not in limits]
     if undeclared:
         raise RuntimeError(f"no LIMITS entry for numeric setting(s) {', '.join(undeclared)}")
     for key, spec in limits.items():
         value = values.get(key)
         if value is None:
+            continue
+        if isinstance(spec, Choice):
+            spec.check(key, value)
             continue
         if type(value) not in (int, float):
             raise UserError(f"{key} must be a number, got {value!r}.")
@@ -93,7 +120,7 @@ class Settings(SimpleNamespace):
         return dict(vars(self))
 
 
-def configure(namespace: dict, argv: list[str], limits: dict[str, str] | None = None) -> Settings:
+def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> Settings:
     """The settings of a script whose defaults are the plain globals of `namespace`, with config files and
     --key=value overrides applied and checked against `limits`. `namespace` itself is left untouched, so a
     script's main() can run again in the same process with its defaults."""

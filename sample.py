@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Optional
 
 import runtime
-from attention import check_attention
+from attention import ATTENTION, check_attention
 from checkpoint import Checkpoint
-from configurator import configure
+from configurator import configure, one_of
 from dataset import dataset_dir
 from errors import UserError
 from hf import from_pretrained
-from generate import (Decoder, Sampling, check_quantize, draw_samples, for_inference, full_warmup, print_samples,
+from generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                       tokens_per_s)
 from model import GPT
 from runtime import Runtime
@@ -49,8 +49,10 @@ compile = False                   # compile the prefill and the decode step: slo
 compare = ""                      # "manual,sdpa,flash" or "all": compare the same weights through each of them
 json = ""                         # write every number (settings, tokens, timings, errors) to this JSON file
 # -----------------------------------------------------------------------------
+# the allowed range of every numeric setting (top_k may also be None) and the words of every choice
 LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_k": "[1, inf)",
-          "seed": "[0, inf)"}  # the allowed range of every numeric setting (top_k may also be None)
+          "seed": "[0, inf)", "attn": one_of(*ATTENTION), "dtype": one_of("auto", *runtime.DTYPES),
+          "quantize": one_of(*QUANTIZE)}
 
 
 
@@ -114,7 +116,6 @@ def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    check_quantize(cfg.quantize)  # now, not after loading the model
     if cfg.json:  # find out now, not after a long comparison
         runtime.check_writable_dir(Path(cfg.json).parent, "json")
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)

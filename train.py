@@ -26,11 +26,11 @@ import flops
 import nanogpt
 import runtime
 from checkpoint import Checkpoint, claim_out_dir
-from configurator import Settings, configure
+from configurator import Settings, configure, one_of
 from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing, read_meta
 from errors import UserError
 from hf import from_pretrained
-from attention import check_attention
+from attention import ATTENTION, check_attention
 from metrics import MetricsLog
 from model import GPT, GPTConfig
 from muon import Muon
@@ -92,8 +92,12 @@ parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank
 seed = 1337
 # -----------------------------------------------------------------------------
 
-# the allowed range of every numeric setting, checked before anything runs: "[1, inf)" is 1 or more
+# the allowed range of every numeric setting ("[1, inf)" is 1 or more) and the words of every choice, checked before
+# anything runs
 LIMITS = {
+    "attn": one_of(*ATTENTION), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
+    "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
+    "parallel": one_of("ddp", "fsdp"),
     "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[1, inf)", "max_seconds": "[0, inf)",
     "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
@@ -336,10 +340,6 @@ def tokens_per_iter(cfg: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    if cfg.parallel not in ("ddp", "fsdp"):
-        raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{cfg.parallel}'.")
-    if cfg.optimizer not in ("adamw", "muon"):
-        raise UserError(f"optimizer must be 'adamw' or 'muon', got '{cfg.optimizer}'.")
     ranks = runtime.init_distributed(runtime.pick_device(cfg.device))
     if cfg.optimizer == "muon" and ranks.is_distributed and cfg.parallel == "fsdp":
         raise UserError("optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes each "

@@ -171,6 +171,20 @@ def test_none_is_allowed_where_a_script_sizes_a_setting_itself_and_a_word_is_not
         configurator.configure({"n_layer": None}, ["--n_layer=deep"], limits)
 
 
+def test_a_choice_is_checked_against_its_declared_words_before_anything_runs():
+    defaults = {"parallel": "ddp", "padding": None}
+    limits = {"parallel": configurator.one_of("ddp", "fsdp"), "padding": configurator.comma_list_of("off", "on")}
+    cfg = configurator.configure(defaults, ["--parallel=fsdp", "--padding=off,on"], limits)
+    assert (cfg.parallel, cfg.padding) == ("fsdp", "off,on")
+    assert configurator.configure(defaults, [], limits).padding is None  # None: the script picks
+    with pytest.raises(UserError, match="^parallel must be one of 'ddp', 'fsdp', got 'zero'.$"):
+        configurator.configure(defaults, ["--parallel=zero"], limits)
+    with pytest.raises(UserError, match="^padding must be a comma list of 'off', 'on', got 'off,maybe'.$"):
+        configurator.configure(defaults, ["--padding=off,maybe"], limits)
+    with pytest.raises(UserError, match="parallel must be one of 'ddp', 'fsdp', got 'zero'"):
+        train.main(["--parallel=zero"])  # declared beside train.py's LIMITS, refused before any work
+
+
 def test_the_command_line_prints_an_out_of_range_setting_as_one_line():
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "--gradient_accumulation_steps=0"],
                             capture_output=True, text=True, timeout=120)

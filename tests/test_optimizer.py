@@ -82,7 +82,7 @@ def test_resuming_with_another_optimizer_is_refused(char_data, tmp_path):
     with pytest.raises(UserError, match="the checkpoint's optimizer state is adamw's; resume with --optimizer=adamw"):
         train.main(TINY + [f"--data_dir={char_data}", "--max_iters=4", "--init_from=resume", "--optimizer=muon",
                            f"--out_dir={tmp_path}"])
-    with pytest.raises(UserError, match="optimizer must be 'adamw' or 'muon', got 'sgd'"):
+    with pytest.raises(UserError, match="optimizer must be one of 'adamw', 'muon', got 'sgd'"):
         train.main(TINY + [f"--data_dir={char_data}", "--optimizer=sgd", f"--out_dir={tmp_path}"])
 
 
@@ -163,7 +163,7 @@ def test_the_run_records_its_newton_schulz_dtype(char_data, tmp_path, capsys):
     train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--optimizer=muon", "--max_iters=1",
                        "--muon_dtype=float32"])
     assert "Muon's Newton-Schulz in float32" in capsys.readouterr().out
-    with pytest.raises(UserError, match="unknown muon_dtype 'fp8'; use auto, float32 or bfloat16"):
+    with pytest.raises(UserError, match="muon_dtype must be one of 'auto', 'float32', 'bfloat16', got 'fp8'"):
         train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'x'}", "--muon_dtype=fp8"])
 
 
