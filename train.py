@@ -33,7 +33,6 @@ from hf import from_pretrained
 from attention import ATTENTION, check_attention
 from metrics import MetricsLog
 from model import GPT, GPTConfig
-from muon import Muon
 from runtime import Dist, Runtime
 
 # I/O
@@ -108,24 +107,24 @@ LIMITS = {
 }
 
 
-def lr_at(it: int, cfg: Settings) -> float:
-    """Linear warmup for warmup_iters, cosine decay to min_lr until lr_decay_iters, then min_lr. With
-    early_decay_iters, the cosine comes in two stages: down to early_decay_to x learning_rate by early_decay_iters
-    (an early anneal: the loss a short run would reach, reached early), then on down to min_lr."""
+def lr_multiplier(it: int, cfg: Settings) -> float:
+    """The schedule, as a fraction of each parameter group's peak rate: linear warmup for warmup_iters, cosine decay
+    to min_lr / learning_rate until lr_decay_iters, then that floor. With early_decay_iters the cosine comes in two
+    stages: down to early_decay_to by early_decay_iters (an early anneal: the loss a short run would reach, reached
+    early), then on down to the floor."""
+    floor = cfg.min_lr / cfg.learning_rate
     if not cfg.decay_lr:
-        return cfg.learning_rate
+        return 1.0
     if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+        return (it + 1) / (cfg.warmup_iters + 1)
     if it > cfg.lr_decay_iters:
-        return cfg.min_lr
+        return floor
     if cfg.warmup_iters < cfg.early_decay_iters < cfg.lr_decay_iters:
-        early_lr = cfg.early_decay_to * cfg.learning_rate
         if it <= cfg.early_decay_iters:
-            return cosine((it - cfg.warmup_iters) / (cfg.early_decay_iters - cfg.warmup_iters), cfg.learning_rate,
-                          early_lr)
-        return cosine((it - cfg.early_decay_iters) / (cfg.lr_decay_iters - cfg.early_decay_iters), early_lr, cfg.min_lr)
-    return cosine((it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters), cfg.learning_rate,
-                  cfg.min_lr)
+            return cosine((it - cfg.warmup_iters) / (cfg.early_decay_iters - cfg.warmup_iters), 1.0, cfg.early_decay_to)
+        return cosine((it - cfg.early_decay_iters) / (cfg.lr_decay_iters - cfg.early_decay_iters), cfg.early_decay_to,
+                      floor)
+    return cosine((it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters), 1.0, floor)
 
 
 def cosine(fraction: float, start: float, end: float) -> float:
@@ -157,27 +156,34 @@ def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -
 
 
 def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
-    """AdamW, or Muon and AdamW; a resumed run keeps the optimizer its checkpoint's state belongs to."""
-    if checkpoint is not None and checkpoint.settings.get("optimizer", "adamw") != cfg.optimizer:
-        raise UserError(f"the checkpoint's optimizer state is {checkpoint.settings.get('optimizer', 'adamw')}'s; "
-                        f"resume with --optimizer={checkpoint.settings.get('optimizer', 'adamw')}.")
+    """AdamW, or Muon and AdamW; a resumed run keeps the optimizer its checkpoint's state belongs to. Every parameter
+    group records its peak rate as `initial_lr` (Muon's muon_lr, AdamW's learning_rate): the schedule scales it."""
+    saved = (checkpoint.settings.get("optimizer", "adamw") if checkpoint is not None else cfg.optimizer)
+    if saved != cfg.optimizer:
+        raise UserError(f"the checkpoint's optimizer state is {saved}'s; resume with --optimizer={saved}.")
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "adamw":
-        return [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
-    return model.configure_muon(cfg.weight_decay, cfg.learning_rate, muon_peak_lr(cfg), cfg.muon_momentum, betas,
-                                rt.device_type, rt.orthogonalize_dtype)
+        optimizers = [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
+    else:
+        optimizers = model.configure_muon(cfg.weight_decay, cfg.learning_rate, cfg.muon_lr or cfg.learning_rate,
+                                          cfg.muon_momentum, betas, rt.device_type, rt.orthogonalize_dtype)
+    for group in (g for optimizer in optimizers for g in optimizer.param_groups):
+        group["initial_lr"] = group["lr"]
+    return optimizers
 
 
-def muon_peak_lr(cfg: Settings) -> float:
-    return cfg.muon_lr or cfg.learning_rate
+def load_optimizer_state(model: GPT, optimizers: list, state: dict) -> None:
+    """A checkpoint's optimizer state; the peak rates stay this run's settings (a saved group's would win)."""
+    peaks = [group["initial_lr"] for optimizer in optimizers for group in optimizer.param_groups]
+    set_optimizer_state_dict(model, optimizers, state, options=FULL_STATE)
+    for group, peak in zip((g for optimizer in optimizers for g in optimizer.param_groups), peaks):
+        group["initial_lr"] = peak
 
 
-def set_learning_rates(optimizers: list, fraction: float, cfg: Settings) -> None:
-    """One schedule, each optimizer's own peak: Muon's muon_lr, AdamW's learning_rate, times `fraction`."""
-    for optimizer in optimizers:
-        peak = muon_peak_lr(cfg) if isinstance(optimizer, Muon) else cfg.learning_rate
-        for group in optimizer.param_groups:
-            group["lr"] = peak * fraction
+def set_learning_rates(optimizers: list, multiplier: float) -> None:
+    """One schedule for every optimizer: each group's rate is its own peak times the multiplier."""
+    for group in (g for optimizer in optimizers for g in optimizer.param_groups):
+        group["lr"] = group["initial_lr"] * multiplier
 
 
 def rng_state(batches: Batches, ranks: Dist, rt: Runtime) -> dict:
@@ -392,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, ranks, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
                       MetricsLog(cfg, run_config, enabled=ranks.is_master), iter_num)
     if checkpoint is not None:
-        set_optimizer_state_dict(raw_model, optimizers, checkpoint.optimizer, options=FULL_STATE)
+        load_optimizer_state(raw_model, optimizers, checkpoint.optimizer)
         if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds set above stand
             restore_rng(checkpoint.rng, batches, ranks, rt)
         trainer.best_val_loss = checkpoint.best_val_loss
@@ -408,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     steps_run = 0  # optimizer steps taken by this process
     try:
         while True:
-            lr = lr_at(trainer.iter_num, cfg)
-            set_learning_rates(optimizers, lr / cfg.learning_rate, cfg)
+            multiplier = lr_multiplier(trainer.iter_num, cfg)
+            set_learning_rates(optimizers, multiplier)
+            lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
             # every rank must stop at the same step, so one rank's clock running out stops them all
             out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
                 float(timer.total >= cfg.max_seconds), ranks.device) > 0

@@ -42,7 +42,7 @@ def test_muon_follows_the_schedule_with_its_own_peak():
     model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=32))
     cfg = train.configure(vars(train), ["--optimizer=muon", "--learning_rate=1e-3", "--muon_lr=0.02"], train.LIMITS)
     optimizers = train.make_optimizers(model, cfg, runtime.Runtime("cpu", "float32"), None)
-    train.set_learning_rates(optimizers, 0.5, cfg)
+    train.set_learning_rates(optimizers, 0.5)
     muon, adamw = optimizers
     assert muon.param_groups[0]["lr"] == pytest.approx(0.01)
     assert all(g["lr"] == pytest.approx(5e-4) for g in adamw.param_groups)

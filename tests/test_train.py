@@ -214,7 +214,7 @@ def test_train_reports_a_mistyped_setting_with_the_closest_names():
 def schedule(*args: str) -> list[float]:
     cfg = configure(vars(train), ["--learning_rate=1e-2", "--warmup_iters=10", "--lr_decay_iters=100",
                                   "--min_lr=1e-3", *args], train.LIMITS)
-    return [train.lr_at(it, cfg) for it in range(0, 111)]
+    return [cfg.learning_rate * train.lr_multiplier(it, cfg) for it in range(0, 111)]
 
 
 def test_the_schedule_warms_up_linearly_then_follows_a_cosine_to_min_lr():
