@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 import flops
+import files
 import runtime
 from measure import (audited_row, max_batch_size, measure_calls, out_of_memory, paired_speedup,
                      profiled_run)
@@ -444,7 +445,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
-    runtime.check_writable_dir(out)  # before the sweep, not after it
+    files.check_writable_dir(out)  # before the sweep, not after it
     env = environment(rt, argv)
     path = out / f"{cfg.mode}.json"
 

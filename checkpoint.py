@@ -9,13 +9,13 @@ temporary file and renamed into place.
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+import files
 import nanogpt
 from errors import UserError
 from model import GPT, GPTConfig
@@ -48,21 +48,13 @@ class Checkpoint:
         return model
 
     def save(self, path: Path) -> None:
-        """Write to a temporary file and rename it into place, so a crash or a full disk never leaves half a
-        checkpoint: the previous one stays whole, and the temporary file is removed."""
+        """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
         contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not asdict: it copies tensors
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:  # a file object: a full disk is an OSError, not torch's bare RuntimeError
+        with files.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
+                                  advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
+            with open(tmp[path.name], "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
                 torch.save(contents, f)
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
-            raise UserError(f"could not save the checkpoint to {path} ({e.strerror or e}); {kept} - free disk "
-                            f"space or pass --out_dir= another folder, then resume.") from None
 
     @staticmethod
     def describe(path: Path) -> str:

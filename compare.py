@@ -25,7 +25,7 @@ import numpy as np
 
 import runtime
 from attention import ATTENTION, attention_names, attention_problem
-from dataset import read_windows
+from dataset import TOKEN_BYTES, read_windows
 from errors import UserError
 from generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
                       weight_bytes)
@@ -290,7 +290,7 @@ def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, max
     (x, (1, T)) when there is none; and where they came from."""
     if data is None:
         return x, "the built-in text (no val.bin: GPT-2 weights, or the training data is gone)"
-    tokens = (data / "val.bin").stat().st_size // 2  # uint16 ids
+    tokens = (data / "val.bin").stat().st_size // TOKEN_BYTES
     n = max(1, min(max_tokens // block_size, (tokens - 1) // (block_size + 1)))
     starts = np.linspace(0, tokens - block_size - 1, n).astype(np.int64).tolist()
     windows = read_windows(data / "val.bin", starts, block_size)  # (N, T + 1)

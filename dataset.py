@@ -1,6 +1,7 @@
 """
-The prepared token files a training run reads: finding a dataset (preparing the embedded ones on first use, never
-over existing data), checking its files once when they are opened, and drawing the batches.
+The prepared data a training run reads (its files' format is files.py's): finding a dataset (preparing the
+embedded ones on first use, never over existing data), checking its files once when they are opened, and drawing
+the batches.
 
     data_dir = dataset_dir("", "shakespeare_char")       # data/shakespeare_char, or a --data_dir
     batches = Batches(data_dir, block_size=256, batch_size=64, seed=1337)
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from errors import UserError
+from files import TOKEN_BYTES, TOKEN_DTYPE
 
 DATA = Path(__file__).resolve().parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
@@ -53,7 +55,7 @@ def prepare_if_missing(data_dir: Path, name: str) -> None:
 
 def max_token_id(path: Path, chunk: int = 1 << 26) -> int:
     """The largest id in a token file, read in chunks (128 MB each) so no split is ever held whole in memory."""
-    data = np.memmap(path, dtype=np.uint16, mode="r")
+    data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     return max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
 
 
@@ -66,11 +68,11 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
             raise UserError(f"{path} is missing; a dataset folder needs train.bin and val.bin "
                             f"(python data/<name>/prepare.py writes both).")
         size = path.stat().st_size
-        if size % 2:
+        if size % TOKEN_BYTES:
             raise UserError(f"{path} is {size:,} bytes, not a whole number of uint16 tokens; it is truncated or "
                             f"not a token file - prepare the dataset again.")
-        if size // 2 <= block_size:
-            raise UserError(f"{path} has {size // 2:,} tokens, fewer than block_size+1={block_size + 1}; "
+        if size // TOKEN_BYTES <= block_size:
+            raise UserError(f"{path} has {size // TOKEN_BYTES:,} tokens, fewer than block_size+1={block_size + 1}; "
                             f"use a smaller block_size or more data.")
         top = max_token_id(path)
         if top >= vocab_size:
@@ -79,21 +81,10 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
                             f"meta.json (or nanoGPT's meta.pkl) or prepare the data again.")
 
 
-def read_meta(data_dir: Path) -> dict | None:
-    """The vocabulary of a prepared folder: its meta.json, else nanoGPT's meta.pkl (read without running any code),
-    else None (GPT-2 BPE, as nanoGPT's shakespeare and openwebtext folders are)."""
-    from tokenizer import read_meta as read_json, read_nanogpt_meta
-    if (data_dir / "meta.json").exists():
-        return read_json(data_dir / "meta.json")
-    if (data_dir / "meta.pkl").exists():
-        return read_nanogpt_meta(data_dir / "meta.pkl")
-    return None
-
-
 def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tensor:
     """(len(offsets), block_size + 1) token ids starting at each offset: inputs and targets in one read."""
     # a fresh memmap per read: a long-lived one grows resident memory (numpy keeps pages)
-    data = np.memmap(path, dtype=np.uint16, mode="r")
+    data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     return torch.stack([torch.from_numpy(data[i:i + 1 + block_size].astype(np.int64)) for i in offsets])
 
 
@@ -113,7 +104,7 @@ class Batches:
     def micro_batches(self, split: str, micro_steps: int, rank: int = 0,
                       world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of one optimizer step's global batch: micro_steps pairs (x, y), each (B, T)."""
-        tokens = os.path.getsize(self.data_dir / f"{split}.bin") // 2
+        tokens = os.path.getsize(self.data_dir / f"{split}.bin") // TOKEN_BYTES
         high = tokens - self.block_size  # >= 1: check_token_files made sure
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)

@@ -1,9 +1,24 @@
 """
-The project's one error type for bad input. It lives alone so that what only reads and writes files (the
+The project's one error type for bad input, and the one place a script turns it into an `error:` line. It lives alone so that what only reads and writes files (the
 configurator, tokenizer.py, the prepare scripts) can raise it without importing torch.
 """
+
+import sys
+from typing import Callable
 
 
 class UserError(ValueError):
     """Bad input from a user. The message says what was wrong and how to fix it; scripts print it alone, as one
     `error: ...` line, with exit code 2."""
+
+
+def exit_code(main: Callable[[], int | None]) -> int:
+    """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
+    stderr and 2, or 130 on Ctrl-C."""
+    try:
+        return main() or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+import files
 import runtime
 from checkpoint import Checkpoint
 from configurator import configure
@@ -127,7 +128,7 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     hf_model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id,
         do_sample=sampled, temperature=temperature if sampled else None, top_k=top_k if sampled else None)
-    runtime.check_writable_dir(hf_dir.parent)
+    files.check_writable_dir(hf_dir.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.", dir=hf_dir.parent))
     try:
         hf_model.save_pretrained(staging, safe_serialization=True)

@@ -12,9 +12,9 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+from files import GPT2_VOCAB_SIZE, read_nanogpt_meta
 from errors import UserError
 from model import GPTConfig
-from tokenizer import GPT2_VOCAB_SIZE, read_nanogpt_meta
 
 NANOGPT_PADDED_VOCAB = 50304  # nanoGPT's default for GPT-2 BPE: 50257 rounded up to a multiple of 64
 COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before every key

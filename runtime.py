@@ -14,7 +14,6 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 import warnings
 from contextlib import nullcontext
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import errors
 from errors import UserError
 
 T = TypeVar("T")
@@ -295,21 +295,6 @@ def mean_across_ranks(value: float, device: str) -> float:
     return t.item() / dist.get_world_size()
 
 
-# -- files ------------------------------------------------------------------------------------------------
-
-def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
-    """Create the folder if needed and make sure a file can be written in it, before any work is done."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        what = "is a file, not a folder" if path.is_file() else f"cannot be written to ({e.strerror or e})"
-        wanted = "a writable folder" if setting.endswith("dir") else "a path in a writable folder"
-        raise UserError(f"{setting} {path} {what}; pass --{setting}= {wanted}.") from None
-
-
 # -- timing -------------------------------------------------------------------------------------------
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -390,15 +375,9 @@ def quiet_imports():
 # -- scripts ------------------------------------------------------------------------------------------
 
 def run_main(main) -> None:
-    """Run a script's main(): a UserError becomes one line on stderr and exit code 2; the process group is
-    destroyed on every way out."""
+    """Exit with errors.exit_code(main), the process group destroyed on every way out."""
     try:
-        code = main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt:
-        code = 130
+        code = errors.exit_code(main)
     finally:
         destroy_distributed()
-    sys.exit(code or 0)
+    sys.exit(code)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import files
 import runtime
 from attention import ATTENTION, check_attention
 from checkpoint import Checkpoint
@@ -117,7 +118,7 @@ def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     if cfg.json:  # find out now, not after a long comparison
-        runtime.check_writable_dir(Path(cfg.json).parent, "json")
+        files.check_writable_dir(Path(cfg.json).parent, "json")
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
     model, tok, source, data = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
     prompt = encode_prompt(tok, read_prompt(cfg.start))

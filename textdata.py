@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-import tokenizer
+import files
 from errors import UserError
 
 TRAIN_FRACTION = 0.9  # train is the head of the text, val the tail
@@ -123,10 +123,10 @@ def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[in
     """Split text into train (head) and val (tail), encode each, write train.bin, val.bin and meta.json
     (staged, so a failure keeps earlier files); return what was written."""
     train_text, val_text = split_text(text)
-    with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        n_train = tokenizer.write_tokens(tmp["train.bin"], encode(train_text))
-        n_val = tokenizer.write_tokens(tmp["val.bin"], encode(val_text))
-        tokenizer.write_meta(tmp["meta.json"], meta)
+    with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
+        n_train = files.write_tokens(tmp["train.bin"], encode(train_text))
+        n_val = files.write_tokens(tmp["val.bin"], encode(val_text))
+        files.write_meta(tmp["meta.json"], meta)
     return {
         "source": source,
         "characters": len(text),

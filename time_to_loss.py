@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+import files
 import runtime
 from configurator import configure
 
@@ -78,7 +79,7 @@ def summary(values: list[Optional[float]], digits: int = 1) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     out = Path(cfg.out_dir)
-    runtime.check_writable_dir(out)
+    files.check_writable_dir(out)
     machine = runtime.Runtime("cpu", "float32").name  # the CPU with its threads and capability (AVX2, AMX, ...)
     print(f"on {machine}", flush=True)
     names = list(RECIPES)

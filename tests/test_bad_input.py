@@ -118,7 +118,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
     before = (trained / "ckpt.pt").read_bytes()
     # the temporary file is /dev/full: every write to it fails with the kernel's own "No space left on device"
     os.symlink("/dev/full", trained / "ckpt.pt.tmp")
-    with pytest.raises(UserError, match=r"could not save the checkpoint .*No space left on device.*previous "
+    with pytest.raises(UserError, match=r"could not write the checkpoint .*No space left on device.*previous "
                                         r"ckpt.pt is kept"):
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",
                    f"--out_dir={trained}")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import textdata
+import files
 import tokenizer
 from model import UserError
 
@@ -54,7 +55,7 @@ def test_gpt2_file_hashes_are_the_ones_tiktoken_pins():
 
 def test_offline_gpt2_encodes_hello_world_as_openai_ids():
     assert tokenizer.gpt2_encoding().encode_ordinary("Hello world") == [15496, 995]
-    assert tokenizer.load_tokenizer(None).encode("Hello world") == [15496, 995]
+    assert tokenizer.tokenizer_from_meta(None).encode("Hello world") == [15496, 995]
 
 
 @pytest.mark.parametrize("text", [
@@ -104,18 +105,18 @@ def test_gpt2_loader_names_a_missing_vocab_file(tmp_path):
 # tokenizers from meta.json
 
 def test_load_tokenizer_rejects_unknown_tokenizer_and_unknown_characters(tmp_path):
-    tokenizer.write_meta(tmp_path / "meta.json", {"tokenizer": "sentencepiece", "vocab_size": 10})
+    files.write_meta(tmp_path / "meta.json", {"tokenizer": "sentencepiece", "vocab_size": 10})
     with pytest.raises(UserError, match="sentencepiece"):
-        tokenizer.load_tokenizer(tmp_path / "meta.json")
+        tokenizer.tokenizer_from_meta(files.read_meta(tmp_path))
     char = tokenizer.CharTokenizer.from_text("abc")
     with pytest.raises(UserError, match="'z'"):
         char.encode("abz")
 
 
 def test_vocab_check_accepts_65536_tokens_and_refuses_more():
-    tokenizer.check_vocab_fits_uint16(65536)  # ids 0..65535 are all representable
+    files.check_vocab_fits(65536)  # ids 0..65535 are all representable
     with pytest.raises(UserError, match="uint16"):
-        tokenizer.check_vocab_fits_uint16(65537)
+        files.check_vocab_fits(65537)
 
 
 def test_char_prepare_refuses_a_vocabulary_too_large_for_uint16(char_prep, tmp_path):
@@ -152,7 +153,7 @@ def test_packaged_plays_make_a_plain_text_of_speeches(plays_prepared):
 
 def test_shakespeare_char_train_is_the_head_and_val_the_tail_of_the_text(plays_prepared):
     out_dir, text, report = plays_prepared
-    tok = tokenizer.load_tokenizer(out_dir / "meta.json")
+    tok = tokenizer.tokenizer_from_meta(files.read_meta(out_dir))
     train, val = read_bin(out_dir / "train.bin"), read_bin(out_dir / "val.bin")
     n = int(len(text) * 0.9)
     assert tok.decode(train[:2000]) == text[:2000]
@@ -166,7 +167,7 @@ def test_shakespeare_char_meta_json_round_trips_the_text(plays_prepared):
     out_dir, text, _ = plays_prepared
     meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
     assert meta["tokenizer"] == "char" and meta["chars"] == sorted(set(text))
-    tok = tokenizer.load_tokenizer(out_dir / "meta.json")
+    tok = tokenizer.tokenizer_from_meta(files.read_meta(out_dir))
     assert tok.vocab_size == meta["vocab_size"] == len(set(text))
     assert tok.eot_token is None
     assert tok.decode(tok.encode(text)) == text
@@ -177,7 +178,7 @@ def test_shakespeare_gpt2_bins_decode_to_the_text_split_90_10(tmp_path):
     (tmp_path / "input.txt").write_text(text, encoding="utf-8")
     report = load_script("shakespeare").prepare(tmp_path / "out", str(tmp_path / "input.txt"))
     n = int(len(text) * 0.9)
-    tok = tokenizer.load_tokenizer(tmp_path / "out" / "meta.json")
+    tok = tokenizer.tokenizer_from_meta(files.read_meta(tmp_path / "out"))
     assert isinstance(tok, tokenizer.GPT2Tokenizer)
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257}
     assert tok.decode(read_bin(tmp_path / "out" / "train.bin")) == text[:n]
@@ -266,9 +267,10 @@ def test_openwebtext_refuses_a_split_smaller_than_one_training_block_and_writes_
 def test_openwebtext_refuses_empty_and_missing_data_files(tmp_path):
     owt = load_script("openwebtext")
     (tmp_path / "empty.jsonl").write_text("")
-    for files, message in [([str(tmp_path / "empty.jsonl")], "empty"), ([str(tmp_path / "nope.jsonl")], "does not exist")]:
+    for data_files, message in [([str(tmp_path / "empty.jsonl")], "empty"),
+                                ([str(tmp_path / "nope.jsonl")], "does not exist")]:
         with pytest.raises(UserError, match=message):
-            owt.prepare(tmp_path / "out", data_files=files, num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
+            owt.prepare(tmp_path / "out", data_files=data_files, num_proc=1, cache_dir=str(tmp_path / "hf_cache"))
 
 
 @pytest.mark.parametrize("option, sentence", [
@@ -338,6 +340,6 @@ def test_an_unwritable_out_dir_is_one_clear_error(tmp_path):
 
 
 def test_preparing_data_and_reading_settings_do_not_import_torch():
-    code = ("import sys; import configurator, errors, textdata, tokenizer; "
+    code = ("import sys; import configurator, errors, files, textdata, tokenizer; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60).returncode == 0

@@ -20,7 +20,8 @@ from conftest import REPO, TINY, metrics
 from errors import UserError
 from hf import from_pretrained
 from model import GPT, GPTConfig
-from tokenizer import GPT2Tokenizer, tokenizer_from_meta, write_meta
+from files import write_meta
+from tokenizer import GPT2Tokenizer, tokenizer_from_meta
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,8 @@ REPO_ROOT = HERE.parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
 
+import errors  # noqa: E402
+import files  # noqa: E402
 import tokenizer  # noqa: E402
 from configurator import check_limits  # noqa: E402
 from errors import UserError  # noqa: E402
@@ -144,7 +146,7 @@ def tokenize(ds: datasets.Dataset, text_column: str, num_proc: int, name: str) -
 def write_split(tokenized: datasets.Dataset, path: Path, name: str) -> int:
     """Write all ids of one split to path as uint16, shard by shard; returns the number of tokens."""
     total = int(np.sum(tokenized.with_format("numpy")["len"], dtype=np.uint64))
-    arr = np.memmap(path, dtype=tokenizer.TOKEN_DTYPE, mode="w+", shape=(total,))
+    arr = np.memmap(path, dtype=files.TOKEN_DTYPE, mode="w+", shape=(total,))
     n_shards = min(MAX_WRITE_SHARDS, tokenized.num_rows)
     idx = 0
     for i in tqdm(range(n_shards), desc=f"writing {name}"):
@@ -181,15 +183,15 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
     ds, source, skipped = load_corpus(dataset, data_files, text_column, num_proc, cache_dir)
     splits = {name: tokenize(part, text_column, num_proc, name) for name, part in split_corpus(ds, val_fraction).items()}
     check_split_sizes(splits, block_size)
-    with tokenizer.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
+    with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
         tokens = {name: write_split(part, tmp[f"{name}.bin"], name) for name, part in splits.items()}
-        tokenizer.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE})
+        files.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE})
     return {
         "source": source,
         "skipped_records": skipped,  # records with no text (no such field, or null)
         "train_documents": splits["train"].num_rows,
         "val_documents": splits["val"].num_rows,
-        "vocab_size": tokenizer.GPT2_VOCAB_SIZE,
+        "vocab_size": files.GPT2_VOCAB_SIZE,
         "train_tokens": tokens["train"],
         "val_tokens": tokens["val"],
         "files": [Path(out_dir) / name for name in ("train.bin", "val.bin", "meta.json")],
@@ -210,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the block you will train with: each split must hold more tokens than this")
     args = parser.parse_args(argv)
     data_files = [f for f in args.data_files.split(",") if f] if args.data_files is not None else None
-    return tokenizer.report_or_error(lambda: prepare(args.out_dir, args.dataset, data_files, args.text_column,
-                                                     args.num_proc, args.val_fraction, args.cache_dir,
-                                                     args.block_size))
+    return errors.exit_code(lambda: tokenizer.print_report(prepare(
+        args.out_dir, args.dataset, data_files, args.text_column, args.num_proc, args.val_fraction, args.cache_dir,
+        args.block_size)))
 
 
 if __name__ == "__main__":

