@@ -106,12 +106,12 @@ SIZES = {
                 attn_batch=1, attn_heads=4, attn_seq_lens="256,512,1024,2048", attn_head_sizes="32,64"),
 }
 
-# Generation at batch 1 is bound by reading the weights. CPU: the 10M-parameter character model of the README's
+# Generation at batch 1 is bound by reading the weights. CPU: the 10M-parameter character model of the
 # quickstart size (6 x 384, block 256), 255 tokens from one. CUDA: GPT-2 124M at its full context.
 # Every compiled row compiles once (on 2 CPU cores ~20-60 s with autotuning), so a CPU's default rows are few: manual
 # and sdpa (on a CPU sdpa runs flash), fp32 and int8 weights, and bf16 only where bf16 is native (an AVX2 CPU
 # emulates it at ~20x fp32's cost), with 127 new tokens (255 took 8 minutes on an AVX2 CPU, most of it in the
-# no-cache rows). --attn=all --weights=float32,bfloat16,int8 --new_tokens=255 for the README's table.
+# no-cache rows). --attn=all --weights=float32,bfloat16,int8 --new_tokens=255 for docs/bench.md's table.
 GENERATE_SIZES = {
     "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=255, iters=3,
                  attn="manual,sdpa,flash", weights="float32,bfloat16,int8"),

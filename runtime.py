@@ -79,7 +79,7 @@ def bf16_is_native(device_type: str, capability: str) -> bool:
 
 def bf16_autocast_pays(device_type: str, capability: str) -> bool:
     """bf16 autocast trains faster than fp32: CUDA with native bf16, and CPUs with AMX. With AVX512-BF16 alone a
-    bf16 training step measured 1.5x *slower* than fp32 (README, "Precision on CPU")."""
+    bf16 training step measured 1.5x *slower* than fp32 (docs/training.md, "Precision on CPU")."""
     if device_type == "cuda":
         return cuda_has_bf16()
     return device_type == "cpu" and capability == "AMX"

@@ -63,7 +63,7 @@ n_head = 12
 n_embd = 768
 dropout = 0.0                     # 0 for pretraining, 0.1+ for finetuning
 bias = True                       # biases in Linear and LayerNorm, as GPT-2
-attn = "sdpa"                     # manual, sdpa_mask, sdpa, flash, efficient, cudnn, math, flex (see README)
+attn = "sdpa"                     # manual, sdpa_mask, sdpa, flash, efficient, cudnn, math, flex (docs/model.md)
 pad_vocab = False                 # pad the vocabulary to a multiple of 64 (50257 -> 50304)
 gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact one
 # optimizer: AdamW for everything, or Muon for the blocks' weight matrices and AdamW for the rest

@@ -1,9 +1,9 @@
 # The CPU quickstart: a small character-level GPT on the packaged Shakespeare plays, 3000 steps in ~4 minutes on
-# 2 cores with native bf16 (AVX512-BF16/AMX), ~7 on an AVX2-only CPU; val 1.89 after ~20-40 s (README, "Quickstart").
+# 2 cores with native bf16 (AVX512-BF16/AMX), ~7 on an AVX2-only CPU; val 1.89 after ~20-40 s (docs/quickstart.md).
 #   python train.py config/train_shakespeare_char_cpu.py
 #   python sample.py --out_dir=out-shakespeare-char-cpu
 # The data is prepared automatically the first time (data/shakespeare_char/prepare.py, offline).
-# Tuned for time to loss (README, "Quickstart"): val 1.89 in a fifth of nanoGPT's CPU recipe's time.
+# Tuned for time to loss (docs/quickstart.md): val 1.89 in a fifth of nanoGPT's CPU recipe's time.
 out_dir = "out-shakespeare-char-cpu"
 eval_interval = 50      # often enough to see a loss when it comes; 10 val batches cost ~0.2 s
 eval_iters = 10
