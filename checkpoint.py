@@ -3,7 +3,7 @@ The checkpoint format, in one place: what train.py saves and what train.py (resu
 read. Tensors and plain Python types only, so it loads with torch.load(weights_only=True); written to a
 temporary file and renamed into place.
 
-    Checkpoint.of(model, iter_num=100, optimizer=..., ...).save(out_dir / "ckpt.pt")
+    Checkpoint(model=model.state_dict(), model_config=asdict(model.config), iter_num=100, ...).save(path)
     model = Checkpoint.load(out_dir / "ckpt.pt").build_model(attn="flash")
 """
 
@@ -19,8 +19,11 @@ import files
 import nanogpt
 from errors import UserError
 from model import GPT, GPTConfig
+from runtime import Dist, Runtime
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
+# 1: every file before the version field (the same fields); 2: with it. Older layouts are read through upgrade().
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -34,12 +37,7 @@ class Checkpoint:
                                          # None in a nanoGPT checkpoint: a resume starts fresh streams)
     settings: dict = field(default_factory=dict)  # the run's settings
     meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
-    source_format: str = "this project"  # or "nanoGPT": read from nanoGPT's layout (nanogpt.py)
-
-    @classmethod
-    def of(cls, model: GPT, **fields) -> "Checkpoint":
-        """A checkpoint of an unwrapped model's weights and config, with whatever else is given."""
-        return cls(model=model.state_dict(), model_config=dataclasses.asdict(model.config), **fields)
+    version: int = FORMAT_VERSION        # of the format; what load() returns is always the current one
 
     def build_model(self, **overrides) -> GPT:
         """The model it holds, optionally with another attn or dropout (the weights fix everything else)."""
@@ -48,8 +46,11 @@ class Checkpoint:
         return model
 
     def save(self, path: Path) -> None:
-        """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
+        """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one. A
+        nanoGPT checkpoint it replaces (a resumed nanoGPT run) is first kept beside it as ckpt.nanogpt.pt."""
         path = Path(path)
+        if path.is_file() and _holds_nanogpt(path):
+            nanogpt.keep_original(path)
         contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not asdict: it copies tensors
         with files.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
                                   advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
@@ -84,19 +85,59 @@ class Checkpoint:
         if contents and all(torch.is_tensor(v) for v in contents.values()):
             raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
                             f"with 'model' and 'model_config', as train.py writes them.")
-        if nanogpt.is_nanogpt(contents):  # karpathy/nanoGPT's layout: converted, nothing on disk changes
-            contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
-            if for_training and contents["optimizer"] is None:
-                raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only "
-                                f"one with its optimizer resumes.")
-            return cls(**contents, source_format="nanoGPT")
-        required = ("model", "model_config") + (TRAINING_STATE if for_training else ())
+        # nanoGPT's files carry no RNG state: a resumed run starts fresh streams
+        training_state = ("optimizer",) if nanogpt.is_nanogpt(contents) else TRAINING_STATE
+        contents = upgrade(contents, path, for_training, data_dir)
+        required = ("model", "model_config") + (training_state if for_training else ())
         missing = [k for k in required if contents.get(k) is None]
         if missing:
             raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
                             f"checkpoint written by train.py.")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in contents.items() if k in known})
+
+
+def _holds_nanogpt(path: Path) -> bool:
+    try:
+        return nanogpt.is_nanogpt(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # unreadable: not nanoGPT's, and replaced as any other file
+        return False
+
+
+def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | None) -> dict:
+    """The one place older files become the current format: nanoGPT's layout (nanogpt.py: only a run that resumes
+    converts its optimizer state) and this project's files from before the version field (version 1: the same
+    fields). A file from a newer version of this project is refused."""
+    if nanogpt.is_nanogpt(contents):
+        contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
+        if for_training and contents["optimizer"] is None:
+            raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only one with "
+                            f"its optimizer resumes.")
+    version = contents.get("version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise UserError(f"{path} is checkpoint format {version}, newer than this code reads ({FORMAT_VERSION}); "
+                        f"update this repository to read it.")
+    return {**contents, "version": FORMAT_VERSION}
+
+
+def rng_state(data_generator: torch.Generator, ranks: Dist, rt: Runtime) -> dict:
+    """Every rank's dropout RNG (collective: all ranks call it) and the shared data generator."""
+    mine = torch.cat([torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if rt.is_cuda else []))
+    per_rank = [mine]
+    if ranks.is_distributed:
+        per_rank = [None] * ranks.world_size
+        torch.distributed.all_gather_object(per_rank, mine)
+    return {"per_rank": per_rank, "data": data_generator.get_state()}
+
+
+def restore_rng(state: dict, data_generator: torch.Generator, ranks: Dist, rt: Runtime) -> None:
+    data_generator.set_state(state["data"])
+    if len(state["per_rank"]) != ranks.world_size:
+        return  # another world size: dropout streams cannot continue, the seeds already set stand
+    saved, cpu_size = state["per_rank"][ranks.rank], torch.get_rng_state().numel()
+    torch.set_rng_state(saved[:cpu_size])
+    if rt.is_cuda and saved.numel() > cpu_size:
+        torch.cuda.set_rng_state(saved[cpu_size:])
 
 
 def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:

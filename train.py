@@ -23,10 +23,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flops
-import nanogpt
 import files
 import runtime
-from checkpoint import Checkpoint, claim_out_dir
+from checkpoint import Checkpoint, claim_out_dir, restore_rng, rng_state
 from configurator import Settings, configure, one_of
 from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from errors import UserError
@@ -187,26 +186,6 @@ def set_learning_rates(optimizers: list, multiplier: float) -> None:
         group["lr"] = group["initial_lr"] * multiplier
 
 
-def rng_state(batches: Batches, ranks: Dist, rt: Runtime) -> dict:
-    """Every rank's dropout RNG (collective: all ranks call it) and the shared data generator."""
-    mine = torch.cat([torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if rt.is_cuda else []))
-    per_rank = [mine]
-    if ranks.is_distributed:
-        per_rank = [None] * ranks.world_size
-        torch.distributed.all_gather_object(per_rank, mine)
-    return {"per_rank": per_rank, "data": batches.generator.get_state()}
-
-
-def restore_rng(state: dict, batches: Batches, ranks: Dist, rt: Runtime) -> None:
-    batches.generator.set_state(state["data"])
-    if len(state["per_rank"]) != ranks.world_size:
-        return  # another world size: dropout streams cannot continue, the seeds set in main() stand
-    saved, cpu_size = state["per_rank"][ranks.rank], torch.get_rng_state().numel()
-    torch.set_rng_state(saved[:cpu_size])
-    if rt.is_cuda and saved.numel() > cpu_size:
-        torch.cuda.set_rng_state(saved[cpu_size:])
-
-
 def parallelize(model: GPT, cfg: Settings, ranks: Dist, rt: Runtime) -> torch.nn.Module:
     """Compile and wrap for the world we run in. FSDP2: each block is a unit (gathered for its forward and
     backward, then freed), then the root holds the embeddings, final norm and tied lm_head."""
@@ -318,11 +297,12 @@ class Trainer:
         if self.iter_num == 0 or not (val_loss < self.best_val_loss or self.cfg.always_save_checkpoint):
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
-        rng = rng_state(self.batches, self.ranks, self.rt)  # collective: every rank gathers, rank 0 writes
-        model_state = get_model_state_dict(self.raw_model, options=FULL_STATE)
-        optimizer_state = get_optimizer_state_dict(self.raw_model, self.optimizers, options=FULL_STATE)
-        checkpoint = Checkpoint(model_state, dataclasses.asdict(self.raw_model.config), self.iter_num,
-                                self.best_val_loss, optimizer_state, rng, self.cfg.as_dict(), self.meta)
+        rng = rng_state(self.batches.generator, self.ranks, self.rt)  # collective: every rank gathers, rank 0 writes
+        checkpoint = Checkpoint(
+            model=get_model_state_dict(self.raw_model, options=FULL_STATE),
+            model_config=dataclasses.asdict(self.raw_model.config), iter_num=self.iter_num,
+            best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta,
+            optimizer=get_optimizer_state_dict(self.raw_model, self.optimizers, options=FULL_STATE))
         # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
         runtime.on_master(lambda: checkpoint.save(Path(self.cfg.out_dir) / "ckpt.pt"), self.ranks.device)
 
@@ -345,7 +325,9 @@ def tokens_per_iter(cfg: Settings) -> int:
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
 
 
-def main(argv: list[str] | None = None) -> int:
+def start(argv: list[str] | None) -> tuple[Settings, Dist, Runtime]:
+    """The settings, this process's rank and its runtime, with everything checked that needs no data or model: the
+    parallel layout, and (unless only evaluating) that out_dir can be written and holds no other run."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     ranks = runtime.init_distributed(runtime.pick_device(cfg.device))
     if cfg.optimizer == "muon" and ranks.is_distributed and cfg.parallel == "fsdp":
@@ -355,13 +337,55 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.gradient_accumulation_steps % ranks.world_size:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                         f"the {ranks.world_size} ranks; make it a multiple of the world size.")
-    micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         def writable_and_ours() -> None:
             files.check_writable_dir(Path(cfg.out_dir))
             claim_out_dir(Path(cfg.out_dir), resuming=cfg.init_from == "resume", overwrite=cfg.overwrite)
         runtime.on_master(writable_and_ours, ranks.device)
+    return cfg, ranks, rt
 
+
+def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
+    """Step until max_iters or max_seconds, evaluating (and saving) every eval_interval steps and at the end; a
+    resumed run (resumed_at: its step) was evaluated and saved there before it stopped, so not again."""
+    cfg, rt, ranks = trainer.cfg, trainer.rt, trainer.ranks
+    micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
+    peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
+    timer = runtime.StepTimer(rt)
+    steps_run = 0  # optimizer steps taken by this process
+    try:
+        while True:
+            multiplier = lr_multiplier(trainer.iter_num, cfg)
+            set_learning_rates(trainer.optimizers, multiplier)
+            lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
+            # every rank must stop at the same step, so one rank's clock running out stops them all
+            out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
+                float(timer.total >= cfg.max_seconds), ranks.device) > 0
+            done = trainer.iter_num >= cfg.max_iters or out_of_time
+            # a resumed run was evaluated and saved at its first step before it stopped: no need to repeat it
+            due = trainer.iter_num % cfg.eval_interval == 0 or done
+            if due and trainer.iter_num != resumed_at:
+                timer.pause()
+                trainer.evaluate_and_save(lr, timer.total)
+            if done:
+                break
+            # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
+            timed = not (cfg.compile and steps_run == 0)
+            if timed and not timer.running:
+                timer.start()
+            loss = trainer.step(micro_steps)
+            if timed:
+                timer.step()
+            steps_run += 1
+            trainer.iter_num += 1
+            if trainer.iter_num % cfg.log_interval == 0:
+                trainer.log_step(loss.item(), lr, timer, peak_flops)
+    finally:
+        trainer.log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, ranks, rt = start(argv)
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), ranks.device)
@@ -372,8 +396,6 @@ def main(argv: list[str] | None = None) -> int:
     resuming = cfg.init_from == "resume"
     checkpoint = (Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
                   if resuming else None)
-    if checkpoint is not None and checkpoint.source_format == "nanoGPT" and not cfg.eval_only:
-        runtime.on_master(lambda: nanogpt.keep_original(Path(cfg.out_dir) / "ckpt.pt"), ranks.device)
     raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), ranks.device)
@@ -401,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoint is not None:
         load_optimizer_state(raw_model, optimizers, checkpoint.optimizer)
         if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds set above stand
-            restore_rng(checkpoint.rng, batches, ranks, rt)
+            restore_rng(checkpoint.rng, batches.generator, ranks, rt)
         trainer.best_val_loss = checkpoint.best_val_loss
         checkpoint = None  # free the memory
     if ranks.is_master:
@@ -409,41 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
               f"{rt.name}{muon}, world size {ranks.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
 
-    # the loop
-    peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
-    timer = runtime.StepTimer(rt)
-    steps_run = 0  # optimizer steps taken by this process
-    try:
-        while True:
-            multiplier = lr_multiplier(trainer.iter_num, cfg)
-            set_learning_rates(optimizers, multiplier)
-            lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
-            # every rank must stop at the same step, so one rank's clock running out stops them all
-            out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
-                float(timer.total >= cfg.max_seconds), ranks.device) > 0
-            done = trainer.iter_num >= cfg.max_iters or out_of_time
-            # a resumed run was evaluated and saved at its first step before it stopped: no need to repeat it
-            due = trainer.iter_num % cfg.eval_interval == 0 or done
-            if due and not (resuming and trainer.iter_num == iter_num):
-                timer.pause()
-                trainer.evaluate_and_save(lr, timer.total)
-            if done:
-                break
-            # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
-            timed = not (cfg.compile and steps_run == 0)
-            if timed and not timer.running:
-                timer.start()
-            loss = trainer.step(micro_steps)
-            if timed:
-                timer.step()
-            steps_run += 1
-            trainer.iter_num += 1
-            if trainer.iter_num % cfg.log_interval == 0:
-                trainer.log_step(loss.item(), lr, timer, peak_flops)
-    finally:
-        trainer.log.close()
+    train_loop(trainer, iter_num if resuming else None)
     return 0
-
 
 if __name__ == "__main__":
     runtime.run_main(main)

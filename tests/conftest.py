@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny character dataset and a way to run train.py (alone or under torchrun)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -96,3 +97,9 @@ def ddp_two_ranks(char_data_session, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_two_ranks")
     result = run_train(TWO_RANKS + [f"--data_dir={char_data_session}", f"--out_dir={out}"], nproc=2, script=RANK_PROBE)
     return metrics(out, "train/loss"), result.stdout
+
+
+def checkpoint_of(model, **fields):
+    """A Checkpoint of an unwrapped model's weights and config, with whatever else is given."""
+    from checkpoint import Checkpoint
+    return Checkpoint(model=model.state_dict(), model_config=dataclasses.asdict(model.config), **fields)

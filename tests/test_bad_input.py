@@ -16,7 +16,7 @@ import dataset
 import sample
 import train
 from checkpoint import Checkpoint
-from conftest import REPO, TINY, metrics
+from conftest import REPO, TINY, checkpoint_of, metrics
 from model import GPT, GPTConfig, UserError
 
 
@@ -269,10 +269,24 @@ def test_a_bare_state_dict_is_named_as_such(tiny_model, char_data, tmp_path):
 
 
 def test_a_weights_only_checkpoint_samples_but_does_not_resume(tiny_model, char_data, tmp_path):
-    Checkpoint.of(tiny_model).save(tmp_path / "ckpt.pt")
+    checkpoint_of(tiny_model).save(tmp_path / "ckpt.pt")
     assert Checkpoint.load(tmp_path / "ckpt.pt").model_config["n_layer"] == 1
     with pytest.raises(UserError, match="has no optimizer, rng; it is not a resumable"):
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={tmp_path}")
+
+
+def test_a_checkpoint_from_before_the_version_field_is_upgraded_and_a_newer_format_is_refused(tiny_model, tmp_path):
+    checkpoint_of(tiny_model, iter_num=5).save(tmp_path / "ckpt.pt")
+    contents = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert contents["version"] == 2
+    del contents["version"]  # as every file written before the field was
+    torch.save(contents, tmp_path / "old.pt")
+    old = Checkpoint.load(tmp_path / "old.pt")
+    assert old.version == 2 and old.iter_num == 5
+    assert all(torch.equal(old.model[k], v) for k, v in tiny_model.state_dict().items())
+    torch.save({**contents, "version": 3}, tmp_path / "new.pt")
+    with pytest.raises(UserError, match="new.pt is checkpoint format 3, newer than this code reads \\(2\\)"):
+        Checkpoint.load(tmp_path / "new.pt")
 
 
 def test_bench_and_sample_check_where_they_write_before_any_work(tmp_path):

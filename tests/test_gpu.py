@@ -18,9 +18,8 @@ import bench
 import measure
 import runtime
 import sample
-from checkpoint import Checkpoint
 import train
-from conftest import TINY, metrics, run_train, straight_and_resumed
+from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
 from attention import ATTENTION, attention_problem, decodes_with_mask
 from generate import Decoder, for_inference, generate
 from model import GPT, GPTConfig, UserError
@@ -134,7 +133,7 @@ def test_sample_compare_all_finishes_on_the_gpu(tmp_path, monkeypatch):
     model = GPT(GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=128))
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # peaked logits: few near ties
-    Checkpoint.of(model, iter_num=1, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
+    checkpoint_of(model, iter_num=1, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
         tmp_path / "ckpt.pt")
     assert sample.main([f"--out_dir={tmp_path}", "--compare=all", "--num_samples=1", "--max_new_tokens=80",
                         "--temperature=0", "--dtype=float32", "--start=To be",

@@ -16,7 +16,7 @@ import export_hf
 import sample
 import train
 from checkpoint import Checkpoint
-from conftest import REPO, TINY, metrics
+from conftest import REPO, TINY, checkpoint_of, metrics
 from errors import UserError
 from hf import from_pretrained
 from model import GPT, GPTConfig
@@ -65,7 +65,7 @@ def test_the_readmes_export_and_pipeline_snippet_run_as_written_on_the_quickstar
     cfg = train.configure(vars(train), [str(REPO / "config" / "train_shakespeare_char_cpu.py")])
     chars = sorted(set("ROMEO:\nJULIET: wherefore art thou, abcdefghijklmnopqrstuvwxyz!?."))
     model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": len(chars)}))
-    Checkpoint.of(model, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
+    checkpoint_of(model, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
         tmp_path / cfg.out_dir / "ckpt.pt")
     (sh_lang, sh), (py_lang, snippet) = readme_blocks("### To Hugging Face")[:2]
     assert (sh_lang, py_lang) == ("sh", "python")

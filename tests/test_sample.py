@@ -15,8 +15,7 @@ import attention
 import compare
 import runtime
 import sample
-from checkpoint import Checkpoint
-from conftest import strict_recompile_limit
+from conftest import checkpoint_of, strict_recompile_limit
 from generate import Decoder, Sampling, draw_samples
 from model import GPT, GPTConfig, UserError
 from tokenizer import CharTokenizer, GPT2Tokenizer
@@ -41,7 +40,7 @@ def confident_char_model() -> GPT:
 
 
 def save_checkpoint(out_dir: Path, model: GPT, meta) -> Path:
-    Checkpoint.of(model, meta=meta, iter_num=7).save(out_dir / "ckpt.pt")
+    checkpoint_of(model, meta=meta, iter_num=7).save(out_dir / "ckpt.pt")
     return out_dir
 
 

@@ -1,0 +1,96 @@
+"""
+What bench.py prints and draws: the plain-text table of a sweep's rows and the mode's chart (the post's figure).
+"""
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from bench_generate import generate_chart
+from configurator import Settings
+
+
+def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:
+    """A plain-text table; a skipped row (or one that ran out of memory) shows why in place of the numbers."""
+    formats = list(columns.values())
+    cells = [[f(row) for f in formats] if row["status"] == "ok"
+             else [f(row) for f in formats[:2]] + [f"{row['status']}: {row['reason']}"] for row in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells if len(c) == len(formats) or i < 2])
+              for i, h in enumerate(columns)]
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
+    return "\n".join([line(list(columns)), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def kernel_cell(row: dict) -> str:
+    return row["kernel"] + ("" if row["kernel_ok"] else f"  ! expected {'/'.join(row['kernel_expected'])}")
+
+
+def attn_cell(row: dict) -> str:
+    return row["attn"] + (" (eager reference)" if row.get("eager_reference") else "")
+
+
+TRAIN_COLUMNS = {
+    "attn": attn_cell,
+    "vocab": lambda r: str(r.get("vocab", "padded" if r["pad_vocab"] else "unpadded")),
+    "ms/iter": lambda r: f"{r['ms_per_iter']:.1f}",
+    "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.1f}",
+    "tokens/s": lambda r: f"{r['tokens_per_s']:,.0f}",
+    "MFU": lambda r: f"{100 * r['mfu']:.1f}%",
+    "peak GB": lambda r: f"{r['mem/peak_gb']:.3f}",
+    "speedup": lambda r: f"{r.get('speedup_vs_manual', float('nan')):.2f}x",
+    "max batch": lambda r: str(r.get("max_batch", "-")),
+    "kernel": kernel_cell,
+}
+ATTENTION_COLUMNS = {
+    "attn": attn_cell,
+    "case": lambda r: f"hs={r['head_size']} T={r['seq_len']} {'fwd+bwd' if r['backward'] else 'fwd'}",
+    "ms": lambda r: f"{r['ms_per_iter']:.2f}",
+    "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.2f}",
+    "added GB": lambda r: f"{r['mem/peak_gb']:.3f}",
+    "speedup": lambda r: f"{r.get('speedup_vs_manual', float('nan')):.2f}x",
+    "kernel": kernel_cell,
+}
+
+
+def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
+    """The mode's figure, with the machine and dtype in its title."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    title = generate_chart(ax, rows, cfg) if cfg.mode == "generate" else ms_chart(ax, rows, cfg)
+    ax.set_title(f"{env['device_name']}, {cfg.dtype}\n{title}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
+    """The post's figure: ms per training step per attn, unpadded and padded side by side, IQR whiskers
+    (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
+    if cfg.mode == "train":
+        series = {f"vocab {'padded' if p else 'unpadded'}": {"pad_vocab": p} for p in cfg.padding}
+        title = (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, B={cfg.batch_size}, T={cfg.seq_len}: ms per training "
+                 f"step (lower is better)")
+    else:
+        hs = cfg.attn_head_sizes[0]
+        series = {f"T={T}": {"seq_len": T, "head_size": hs, "backward": True} for T in cfg.attn_seq_lens}
+        title = f"attention forward+backward, hs={hs} (lower is better)"
+    ok = [r for r in rows if r["status"] == "ok"]
+    bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
+            for label, match in series.items()}
+    groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
+    ax.figure.set_size_inches(max(6.0, 0.4 * len(groups) * len(bars)), 4)
+    width = 0.8 / len(bars)
+    for i, (label, by_attn) in enumerate(bars.items()):
+        found = [by_attn.get(a) for a in groups]  # None: skipped, a gap in the chart
+        ms = [r["ms_per_iter"] if r else np.nan for r in found]
+        whiskers = [(r["ms_per_iter"] - r["ms_p25"], r["ms_p75"] - r["ms_per_iter"]) if r else (0, 0) for r in found]
+        xs = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * width
+        ax.bar(xs, ms, width, yerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
+    ax.set_xticks(np.arange(len(groups)), groups)
+    ax.set_ylabel("ms (median, IQR whiskers)")
+    ax.set_yscale("log" if cfg.mode == "attention" else "linear")  # sequence lengths span orders of magnitude
+    return title
