@@ -46,11 +46,8 @@ class Checkpoint:
         return model
 
     def save(self, path: Path) -> None:
-        """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one. A
-        nanoGPT checkpoint it replaces (a resumed nanoGPT run) is first kept beside it as ckpt.nanogpt.pt."""
+        """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
         path = Path(path)
-        if path.is_file() and _holds_nanogpt(path):
-            nanogpt.keep_original(path)
         contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not asdict: it copies tensors
         with files.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
                                   advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
@@ -97,22 +94,18 @@ class Checkpoint:
         return cls(**{k: v for k, v in contents.items() if k in known})
 
 
-def _holds_nanogpt(path: Path) -> bool:
-    try:
-        return nanogpt.is_nanogpt(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-    except Exception:  # unreadable: not nanoGPT's, and replaced as any other file
-        return False
-
-
 def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | None) -> dict:
     """The one place older files become the current format: nanoGPT's layout (nanogpt.py: only a run that resumes
-    converts its optimizer state) and this project's files from before the version field (version 1: the same
-    fields). A file from a newer version of this project is refused."""
+    converts its optimizer state, and keeps nanoGPT's file, which its first save replaces, as ckpt.nanogpt.pt) and
+    this project's files from before the version field (version 1: the same fields). A file from a newer version of
+    this project is refused."""
     if nanogpt.is_nanogpt(contents):
         contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
         if for_training and contents["optimizer"] is None:
             raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only one with "
                             f"its optimizer resumes.")
+        if for_training:
+            nanogpt.keep_original(path)
     version = contents.get("version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise UserError(f"{path} is checkpoint format {version}, newer than this code reads ({FORMAT_VERSION}); "

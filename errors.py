@@ -1,6 +1,7 @@
 """
-The project's one error type for bad input, and the one place a script turns it into an `error:` line. It lives alone so that what only reads and writes files (the
-configurator, tokenizer.py, the prepare scripts) can raise it without importing torch.
+The project's one error type for bad input, and the one place a script turns it into an `error:` line. It lives
+alone so that what only reads and writes files (the configurator, files.py, tokenizer.py, the prepare scripts) can
+raise it without importing torch.
 """
 
 import sys

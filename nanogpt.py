@@ -9,7 +9,9 @@ number), `model_args`, `iter_num`, `best_val_loss` and `config`. Its character v
 """
 
 import dataclasses
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from files import GPT2_VOCAB_SIZE, read_nanogpt_meta
@@ -46,10 +48,19 @@ def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_di
 
 
 def keep_original(path: Path) -> None:
-    """A run resumed from nanoGPT's ckpt.pt saves this project's format over it: keep nanoGPT's file beside it."""
+    """A run resumed from nanoGPT's ckpt.pt will save this project's format over it: keep nanoGPT's file beside it.
+    Every rank reads the checkpoint, so the copy is made under a name of its own and renamed into place."""
     kept = path.with_name("ckpt.nanogpt.pt")
-    if not kept.exists():
-        shutil.copy2(path, kept)
+    if kept.exists():
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".ckpt.nanogpt.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        shutil.copy2(path, tmp)
+        os.replace(tmp, kept)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    if os.environ.get("RANK", "0") == "0":  # torchrun's rank; one line, not one per rank
         print(f"resuming from nanoGPT's checkpoint; the original is kept as {kept}")
 
 

@@ -22,9 +22,9 @@ from checkpoint import Checkpoint
 from configurator import configure, one_of
 from dataset import dataset_dir
 from errors import UserError
-from hf import from_pretrained
 from generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                       tokens_per_s)
+from hf import from_pretrained
 from model import GPT
 from runtime import Runtime
 from tokenizer import Tokenizer, tokenizer_from_meta

@@ -158,7 +158,7 @@ def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -
 def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
     """AdamW, or Muon and AdamW; a resumed run keeps the optimizer its checkpoint's state belongs to. Every parameter
     group records its peak rate as `initial_lr` (Muon's muon_lr, AdamW's learning_rate): the schedule scales it."""
-    saved = (checkpoint.settings.get("optimizer", "adamw") if checkpoint is not None else cfg.optimizer)
+    saved = checkpoint.settings.get("optimizer", "adamw") if checkpoint is not None else cfg.optimizer
     if saved != cfg.optimizer:
         raise UserError(f"the checkpoint's optimizer state is {saved}'s; resume with --optimizer={saved}.")
     betas = (cfg.beta1, cfg.beta2)
