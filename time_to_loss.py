@@ -1,6 +1,6 @@
 """
 Time to a validation loss: each recipe launched as a user launches it (python train.py ...), the recipes back to
-back and in turn, several times; the wall time from launch to the first printed val/loss at or below the target
+back and in turn, several times; the wall time from launch to the first logged val/loss at or below the target
 (start-up included; prepare the data beforehand), the iteration it came at, and the run's final val loss.
 
     python time_to_loss.py                        # nanoGPT's CPU recipe vs the quickstart, 3 rounds, target 1.89
@@ -11,7 +11,6 @@ recipes run one after the other), then the median over rounds: the machine's dri
 """
 
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -41,29 +40,37 @@ RECIPES = {
     "quickstart": ["config/train_shakespeare_char_cpu.py"],
 }
 ROOT = Path(__file__).resolve().parent
-VAL_LINE = re.compile(r"^iter (\d+) .*val/loss ([0-9.]+)")  # train.py's console line at every evaluation
+POLL_S = 0.05  # how often a run's metrics.jsonl is read: the timing's resolution
 
 
 def time_one(args: list[str], target_loss: float, stop_at_target: bool) -> dict:
     """One launch of train.py: seconds to the first val/loss <= target (None if never), its iter, the last val loss
-    and iter, and the wall time of the whole run."""
-    with tempfile.TemporaryDirectory() as out:
+    and iter, and the wall time of the whole run. The evaluations are read from the run's metrics.jsonl as they are
+    written (every POLL_S), not from its console."""
+    with tempfile.TemporaryDirectory() as out, open(Path(out) / "console.txt", "w+") as console:
+        metrics = Path(out) / "run" / "metrics.jsonl"
         start = time.perf_counter()
-        process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"], cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={Path(out) / 'run'}"],
+                                   cwd=ROOT, stdout=console, stderr=subprocess.STDOUT)
         run = {"seconds": None, "iter": None, "final_loss": None, "final_iter": None}
-        for line in process.stdout:
-            match = VAL_LINE.match(line)
-            if not match:
-                continue
-            run.update(final_iter=int(match.group(1)), final_loss=float(match.group(2)))
-            if run["seconds"] is None and run["final_loss"] <= target_loss:
-                run.update(seconds=time.perf_counter() - start, iter=run["final_iter"])
-                if stop_at_target:
-                    process.kill()
-                    break
+        read = 0  # records of metrics.jsonl seen so far
+        while True:
+            finished = process.poll() is not None  # read what a finished run wrote once more, then stop
+            records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            for record in (r for r in records[read:] if "val/loss" in r):
+                run.update(final_iter=record["iter"], final_loss=record["val/loss"])
+                if run["seconds"] is None and run["final_loss"] <= target_loss:
+                    run.update(seconds=time.perf_counter() - start, iter=run["final_iter"])
+            read = len(records)
+            if finished or (stop_at_target and run["seconds"] is not None):
+                break
+            time.sleep(POLL_S)
+        process.kill()
         process.wait()
         run["wall_s"] = time.perf_counter() - start
+        if process.returncode not in (0, -9) and run["final_loss"] is None:
+            console.seek(0)
+            print(f"train.py {' '.join(args)} failed:\n{console.read()[-2000:]}", file=sys.stderr)
     return run
 
 
@@ -90,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"round {i + 1}: " + "; ".join(f"{n} {r['seconds'] and round(r['seconds'], 1)} s" for n, r in
                                               rounds[-1].items()), flush=True)
     base = names[0]
-    print(f"\ntime to val/loss <= {cfg.target}, launch to printed line, {cfg.runs} round(s), {machine}: "
+    print(f"\ntime to val/loss <= {cfg.target}, launch to logged val/loss, {cfg.runs} round(s), {machine}: "
           f"median (min-max)")
     print(f"{'recipe':<22}  {'seconds':>22}  {'x ' + base:>24}  {'iter':>16}  {'final val':>22}  {'wall s':>22}")
     for name in names:

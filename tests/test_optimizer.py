@@ -188,3 +188,8 @@ def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(char_
     table = capsys.readouterr().out
     assert "time to val/loss <= 2.8" in table and "not reached" in table
     assert f"{runtime.cpu_capability()}): median" in table  # the CPU's capability names every figure
+    # --full=False stops a run at the evaluation that reached the target: read from metrics.jsonl as it is written
+    monkeypatch.setattr(time_to_loss, "RECIPES", {"adamw": tiny + ["--max_iters=200"]})
+    assert time_to_loss.main(["--target=2.8", "--runs=1", "--full=False", f"--out_dir={tmp_path}"]) == 0
+    stopped = json.loads((tmp_path / "time_to_loss.json").read_text())["rounds"][0]["adamw"]
+    assert stopped["iter"] == stopped["final_iter"] < 200 and stopped["seconds"] <= stopped["wall_s"]
