@@ -19,7 +19,7 @@ import files
 import nanogpt
 from errors import UserError
 from model import GPT, GPTConfig
-from runtime import Dist, Runtime
+from runtime import Runtime
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
 # 1: every file before the version field (the same fields); 2: with it. Older layouts are read through upgrade().
@@ -113,21 +113,21 @@ def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | Non
     return {**contents, "version": FORMAT_VERSION}
 
 
-def rng_state(data_generator: torch.Generator, ranks: Dist, rt: Runtime) -> dict:
+def rng_state(data_generator: torch.Generator, rt: Runtime) -> dict:
     """Every rank's dropout RNG (collective: all ranks call it) and the shared data generator."""
     mine = torch.cat([torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if rt.is_cuda else []))
     per_rank = [mine]
-    if ranks.is_distributed:
-        per_rank = [None] * ranks.world_size
+    if rt.is_distributed:
+        per_rank = [None] * rt.world_size
         torch.distributed.all_gather_object(per_rank, mine)
     return {"per_rank": per_rank, "data": data_generator.get_state()}
 
 
-def restore_rng(state: dict, data_generator: torch.Generator, ranks: Dist, rt: Runtime) -> None:
+def restore_rng(state: dict, data_generator: torch.Generator, rt: Runtime) -> None:
     data_generator.set_state(state["data"])
-    if len(state["per_rank"]) != ranks.world_size:
+    if len(state["per_rank"]) != rt.world_size:
         return  # another world size: dropout streams cannot continue, the seeds already set stand
-    saved, cpu_size = state["per_rank"][ranks.rank], torch.get_rng_state().numel()
+    saved, cpu_size = state["per_rank"][rt.rank], torch.get_rng_state().numel()
     torch.set_rng_state(saved[:cpu_size])
     if rt.is_cuda and saved.numel() > cpu_size:
         torch.cuda.set_rng_state(saved[cpu_size:])

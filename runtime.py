@@ -99,11 +99,22 @@ def pick_dtype(dtype: str, device: str) -> str:
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where and in what precision a script runs. Made once by resolve_runtime(); every script asks it rather
-    than parsing device strings itself."""
+    """Where and in what precision a script runs, and this process's place among the ranks (one of one outside
+    torchrun). Made once by resolve_runtime(); every script asks it rather than parsing device strings itself."""
     device: str  # "cpu", "cuda:N" or "mps"
     dtype: str   # a key of DTYPES: the autocast dtype, or float32 for none
     orthogonalize: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 only where it is native)
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
 
     @property
     def device_type(self) -> str:
@@ -175,11 +186,14 @@ class Runtime:
         return {"mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9}
 
 
-def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: str = "auto") -> Runtime:
+def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: str = "auto",
+                    distributed: bool = False) -> Runtime:
     """Pick the device, the autocast dtype and Muon's orthogonalization dtype ('auto': bf16 where bf16 is native,
     else fp32), make a cuda:N device current (so nothing lands on GPU 0), and let fp32 matmuls use TF32 tensor
-    cores: the one place these are decided, for every script alike."""
+    cores: the one place these are decided, for every script alike. `distributed`: under torchrun, join the process
+    group first (each rank then takes its own GPU)."""
     device = pick_device(device)
+    rank, local_rank, world_size, device = init_distributed(device) if distributed else (0, 0, 1, device)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -189,7 +203,7 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: st
         orthogonalize = "bfloat16" if bf16_is_native(kind, cpu_capability()) else "float32"
     elif orthogonalize not in ("float32", "bfloat16"):
         raise UserError(f"unknown muon_dtype '{orthogonalize}'; use auto, float32 or bfloat16.")
-    return Runtime(device, pick_dtype(dtype, device), orthogonalize)
+    return Runtime(device, pick_dtype(dtype, device), orthogonalize, rank, local_rank, world_size)
 
 
 # How running out of device memory reads when it is not a torch.OutOfMemoryError: cuBLAS and cuDNN failing to
@@ -232,28 +246,11 @@ def seed_everything(seed: int) -> None:
 
 # -- distributed -----------------------------------------------------------------------------------
 
-@dataclass
-class Dist:
-    """This process's place among the ranks (one rank of one when not under torchrun) and its device."""
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-
-    @property
-    def is_master(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def init_distributed(device: str) -> Dist:
-    """Under torchrun (RANK set): join the process group, NCCL on CUDA and gloo elsewhere, one GPU per local
-    rank. Otherwise a single process on `device`."""
+def init_distributed(device: str) -> tuple[int, int, int, str]:
+    """This process's place among the ranks: (rank, local_rank, world_size, device). Under torchrun (RANK set) it
+    joins the process group, NCCL on CUDA and gloo elsewhere, one GPU per local rank; otherwise one rank of one."""
     if "RANK" not in os.environ:
-        return Dist(device=device)
+        return 0, 0, 1, device
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if device.startswith("cuda"):
@@ -262,7 +259,7 @@ def init_distributed(device: str) -> Dist:
         dist.init_process_group(backend="nccl", device_id=torch.device(device))
     else:
         dist.init_process_group(backend="gloo")
-    return Dist(rank, local_rank, world_size, device)
+    return rank, local_rank, world_size, device
 
 
 def destroy_distributed() -> None:

@@ -33,7 +33,7 @@ from hf import from_pretrained
 from attention import ATTENTION, check_attention
 from metrics import MetricsLog
 from model import GPT, GPTConfig
-from runtime import Dist, Runtime
+from runtime import Runtime
 
 # I/O
 out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go here
@@ -186,10 +186,10 @@ def set_learning_rates(optimizers: list, multiplier: float) -> None:
         group["lr"] = group["initial_lr"] * multiplier
 
 
-def parallelize(model: GPT, cfg: Settings, ranks: Dist, rt: Runtime) -> torch.nn.Module:
+def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
     """Compile and wrap for the world we run in. FSDP2: each block is a unit (gathered for its forward and
     backward, then freed), then the root holds the embeddings, final norm and tied lm_head."""
-    if ranks.is_distributed and cfg.parallel == "fsdp":
+    if rt.is_distributed and cfg.parallel == "fsdp":
         mp = MixedPrecisionPolicy(param_dtype=rt.torch_dtype, reduce_dtype=torch.float32)
         for block in model.transformer.h:
             if cfg.compile:
@@ -197,7 +197,7 @@ def parallelize(model: GPT, cfg: Settings, ranks: Dist, rt: Runtime) -> torch.nn
             fully_shard(block, mp_policy=mp)
         return fully_shard(model, mp_policy=mp)
     compiled = torch.compile(model) if cfg.compile else model
-    return wrap_ddp(compiled, rt, ranks.local_rank) if ranks.is_distributed else compiled
+    return wrap_ddp(compiled, rt, rt.local_rank) if rt.is_distributed else compiled
 
 
 def wrap_ddp(model: torch.nn.Module, rt: Runtime, local_rank: int) -> DDP:
@@ -223,21 +223,21 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # -- logging and evaluation ------------------------------------------------------------------------------
 
 @torch.no_grad()
-def estimate_loss(model, cfg: Settings, data_dir: Path, ranks: Dist, rt: Runtime) -> dict:
+def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
     """Mean loss over eval_iters batches per split, the same batches at every evaluation (a fixed seed),
     different ones per rank, averaged over ranks: {"train/eval_loss": ..., "val/loss": ...}, or val alone when
     eval_train is off."""
     model.eval()
     out = {}
     for split in ("train", "val") if cfg.eval_train else ("val",):
-        batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + ranks.rank)
+        batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank)
         losses = []
         for x, y in batches.micro_batches(split, cfg.eval_iters):  # this rank's own batches, seeded by rank
             with rt.autocast():
                 _, loss = model(x.to(rt.device), y.to(rt.device))
             losses.append(loss.item())
         out["val/loss" if split == "val" else "train/eval_loss"] = runtime.mean_across_ranks(
-            sum(losses) / len(losses), ranks.device)
+            sum(losses) / len(losses), rt.device)
     model.train()
     return out
 
@@ -249,7 +249,6 @@ class Trainer:
     """What the loop works with: the settings, where it runs, the model (raw and wrapped), its optimizers and
     data, the log, and where training stands."""
     cfg: Settings
-    ranks: Dist
     rt: Runtime
     raw_model: GPT
     model: torch.nn.Module               # compiled, DDP- or FSDP-wrapped
@@ -265,7 +264,7 @@ class Trainer:
     def step(self, micro_steps: int) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns their mean loss (on the device)."""
         loss_sum = torch.zeros((), device=self.rt.device)
-        micro_batches = self.batches.micro_batches("train", micro_steps, self.ranks.rank, self.ranks.world_size)
+        micro_batches = self.batches.micro_batches("train", micro_steps, self.rt.rank, self.rt.world_size)
         for micro, (x, y) in enumerate(micro_batches):
             with gradient_sync(self.model, sync=micro == micro_steps - 1):
                 if self.rt.is_cuda:  # pinned memory lets the copy overlap with compute
@@ -288,7 +287,7 @@ class Trainer:
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
-        losses = estimate_loss(self.model, self.cfg, self.data_dir, self.ranks, self.rt)
+        losses = estimate_loss(self.model, self.cfg, self.data_dir, self.rt)
         self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
         val_loss = losses["val/loss"]
         if not math.isfinite(val_loss):
@@ -297,26 +296,26 @@ class Trainer:
         if self.iter_num == 0 or not (val_loss < self.best_val_loss or self.cfg.always_save_checkpoint):
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
-        rng = rng_state(self.batches.generator, self.ranks, self.rt)  # collective: every rank gathers, rank 0 writes
+        rng = rng_state(self.batches.generator, self.rt)  # collective: every rank gathers, rank 0 writes
         checkpoint = Checkpoint(
             model=get_model_state_dict(self.raw_model, options=FULL_STATE),
             model_config=dataclasses.asdict(self.raw_model.config), iter_num=self.iter_num,
             best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta,
             optimizer=get_optimizer_state_dict(self.raw_model, self.optimizers, options=FULL_STATE))
         # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
-        runtime.on_master(lambda: checkpoint.save(Path(self.cfg.out_dir) / "ckpt.pt"), self.ranks.device)
+        runtime.on_master(lambda: checkpoint.save(Path(self.cfg.out_dir) / "ckpt.pt"), self.rt.device)
 
     def log_step(self, loss: float, lr: float, timer: runtime.StepTimer, peak_flops: float) -> None:
         """The training line: loss averaged over ranks, and speed over the timed steps since the last one."""
         seconds, steps = timer.read_and_reset()
-        loss = runtime.mean_across_ranks(loss, self.ranks.device)
+        loss = runtime.mean_across_ranks(loss, self.rt.device)
         if not math.isfinite(loss):
             raise UserError(f"training loss is {loss} at iter {self.iter_num}; training diverged (try a lower "
                             f"learning_rate or grad_clip); the last good checkpoint in {self.cfg.out_dir} is kept.")
         metrics = {"iter": self.iter_num, "train/loss": loss, "lr": lr}
         if steps:  # none when the only step since the last line was the compiling one
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
-            mfu = self.raw_model.estimate_mfu(tokens_per_s / self.ranks.world_size, peak_flops, self.cfg.block_size)
+            mfu = self.raw_model.estimate_mfu(tokens_per_s / self.rt.world_size, peak_flops, self.cfg.block_size)
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s, mfu=mfu)
         self.log.log({**metrics, **self.rt.memory_metrics()})
 
@@ -325,31 +324,30 @@ def tokens_per_iter(cfg: Settings) -> int:
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
 
 
-def start(argv: list[str] | None) -> tuple[Settings, Dist, Runtime]:
+def start(argv: list[str] | None) -> tuple[Settings, Runtime]:
     """The settings, this process's rank and its runtime, with everything checked that needs no data or model: the
     parallel layout, and (unless only evaluating) that out_dir can be written and holds no other run."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    ranks = runtime.init_distributed(runtime.pick_device(cfg.device))
-    if cfg.optimizer == "muon" and ranks.is_distributed and cfg.parallel == "fsdp":
+    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
+    if cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp":
         raise UserError("optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes each "
                         "whole weight matrix and FSDP2 gives every rank a shard of it; use --parallel=ddp.")
-    rt = runtime.resolve_runtime(ranks.device, cfg.dtype, cfg.muon_dtype)
-    if cfg.gradient_accumulation_steps % ranks.world_size:
+    if cfg.gradient_accumulation_steps % rt.world_size:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
-                        f"the {ranks.world_size} ranks; make it a multiple of the world size.")
+                        f"the {rt.world_size} ranks; make it a multiple of the world size.")
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         def writable_and_ours() -> None:
             files.check_writable_dir(Path(cfg.out_dir))
             claim_out_dir(Path(cfg.out_dir), resuming=cfg.init_from == "resume", overwrite=cfg.overwrite)
-        runtime.on_master(writable_and_ours, ranks.device)
-    return cfg, ranks, rt
+        runtime.on_master(writable_and_ours, rt.device)
+    return cfg, rt
 
 
 def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating (and saving) every eval_interval steps and at the end; a
     resumed run (resumed_at: its step) was evaluated and saved there before it stopped, so not again."""
-    cfg, rt, ranks = trainer.cfg, trainer.rt, trainer.ranks
-    micro_steps = cfg.gradient_accumulation_steps // ranks.world_size
+    cfg, rt = trainer.cfg, trainer.rt
+    micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
     timer = runtime.StepTimer(rt)
     steps_run = 0  # optimizer steps taken by this process
@@ -360,7 +358,7 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
             # every rank must stop at the same step, so one rank's clock running out stops them all
             out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
-                float(timer.total >= cfg.max_seconds), ranks.device) > 0
+                float(timer.total >= cfg.max_seconds), rt.device) > 0
             done = trainer.iter_num >= cfg.max_iters or out_of_time
             # a resumed run was evaluated and saved at its first step before it stopped: no need to repeat it
             due = trainer.iter_num % cfg.eval_interval == 0 or done
@@ -385,10 +383,10 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, ranks, rt = start(argv)
+    cfg, rt = start(argv)
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
-    runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), ranks.device)
+    runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     meta = files.read_meta(data_dir)
 
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
@@ -398,15 +396,15 @@ def main(argv: list[str] | None = None) -> int:
                   if resuming else None)
     raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
-    runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), ranks.device)
+    runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     check_attention(raw_model.config.attn, rt.device_type, rt.torch_dtype, raw_model.config.dropout,
                     raw_model.config.head_size, not cfg.eval_only, cfg.block_size)  # now, not after compiling
-    torch.manual_seed(cfg.seed + ranks.rank)  # dropout differs per rank; the data generator does not
-    model = parallelize(raw_model, cfg, ranks, rt)  # FSDP shards raw_model's parameters in place
+    torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
+    model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     iter_num = checkpoint.iter_num if resuming else 0
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
-        log = MetricsLog(cfg, cfg.as_dict(), enabled=ranks.is_master, to_file=False)
-        losses = estimate_loss(model, cfg, data_dir, ranks, rt)
+        log = MetricsLog(cfg, cfg.as_dict(), enabled=rt.is_master, to_file=False)
+        losses = estimate_loss(model, cfg, data_dir, rt)
         log.log({"iter": iter_num, **losses})
         log.close()
         return 0
@@ -414,22 +412,22 @@ def main(argv: list[str] | None = None) -> int:
     # optimizer, and where a resumed run stood
     optimizers = make_optimizers(raw_model, cfg, rt, checkpoint)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
-    run_config = {**cfg.as_dict(), "world_size": ranks.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
+    run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
                   "resolved_muon_dtype": rt.orthogonalize if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
-    trainer = Trainer(cfg, ranks, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
-                      MetricsLog(cfg, run_config, enabled=ranks.is_master), iter_num)
+    trainer = Trainer(cfg, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
+                      MetricsLog(cfg, run_config, enabled=rt.is_master), iter_num)
     if checkpoint is not None:
         load_optimizer_state(raw_model, optimizers, checkpoint.optimizer)
         if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds set above stand
-            restore_rng(checkpoint.rng, batches.generator, ranks, rt)
+            restore_rng(checkpoint.rng, batches.generator, rt)
         trainer.best_val_loss = checkpoint.best_val_loss
         checkpoint = None  # free the memory
-    if ranks.is_master:
+    if rt.is_master:
         muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
-              f"{rt.name}{muon}, world size {ranks.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
+              f"{rt.name}{muon}, world size {rt.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
 
     train_loop(trainer, iter_num if resuming else None)
     return 0

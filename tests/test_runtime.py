@@ -114,7 +114,7 @@ def test_tf32_is_set_in_one_place_that_every_script_goes_through(monkeypatch, tm
     class Resolved(Exception):
         pass
 
-    def resolve_runtime(device, dtype, orthogonalize="auto"):
+    def resolve_runtime(device, dtype, orthogonalize="auto", distributed=False):
         raise Resolved
     monkeypatch.setattr(runtime, "resolve_runtime", resolve_runtime)
     for script in (train, sample, bench):
@@ -152,11 +152,11 @@ from model import UserError
 def work():
     raise UserError("preparing dataset 'x' failed")
 
-d = runtime.init_distributed("cpu")
+rank, _, _, device = runtime.init_distributed("cpu")
 try:
-    runtime.on_master(work, d.device)
+    runtime.on_master(work, device)
 except UserError as e:
-    print(f"rank {{d.rank}}: {{e}}")
+    print(f"rank {{rank}}: {{e}}")
 runtime.destroy_distributed()
 """)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

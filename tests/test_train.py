@@ -29,7 +29,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(
 
 def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path, monkeypatch):
     # rank 0 of two, as torchrun would start it: the check comes before any collective
-    monkeypatch.setattr(runtime, "init_distributed", lambda device: runtime.Dist(0, 0, 2, device))
+    monkeypatch.setattr(runtime, "init_distributed", lambda device: (0, 0, 2, device))
     with pytest.raises(UserError, match="gradient_accumulation_steps=3 is not divisible by the 2 ranks"):
         train.main(TINY + [f"--data_dir={char_data}", "--gradient_accumulation_steps=3", f"--out_dir={tmp_path}"])
 
