@@ -30,7 +30,7 @@ from tqdm import tqdm
 import flops
 import files
 import runtime
-from measure import (audited_row, max_batch_size, measure_calls, out_of_memory, paired_speedup,
+from measure import (audited_row, free_memory, max_batch_size, measure_calls, out_of_memory, paired_speedup,
                      profiled_run)
 from configurator import Settings, as_list, comma_list_of, configure, one_of
 from errors import UserError
@@ -209,7 +209,7 @@ class Trainer:
 
 
 def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> Trainer:
-    runtime.seed_everything(cfg.seed)  # the same weights whatever the row
+    torch.manual_seed(cfg.seed)  # the same weights whatever the row
     config = GPTConfig.from_settings({**cfg.as_dict(), "block_size": cfg.seq_len, "attn": attn, "pad_vocab": pad_vocab})
     model = GPT(config).to(rt.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
@@ -235,7 +235,7 @@ def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int
         return False
     finally:
         del trainer  # the model and its memory go before the next probe
-        runtime.free_memory(rt)
+        free_memory(rt)
 
 
 def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
@@ -271,7 +271,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
         if row["status"] == "ok" and base.get("status") == "ok":
             row["speedup_vs_manual"] = paired_speedup(base, row)
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
-    runtime.free_memory(rt)
+    free_memory(rt)
     if cfg.max_batch:
         for row in tqdm([r for r in rows.values() if r["status"] == "ok"], desc="max batch", file=sys.stderr):
             row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b),

@@ -23,7 +23,7 @@ from attention import attention_problem
 from errors import UserError
 from generate import Decoder, for_inference, weight_bytes
 from measure import (expected_kernels, kernel_of, out_of_memory, paired_speedup, profiled_run, ran_as_expected,
-                     time_round_robin)
+                     summarize, time_round_robin)
 from model import GPT, GPTConfig
 from runtime import Runtime
 import runtime
@@ -149,7 +149,7 @@ def add_timings(described: dict[str, dict], rows: dict[str, Row], ms: dict[str, 
         d = described[key]
         if d["status"] != "ok" or not ms.get(key) or not ms.get(key + "#prefill"):
             continue
-        total, prefill = runtime.summarize(ms[key]), runtime.summarize(ms[key + "#prefill"])
+        total, prefill = summarize(ms[key]), summarize(ms[key + "#prefill"])
         d.update(ms_all=list(ms[key]), ms_per_call=total["median"], ms_p25=total["p25"], ms_p75=total["p75"],
                  prefill_ms=prefill["median"], rounds=len(ms[key]),
                  ms_per_token=(total["median"] - prefill["median"]) / max(1, cfg.new_tokens - 1),

@@ -24,6 +24,7 @@ from checkpoint import Checkpoint
 from configurator import configure
 from errors import UserError
 from hf import CONV1D_WEIGHTS
+from generate import quiet_imports
 from model import GPT
 from tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
 
@@ -109,7 +110,7 @@ def characters(chars: list[str]):
 
 def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k: Optional[int] = 200) -> Path:
     """Write the Hugging Face directory: into a temporary folder beside hf_dir, renamed into place when complete."""
-    with runtime.quiet_imports():  # transformers imports torchao: its CUDA-extension notes are noise here
+    with quiet_imports():  # transformers imports torchao: its CUDA-extension notes are noise here
         from transformers import GenerationConfig, GPT2LMHeadModel
         from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # "Writing model shards": one file, written in a moment

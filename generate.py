@@ -11,6 +11,9 @@ shifts the whole window: each such step is a full prefill of block_size tokens, 
 pays at every step. The cache saves work while the text fits in block_size.
 """
 
+import contextlib
+import io
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -205,12 +208,30 @@ def print_samples(tok, prompt: list[int], samples: list[list[int]]) -> None:
 # -----------------------------------------------------------------------------
 # weights for inference: dtype and int8
 
+@contextlib.contextmanager
+def quiet_imports():
+    """Around importing torchao (directly, or through transformers): it prints that it cannot load CUDA extensions
+    (on any machine without them), and torch's pytree logs deprecation notes for torchao's enums - nothing a user
+    of this repository can act on. Errors still raise."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def quantize_int8(model: GPT) -> GPT:
     """int8 weight-only (torchao): every Linear's weight as int8 with one scale per output row; activations stay in
     the model's dtype. lm_head gets its own int8 copy: the token embedding it was tied to stays as it was (a
     lookup reads one row per token, so its bytes do not bound decoding). In place; returns the model."""
     try:
-        with runtime.quiet_imports():
+        with quiet_imports():
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
             quantize_(model, Int8WeightOnlyConfig())
     except ImportError:

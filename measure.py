@@ -9,6 +9,7 @@ reported, not fatal.
 """
 
 import contextlib
+import gc
 import os
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
+import torch
 
 from torch import profiler
 from torch.autograd import DeviceType
@@ -37,6 +39,29 @@ KERNEL_OPS = {
     FLEX_REGION: "flex",  # every flex call, compiled ones too (CUDA always compiles flex)
 }
 FUSED = {"flash", "efficient", "cudnn"}
+
+
+# How running out of device memory reads when it is not a torch.OutOfMemoryError: cuBLAS and cuDNN failing to
+# allocate their workspace, or CUDA's own error from an allocation outside the caching allocator.
+OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in OOM_MESSAGES))
+
+
+def free_memory(rt: Runtime) -> None:
+    """Let go of what a failed or finished attempt held: unreachable tensors, then CUDA's cached blocks."""
+    gc.collect()
+    if rt.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and extremes of repeated measurements: the statistics every timing report gives."""
+    p25, median, p75 = np.percentile(values, [25, 50, 75])
+    return {"median": float(median), "p25": float(p25), "p75": float(p75), "min": min(values), "max": max(values)}
 
 
 def expected_kernels(attn: str, device_type: str) -> set[str]:
@@ -137,9 +162,9 @@ def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,
 
 def out_of_memory(e: Exception, rt: Runtime) -> str:
     """The reason to report for an out-of-memory error (any other error is raised again), its memory freed."""
-    if not runtime.is_out_of_memory(e):
+    if not is_out_of_memory(e):
         raise e
-    runtime.free_memory(rt)
+    free_memory(rt)
     return f"out of memory ({str(e).splitlines()[0][:100]})"
 
 
@@ -165,7 +190,7 @@ def measure_calls(calls: dict, rt: Runtime, bar, warmup: int, iters: int, trace_
             failed[key] = out_of_memory(e, rt)
         bar.update(warmup + 1)
     for key, ms in time_round_robin(calls, iters, rt, bar, failed).items():
-        stats = runtime.summarize(ms)
+        stats = summarize(ms)
         out[key].update(ms_per_iter=stats["median"], ms_p25=stats["p25"], ms_p75=stats["p75"], ms_min=stats["min"],
                         ms_max=stats["max"], ms_all=ms)
     out.update({key: dict(status="oom", reason=reason) for key, reason in failed.items()})

@@ -1,11 +1,14 @@
 """
-The training log: one line on the console, one JSON line in out_dir/metrics.jsonl, and wandb when enabled.
+The training log: one line on the console, one JSON line in out_dir/metrics.jsonl, and wandb when enabled; and the
+clock of its ms_per_iter, which times training steps only.
 """
 
 import json
+import time
 from pathlib import Path
 
 from configurator import Settings
+from runtime import Runtime
 
 
 class MetricsLog:
@@ -32,3 +35,42 @@ class MetricsLog:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class StepTimer:
+    """Wall time of training steps only: pause it around evaluation and checkpointing."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.total = 0.0                    # seconds of training so far, for max_seconds
+        self.window, self.steps = 0.0, 0    # since the last read, for ms per step
+        self._t0 = None
+
+    @property
+    def running(self) -> bool:
+        return self._t0 is not None
+
+    def start(self) -> None:
+        self.rt.synchronize()
+        self._t0 = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._t0 is not None:
+            self.rt.synchronize()
+            seconds = time.perf_counter() - self._t0
+            self.total += seconds
+            self.window += seconds
+            self._t0 = None
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def read_and_reset(self) -> tuple[float, int]:
+        """(seconds, steps) since the last read; a running timer keeps running."""
+        running = self.running
+        self.pause()
+        seconds, steps = self.window, self.steps
+        self.window, self.steps = 0.0, 0
+        if running:
+            self.start()
+        return seconds, steps

@@ -1,27 +1,21 @@
 """
 What train.py, sample.py and bench.py would otherwise each write again: the Runtime (device, dtype, autocast,
-grad scaler, TF32, memory), compiling, out-of-memory handling, process-group setup and teardown,
-the one clock, and the top-level wrapper that turns a UserError into one line.
+grad scaler, TF32, memory, the ranks), compiling, process-group setup and teardown, the one clock, and the exit of
+a script.
 """
 
-import contextlib
 import functools
-import gc
 import inspect
-import io
-import logging
 import os
 import platform
 import resource
 import sys
 import time
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -206,23 +200,6 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: st
     return Runtime(device, pick_dtype(dtype, device), orthogonalize, rank, local_rank, world_size)
 
 
-# How running out of device memory reads when it is not a torch.OutOfMemoryError: cuBLAS and cuDNN failing to
-# allocate their workspace, or CUDA's own error from an allocation outside the caching allocator.
-OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and any(m in str(e) for m in OOM_MESSAGES))
-
-
-def free_memory(rt: "Runtime") -> None:
-    """Let go of what a failed or finished attempt held: unreachable tensors, then CUDA's cached blocks."""
-    gc.collect()
-    if rt.is_cuda:
-        torch.cuda.empty_cache()
-
-
 def compile_isolated(fn, recompile_limit: int = 8, **compile_options):
     """torch.compile a function, or a module in place, with a recompile count of its own. Many compiled models
     share one code object (GPT.forward, Module._call_impl), and dynamo counts recompiles per code object: past
@@ -238,10 +215,6 @@ def compile_isolated(fn, recompile_limit: int = 8, **compile_options):
         fn.compile(**options)  # in place: methods such as generate() then reach the compiled forward
         return fn
     return torch.compile(fn, **options)
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)  # seeds CUDA too
 
 
 # -- distributed -----------------------------------------------------------------------------------
@@ -294,12 +267,6 @@ def mean_across_ranks(value: float, device: str) -> float:
 
 # -- timing -------------------------------------------------------------------------------------------
 
-def summarize(values: list[float]) -> dict[str, float]:
-    """Median, quartiles and extremes of repeated measurements: the statistics every timing report gives."""
-    p25, median, p75 = np.percentile(values, [25, 50, 75])
-    return {"median": float(median), "p25": float(p25), "p75": float(p75), "min": min(values), "max": max(values)}
-
-
 def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
     """What `call` returns and the seconds it took, its queued device work included (the device is synchronized
     before and after). The one clock of train, sample and bench."""
@@ -308,65 +275,6 @@ def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
     result = call()
     rt.synchronize()
     return result, time.perf_counter() - t0
-
-
-class StepTimer:
-    """Wall time of training steps only: pause it around evaluation and checkpointing."""
-
-    def __init__(self, rt: Runtime):
-        self.rt = rt
-        self.total = 0.0                    # seconds of training so far, for max_seconds
-        self.window, self.steps = 0.0, 0    # since the last read, for ms per step
-        self._t0 = None
-
-    @property
-    def running(self) -> bool:
-        return self._t0 is not None
-
-    def start(self) -> None:
-        self.rt.synchronize()
-        self._t0 = time.perf_counter()
-
-    def pause(self) -> None:
-        if self._t0 is not None:
-            self.rt.synchronize()
-            seconds = time.perf_counter() - self._t0
-            self.total += seconds
-            self.window += seconds
-            self._t0 = None
-
-    def step(self) -> None:
-        self.steps += 1
-
-    def read_and_reset(self) -> tuple[float, int]:
-        """(seconds, steps) since the last read; a running timer keeps running."""
-        running = self.running
-        self.pause()
-        seconds, steps = self.window, self.steps
-        self.window, self.steps = 0.0, 0
-        if running:
-            self.start()
-        return seconds, steps
-
-
-# -- third-party imports ----------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def quiet_imports():
-    """Around importing torchao (directly, or through transformers): it prints that it cannot load CUDA extensions
-    (on any machine without them), and torch's pytree logs deprecation notes for torchao's enums - nothing a user
-    of this repository can act on. Errors still raise."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 # -- scripts ------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from errors import UserError
 from hf import from_pretrained
 from attention import ATTENTION, check_attention
-from metrics import MetricsLog
+from metrics import MetricsLog, StepTimer
 from model import GPT, GPTConfig
 from runtime import Runtime
 
@@ -305,7 +305,7 @@ class Trainer:
         # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
         runtime.on_master(lambda: checkpoint.save(Path(self.cfg.out_dir) / "ckpt.pt"), self.rt.device)
 
-    def log_step(self, loss: float, lr: float, timer: runtime.StepTimer, peak_flops: float) -> None:
+    def log_step(self, loss: float, lr: float, timer: StepTimer, peak_flops: float) -> None:
         """The training line: loss averaged over ranks, and speed over the timed steps since the last one."""
         seconds, steps = timer.read_and_reset()
         loss = runtime.mean_across_ranks(loss, self.rt.device)
@@ -349,7 +349,7 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
     cfg, rt = trainer.cfg, trainer.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
-    timer = runtime.StepTimer(rt)
+    timer = StepTimer(rt)
     steps_run = 0  # optimizer steps taken by this process
     try:
         while True:

@@ -131,12 +131,12 @@ def test_tf32_is_set_in_one_place_that_every_script_goes_through(monkeypatch, tm
     RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
 ])
 def test_every_flavour_of_running_out_of_device_memory_is_recognised(error):
-    assert runtime.is_out_of_memory(error)
+    assert measure.is_out_of_memory(error)
 
 
 def test_other_errors_are_not_taken_for_out_of_memory():
-    assert not runtime.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not runtime.is_out_of_memory(ValueError("out of memory"))  # not a device error
+    assert not measure.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not measure.is_out_of_memory(ValueError("out of memory"))  # not a device error
 
 
 # -- rank 0 failing -------------------------------------------------------------------------------------------
