@@ -103,3 +103,13 @@ def checkpoint_of(model, **fields):
     """A Checkpoint of an unwrapped model's weights and config, with whatever else is given."""
     from checkpoint import Checkpoint
     return Checkpoint(model=model.state_dict(), model_config=dataclasses.asdict(model.config), **fields)
+
+
+def runnable_on_cpu(training: bool) -> list[str]:
+    """The registry's implementations that run on this CPU in fp32 without dropout, for training or inference, as
+    attention.attention_problem decides: what the tests parametrize over, so a new implementation is tested by
+    adding it to ATTENTION. test_model.py states the expected set for torch 2.13."""
+    import torch
+
+    from attention import ATTENTION, attention_problem
+    return [a for a in ATTENTION if attention_problem(a, "cpu", torch.float32, 0.0, 16, training) is None]

@@ -17,7 +17,7 @@ import measure
 import runtime
 from configurator import Settings
 from attention import ATTENTION
-from conftest import strict_recompile_limit
+from conftest import runnable_on_cpu, strict_recompile_limit
 from runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_sweep_has_a_row_per_attn_and_padding_with_time_throughput_memory_and_ke
     rows = rows_by(result, "attn", "pad_vocab")
     assert set(rows) == {(a, p) for a in ATTENTION for p in (False, True)}
     ran = [row for row in rows.values() if row["status"] == "ok"]
-    assert {row["attn"] for row in ran} == {"manual", "sdpa_mask", "sdpa", "flash", "math"}
+    assert [row["attn"] for row in ran if not row["pad_vocab"]] == runnable_on_cpu(training=True)
     for row in ran:
         assert len(row["ms_all"]) == 2 and all(ms > 0 for ms in row["ms_all"])
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["mem/peak_gb"] > 0

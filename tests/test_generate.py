@@ -15,10 +15,10 @@ import runtime
 import train
 from generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
 from model import GPT, GPTConfig, UserError
-from tests.conftest import TINY as TINY_ARGS
+from conftest import TINY as TINY_ARGS, runnable_on_cpu
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_INFERENCE = ["manual", "sdpa_mask", "sdpa", "flash", "math", "flex"]  # every attn that runs inference on CPU
+CPU_INFERENCE = runnable_on_cpu(training=False)  # every attn that runs inference on CPU
 SMALL = dict(block_size=16, vocab_size=61, n_layer=2, n_head=2, n_embd=32)  # 61: padding rounds it up to 64
 
 

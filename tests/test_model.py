@@ -8,12 +8,19 @@ import torch
 from generate import generate
 from hf import convert_hf_state_dict, from_pretrained
 from attention import ATTENTION, attention_names, attention_problem, check_attention
+from conftest import runnable_on_cpu
 from model import GPT, GPTConfig, UserError
 
 # What runs on this CPU for training; flex runs forward only (no backward on CPU).
-CPU_TRAINABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math"]
-CPU_ALL = CPU_TRAINABLE + ["flex"]
+CPU_TRAINABLE = runnable_on_cpu(training=True)
+CPU_ALL = runnable_on_cpu(training=False)
 TINY = dict(block_size=32, vocab_size=101, n_layer=2, n_head=4, n_embd=32)
+
+
+def test_on_a_cpu_every_implementation_but_the_cuda_only_ones_runs_and_flex_only_for_inference():
+    """torch 2.13's CPU kernels, as the registry's own check finds them: what the tests below parametrize over."""
+    assert runnable_on_cpu(training=False) == [a for a in ATTENTION if a not in ("efficient", "cudnn")]
+    assert runnable_on_cpu(training=True) == [a for a in ATTENTION if a not in ("efficient", "cudnn", "flex")]
 
 
 def tiny_model(attn="manual", pad_vocab=False, seed=0, **kw) -> GPT:

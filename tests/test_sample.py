@@ -15,7 +15,7 @@ import attention
 import compare
 import runtime
 import sample
-from conftest import checkpoint_of, strict_recompile_limit
+from conftest import checkpoint_of, runnable_on_cpu, strict_recompile_limit
 from generate import Decoder, Sampling, draw_samples
 from model import GPT, GPTConfig, UserError
 from tokenizer import CharTokenizer, GPT2Tokenizer
@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CHARS = list("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tinyshakespeare's 65
 CHAR_META = {"tokenizer": "char", "vocab_size": len(CHARS), "chars": CHARS}
 TINY = dict(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
-CPU_RUNNABLE = ["manual", "sdpa_mask", "sdpa", "flash", "math", "flex"]
+CPU_RUNNABLE = runnable_on_cpu(training=False)
 CPU_FP32 = runtime.Runtime("cpu", "float32")
 SAMPLING = Sampling(num_samples=2, max_new_tokens=45, temperature=0.9, top_k=20, seed=7)
 
