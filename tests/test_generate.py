@@ -58,10 +58,11 @@ def compiled_eager_and_cache_free(model: GPT, tune: bool) -> tuple[torch.Tensor,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attn", CPU_INFERENCE)
-@pytest.mark.parametrize("pad_vocab", [False, True], ids=["unpadded", "padded"])
-def test_compiled_cached_tokens_equal_eager_cached_and_cache_free_tokens(attn, pad_vocab):
-    # untuned: the same graphs (fullgraph decode over the masked cache, dynamic prefill), compiled in seconds
-    for compiled, eager, plain in compiled_eager_and_cache_free(small_model(attn, pad_vocab), tune=False):
+def test_compiled_cached_tokens_equal_eager_cached_and_cache_free_tokens(attn):
+    # untuned: the same graphs (fullgraph decode over the masked cache, dynamic prefill), compiled in seconds. The
+    # padded vocabulary only changes lm_head's bias, apart from attention: the tuned test below compiles it, padded
+    # and not, so it is not crossed with every implementation here (each compile costs seconds)
+    for compiled, eager, plain in compiled_eager_and_cache_free(small_model(attn), tune=False):
         assert torch.equal(compiled, eager) and torch.equal(eager, plain)
 
 
