@@ -7,9 +7,11 @@ Every function in ATTENTION computes the same causal attention; they differ only
     mask None: causal, aligned to the end: query i sees keys 0 .. i + Tk - Tq. With Tq == Tk that is the usual
         causal mask (training, a prompt); with one query it is every key (a decode step over exactly the
         positions written so far).
-    mask a (Tq, Tk) bool tensor, True where attention is allowed: a decode step over a fixed-size KV cache,
-        whose later positions are not written yet, so each row is a prefix (True for the keys written so far).
-        A fixed shape is what lets the step compile once.
+    mask a (Tq, Tk) or (B, 1, Tq, Tk) bool tensor, True where attention is allowed: a decode step over a
+        fixed-size KV cache, whose later positions are not written yet, so each row is one interval of written
+        keys (a prefix, unless documents or a window cut its start; masks.decode_rows). A fixed shape is what
+        lets the step compile once. With doc_mask or a window, training and prefill pass the mask in the form
+        the implementation takes (MASK_FORMS: a dense (B, 1, T, T) mask, a BlockMask, or varlen's packing).
 """
 
 import functools
@@ -21,8 +23,10 @@ from typing import Callable, Optional
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.varlen import varlen_attn
 
+import masks
 import runtime
 from errors import UserError
 
@@ -84,13 +88,17 @@ def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
 
 
 def _score_mod_of(mask: torch.Tensor):
-    # Each row of a decode mask is a prefix (the keys written so far): its length, a reduction that inductor
-    # materialises, is what the score mod reads. Indexing the mask itself fails to compile on CPU (torch 2.13:
+    # Each row of a decode mask is one interval of keys: its start and length, reductions that inductor
+    # materialises, are what the score mod reads. Indexing the mask itself fails to compile on CPU (torch 2.13:
     # inductor's flex template cannot read a captured tensor that is not materialised).
-    visible = mask.sum(-1)  # (Tq,)
+    rows = mask if mask.dim() == 4 else mask[None, None]  # (1 or B, 1, Tq, Tk)
+    first, count = rows.int().argmax(-1), rows.sum(-1)  # (1 or B, 1, Tq) each: argmax finds the first True
+    per_row = rows.size(0) > 1
 
     def masked(score, b, h, q_idx, kv_idx):
-        return torch.where(kv_idx < visible[q_idx], score, -float("inf"))
+        r = b if per_row else 0
+        seen = (kv_idx >= first[r, 0, q_idx]) & (kv_idx < first[r, 0, q_idx] + count[r, 0, q_idx])
+        return torch.where(seen, score, -float("inf"))
     return masked
 
 
@@ -121,9 +129,12 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         # stride ("not enough values to unpack"); a copy with plain strides compiles. One query: a tiny copy.
         q = q.clone(memory_format=torch.contiguous_format)
     compile_here = _compile_flex_here(q)
-    # a decode step's mask is read by a score mod (one query row: no blocks worth skipping); causal is a block mask
-    score_mod = None if mask is None else _score_mod_of(mask)
-    block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device) if mask is None and q.size(-2) > 1 else None
+    # a decode step's mask is read by a score mod (one query row: no blocks worth skipping); training and prefill
+    # take a block mask, causal or the documents' and window's (built once per forward by the model)
+    score_mod = _score_mod_of(mask) if isinstance(mask, torch.Tensor) else None
+    block_mask = mask if isinstance(mask, BlockMask) else None
+    if mask is None and q.size(-2) > 1:
+        block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device)
     flex = _compiled_flex_attention("causal" if score_mod is None else "decode") if compile_here else flex_attention
     if torch.compiler.is_compiling():  # inside a compiled model: bench audits it through an eager twin
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
@@ -131,6 +142,20 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
     # kernel audit (measure.py) sees flex in both cases
     with torch.profiler.record_function(FLEX_REGION):
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def varlen_attention(q, k, v, mask, dropout_p):
+    # varlen_attn (FlashAttention, CUDA) takes the batch as one packed sequence of documents: no dense mask, and
+    # the window as flash's window_size (left, right), which counts the query itself apart.
+    if isinstance(mask, torch.Tensor):  # a decode step, one query over the cache: nothing to pack, SDPA runs it
+        return sdpa_attention(q, k, v, mask, dropout_p)
+    B, nh, T, hs = q.shape
+    packing = mask if mask is not None else masks.packed(None, 0, B, T, q.device)
+    window_size = (packing.window - 1 if packing.window else -1, 0)
+    q, k, v = (t.transpose(1, 2).reshape(B * T, nh, hs) for t in (q, k, v))  # (B*T, nh, hs): rows end to end
+    y = varlen_attn(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_len, packing.max_len,
+                    window_size=window_size)  # (B*T, nh, hs)
+    return y.view(B, T, nh, hs).transpose(1, 2)
 
 
 ATTENTION: dict[str, AttentionFn] = {
@@ -142,7 +167,21 @@ ATTENTION: dict[str, AttentionFn] = {
     "cudnn": _forced_backend(SDPBackend.CUDNN_ATTENTION),
     "math": _forced_backend(SDPBackend.MATH),
     "flex": flex_causal_attention,
+    "varlen": varlen_attention,
 }
+
+# The form a document or window mask takes for each implementation (the others take masks.dense_mask).
+MASK_FORMS: dict[str, Callable] = {
+    "flex": lambda docs, window, B, T, device: masks.block_mask(docs, window, T, device),
+    "varlen": masks.packed,
+}
+
+
+def make_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
+    """The mask `attn` takes for training or a prefill with documents (docs (B, T), or None) and/or a window."""
+    if attn in MASK_FORMS:
+        return MASK_FORMS[attn](docs, window, B, T, device)
+    return masks.dense_mask(docs, window, T, device)
 
 
 def attention_names(spec) -> list[str]:
@@ -162,18 +201,20 @@ def attention_names(spec) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                      needs_grad: bool, seq_len: int = 64) -> Optional[str]:
-    """None if `attn` runs here, else why not."""
+                      needs_grad: bool, seq_len: int = 64, masked: bool = False) -> Optional[str]:
+    """None if `attn` runs here (`masked`: with a document or window mask), else why not."""
     cpu = device_type == "cpu"
     if attn in ("efficient", "cudnn") and device_type != "cuda":
         return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
-    if attn == "flex" and dropout_p > 0:
-        return "FlexAttention has no attention dropout"
+    if attn == "varlen" and device_type != "cuda":
+        return "varlen_attn is CUDA-only (FlashAttention's variable-length kernel)"
+    if attn in ("flex", "varlen") and dropout_p > 0:
+        return f"{'FlexAttention' if attn == 'flex' else 'varlen_attn'} has no attention dropout"
     if attn == "flex" and cpu and needs_grad:
         return "FlexAttention has no backward pass on CPU"
     if attn == "flash" and cpu and dropout_p > 0:
         return "the CPU flash kernel does not support dropout"
-    return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked_decode=False)
+    return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked)
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,11 +226,12 @@ def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size
 
 
 def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-           needs_grad: bool, seq_len: int, masked_decode: bool) -> Optional[str]:
+           needs_grad: bool, seq_len: int, masked_decode: bool = False, masked: bool = False) -> Optional[str]:
     """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
-    sequence length (with backward when training), and for inference also a one-query decode step against a
-    longer KV cache: a slice of exactly the written positions, or with `masked_decode` the whole cache and a
-    mask. Kernels' limits differ between these layouts."""
+    sequence length (with backward when training; with `masked`, two documents and a window in the form `attn`
+    takes), and for inference also a one-query decode step against a longer KV cache: a slice of exactly the
+    written positions, or with `masked_decode` the whole cache and a mask. Kernels' limits differ between these
+    layouts."""
     T = seq_len
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
@@ -203,7 +245,11 @@ def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, he
                     mask = (torch.arange(T + 8, device=device_type) < T)[None]  # (1, T + 8): the last 8 unwritten
                     ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], mask, 0.0)
                     return None
-                y = ATTENTION[attn](q, k, v, None, dropout_p)
+                mask = None
+                if masked:
+                    docs = (torch.arange(T, device=device_type) >= T // 2).long()[None]  # (1, T): two documents
+                    mask = make_mask(attn, docs, T // 4, 1, T, device_type)
+                y = ATTENTION[attn](q, k, v, mask, dropout_p)
                 if needs_grad:
                     y.sum().backward()
                 else:
@@ -250,18 +296,29 @@ def attend(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
     if torch.compiler.is_compiling():
         return ATTENTION[attn](q, k, v, mask, dropout_p)
     device_type, head_size = q.device.type, q.size(-1)
-    check_attention(attn, device_type, q.dtype, dropout_p, head_size, q.requires_grad, block_size)
-    if mask is not None and reads_written_keys(attn, q):
-        written = int(mask[-1].sum())  # a decode mask's row is a prefix: the keys written so far
-        k, v, mask = k[:, :, :written], v[:, :, :written], None
+    masked = mask is not None and q.size(-2) > 1  # documents or a window in training or a prefill
+    check_attention(attn, device_type, q.dtype, dropout_p, head_size, q.requires_grad, block_size, masked=masked)
+    span = _written_span(mask) if mask is not None and not masked and reads_written_keys(attn, q) else None
+    if span is not None:
+        k, v, mask = k[:, :, span[0]:span[1]], v[:, :, span[0]:span[1]], None
     try:
         return ATTENTION[attn](q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
     except RuntimeError as e:  # a kernel refusing a shape or layout the probe did not meet
         if "No available kernel" not in str(e):
             raise
         check_attention(attn, device_type, q.dtype, dropout_p, head_size, q.requires_grad, block_size,
-                        problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
+                        masked=masked, problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
         raise
+
+
+def _written_span(mask: torch.Tensor) -> Optional[tuple[int, int]]:
+    """A decode step's keys [start, end) when every row of its mask is the same interval; None if rows differ
+    (documents starting at different positions), which needs the mask itself."""
+    rows = mask.reshape(-1, mask.size(-1))  # (rows, Tk)
+    if rows.size(0) > 1 and not bool((rows == rows[:1]).all()):
+        return None
+    start = int(rows[0].int().argmax())  # the first True
+    return start, start + int(rows[0].sum())
 
 
 def reads_written_keys(attn: str, q: torch.Tensor) -> bool:
@@ -272,15 +329,17 @@ def reads_written_keys(attn: str, q: torch.Tensor) -> bool:
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                    needs_grad: bool, seq_len: int = 64, problem: Optional[str] = None) -> None:
-    """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (or if the
-    caller already knows the `problem`, say a kernel that refused a real call)."""
-    problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len)
+                    needs_grad: bool, seq_len: int = 64, masked: bool = False, problem: Optional[str] = None) -> None:
+    """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (`masked`: with a
+    document or window mask), or if the caller already knows the `problem`, say a kernel that refused a real call."""
+    problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len,
+                                           masked)
     if problem is None:
         return
-    runnable = [a for a in ATTENTION if a != attn and
-                attention_problem(a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len) is None]
+    runnable = [a for a in ATTENTION if a != attn and attention_problem(
+        a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked) is None]
     dtype_name = str(dtype).removeprefix("torch.")
     mode = "training" if needs_grad else "inference"
-    raise UserError(f"attn='{attn}' cannot run for {mode} on {device_type} in {dtype_name} with dropout={dropout_p} "
-                    f"and head size {head_size}: {problem}; use one of {', '.join(runnable)}.")
+    mask = ", a document or window mask" if masked else ""
+    raise UserError(f"attn='{attn}' cannot run for {mode} on {device_type} in {dtype_name} with dropout={dropout_p}"
+                    f"{mask} and head size {head_size}: {problem}; use one of {', '.join(runnable)}.")

@@ -103,7 +103,7 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
         twin = Row(row.model, "cache", row.prompt, row.new_tokens) if row.cache == "compiled" else row
         ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
         kernel, names = kernel_of(ops)
-        expected = expected_kernels(described[key]["attn"], rt.device_type)
+        expected = expected_kernels(described[key]["attn"], rt.device_type, generation=True)
         d = described[key]
         d.update(kernel=kernel, kernel_ops=names, kernel_expected=sorted(expected),
                  kernel_ok=ran_as_expected(kernel, expected),

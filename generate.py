@@ -262,6 +262,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def weight_bytes(model: GPT) -> int:
-    """Parameters and buffers, each once (tied weights once), KV caches not included."""
-    tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()] if "kv_cache" not in name}
+    """Parameters and buffers, each once (tied weights once), KV caches (and doc_mask's starts) not included."""
+    tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if "kv_cache" not in name and name != "doc_start"}
     return sum(tensor_bytes(t) for t in tensors.values())

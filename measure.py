@@ -36,6 +36,7 @@ KERNEL_OPS = {
     "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_attention_math_for_mps": "math",
     "FlexAttentionAutogradOp": "flex",
+    "torch_attn::_varlen_attn": "varlen",  # torch.nn.attention.varlen's custom op (flash or cuDNN inside)
     FLEX_REGION: "flex",  # every flex call, compiled ones too (CUDA always compiles flex)
 }
 FUSED = {"flash", "efficient", "cudnn"}
@@ -64,15 +65,18 @@ def summarize(values: list[float]) -> dict[str, float]:
     return {"median": float(median), "p25": float(p25), "p75": float(p75), "min": min(values), "max": max(values)}
 
 
-def expected_kernels(attn: str, device_type: str) -> set[str]:
-    """The kernels an honest run of `attn` may show in the audit; anything else is a silent fallback."""
+def expected_kernels(attn: str, device_type: str, generation: bool = False) -> set[str]:
+    """The kernels an honest run of `attn` may show in the audit; anything else is a silent fallback. A generation
+    row's decode steps pass a mask over the cache; varlen's go through SDPA (nothing to pack for one query)."""
     if attn == "manual":
         return {"none"}  # no SDPA op at all: bmm, masked_fill, softmax
     if attn == "sdpa_mask":
         return FUSED | {"math"}  # the generic row: the mask leaves the choice to PyTorch
     if attn == "sdpa":  # PyTorch picks by priority; on CPU the only fused kernel is flash
         return FUSED if device_type == "cuda" else {"flash"}
-    return {attn}  # flash, efficient, cudnn, math, flex: forced
+    if attn == "varlen" and generation:
+        return {"varlen"} | expected_kernels("sdpa", device_type)
+    return {attn}  # flash, efficient, cudnn, math, flex, varlen: forced
 
 
 def ran_as_expected(kernel: str, expected: set[str]) -> bool:

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from attention import ATTENTION, attend
+import masks
+from attention import ATTENTION, attend, make_mask
 from errors import UserError
 
 
@@ -39,6 +40,9 @@ class GPTConfig:
     attn: str = "sdpa"        # a key of ATTENTION
     pad_vocab: bool = False   # round the embedding/lm_head up to a multiple of 64 (50257 -> 50304)
     gelu: str = "tanh"        # GPT-2's GELU is the tanh approximation; "none" is the exact erf GELU
+    doc_mask: bool = False    # attend within a document only: end-of-text (eot_token) opens the next one
+    window: int = 0           # attend to at most the last `window` tokens (itself included); 0: no limit
+    eot_token: int = -1       # the dataset's end-of-text id (-1: it has none), what doc_mask splits on
 
     def __post_init__(self):
         if self.attn not in ATTENTION:
@@ -48,6 +52,12 @@ class GPTConfig:
                             f"pick sizes where n_embd is a multiple of n_head.")
         if self.gelu not in ("tanh", "none"):
             raise UserError(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
+        if self.doc_mask and not 0 <= self.eot_token < self.vocab_size:
+            raise UserError(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
+                            f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use data "
+                            f"whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
+        if self.window < 0:
+            raise UserError(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"dropout must be in [0, 1), got {self.dropout}.")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -62,6 +72,11 @@ class GPTConfig:
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def restricted(self) -> bool:
+        """Whether attention is narrower than causal: documents, a window, or both."""
+        return self.doc_mask or self.window > 0
 
     @property
     def padded_vocab_size(self) -> int:
@@ -100,11 +115,11 @@ class CausalSelfAttention(nn.Module):
     def set_attention(self, attn: str) -> None:
         self.attn_name = attn  # a key of ATTENTION: attention.attend calls it
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (B, T, C). Without input_pos: causal attention over x itself. With it, k and v are also written to
-        the KV cache at input_pos; `mask` None means a prefill from position 0 (x is the whole context), a mask
-        (T, block_size) a decode step that reads the whole cache."""
+    def forward(self, x: torch.Tensor, mask=None, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, C). Without input_pos: causal attention over x itself (narrowed by `mask`, documents or a
+        window in the form the implementation takes). With it, k and v are also written to the KV cache at
+        input_pos: T > 1 is a prefill from position 0 (x is the whole context), T == 1 a decode step that reads
+        the whole cache through `mask`, (1 or B, 1, 1, block_size)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -112,7 +127,7 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if input_pos is not None:
             cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # (B, nh, block_size, hs)
-            k, v = (cached_k, cached_v) if mask is not None else (k, v)
+            k, v = (cached_k, cached_v) if T == 1 else (k, v)
         dropout_p = self.attn_dropout if self.training else 0.0
         y = attend(self.attn_name, q, k, v, mask, dropout_p, self.block_size)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
@@ -170,6 +185,7 @@ class GPT(nn.Module):
         # checkpoints nor DDP's broadcast carry it.
         causal = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()  # (block, block)
         self.register_buffer("causal_rows", causal, persistent=False)
+        self.register_buffer("doc_start", None, persistent=False)  # (B,) with a KV cache: where documents start
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -201,14 +217,10 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise UserError(f"cannot forward a sequence of {T} tokens: block_size is "
                             f"{self.config.block_size}; crop the input or use a smaller block_size.")
-        mask = None  # causal attention over idx itself
-        if input_pos is None:
-            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        else:
+        pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
+        if input_pos is not None:
             self._check_cached_call(T, input_pos)
-            pos = input_pos
-            if T == 1:
-                mask = self.causal_rows[input_pos]  # (1, block_size): the cache positions written so far
+        mask = self._attention_mask(idx, input_pos)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x, mask, input_pos)
@@ -222,6 +234,24 @@ class GPT(nn.Module):
         # reshape, not view: targets may be any (B, T) tensor, a strided slice such as x[:, 1:] included
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def _attention_mask(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor]):
+        """What the layers' attention takes beyond causality: None for plain causal training or prefill; the
+        documents' and window's mask in the implementation's form (attention.MASK_FORMS); a decode step's rows
+        over the KV cache. With doc_mask, a cached call also records where each row's document starts."""
+        cfg, (B, T) = self.config, idx.shape
+        if input_pos is None or T > 1:
+            if input_pos is not None and cfg.doc_mask:  # a prefill
+                self.doc_start.copy_(masks.doc_starts_after_prefill(idx, cfg.eot_token))
+            if not cfg.restricted:
+                return None
+            docs = masks.document_ids(idx, cfg.eot_token) if cfg.doc_mask else None  # (B, T)
+            return make_mask(cfg.attn, docs, cfg.window, B, T, idx.device)
+        if not cfg.restricted:
+            return self.causal_rows[input_pos]  # (1, block_size): the cache positions written so far
+        if cfg.doc_mask:
+            self.doc_start.copy_(masks.doc_starts_after_step(self.doc_start, idx, input_pos, cfg.eot_token))
+        return masks.decode_rows(self.doc_start if cfg.doc_mask else None, cfg.window, input_pos, cfg.block_size)
 
     def _check_cached_call(self, T: int, input_pos: torch.Tensor) -> None:
         if self.transformer.h[0].attn.kv_cache is None:
@@ -239,15 +269,19 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.kv_cache = KVCache(batch_size, self.config.n_head, self.config.block_size,
                                           self.config.head_size, weight.device, dtype or weight.dtype)
+        if self.config.doc_mask:  # where each row's current document starts: decode steps see keys from there
+            self.doc_start = torch.zeros(batch_size, dtype=torch.long, device=weight.device)  # (B,)
 
     def clear_cache(self) -> None:
         for block in self.transformer.h:
             block.attn.kv_cache = None
+        self.doc_start = None
 
     def cache_bytes(self) -> int:
-        """Memory held by the KV caches (0 without them)."""
-        return sum(t.numel() * t.element_size() for block in self.transformer.h if block.attn.kv_cache is not None
-                   for t in (block.attn.kv_cache.k, block.attn.kv_cache.v))
+        """Memory held by the KV caches (0 without them), doc_mask's document starts included."""
+        starts = self.doc_start.numel() * self.doc_start.element_size() if self.doc_start is not None else 0
+        return starts + sum(t.numel() * t.element_size() for block in self.transformer.h
+                            if block.attn.kv_cache is not None for t in (block.attn.kv_cache.k, block.attn.kv_cache.v))
 
     def set_attention(self, attn: str) -> "GPT":
         """Read the same weights through another attention implementation, in place; returns the model."""

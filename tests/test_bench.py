@@ -68,7 +68,8 @@ def test_sweep_has_a_row_per_attn_and_padding_with_time_throughput_memory_and_ke
 
 def test_cuda_only_kernels_and_flex_training_are_skipped_on_cpu_with_a_reason(sweep):
     rows = rows_by(sweep[1], "attn", "pad_vocab")
-    for attn, words in (("efficient", "CUDA-only"), ("cudnn", "CUDA-only"), ("flex", "no backward")):
+    for attn, words in (("efficient", "CUDA-only"), ("cudnn", "CUDA-only"), ("varlen", "CUDA-only"),
+                        ("flex", "no backward")):
         for pad in (False, True):
             assert rows[(attn, pad)]["status"] == "skipped"
             assert words in rows[(attn, pad)]["reason"]

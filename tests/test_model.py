@@ -19,8 +19,9 @@ TINY = dict(block_size=32, vocab_size=101, n_layer=2, n_head=4, n_embd=32)
 
 def test_on_a_cpu_every_implementation_but_the_cuda_only_ones_runs_and_flex_only_for_inference():
     """torch 2.13's CPU kernels, as the registry's own check finds them: what the tests below parametrize over."""
-    assert runnable_on_cpu(training=False) == [a for a in ATTENTION if a not in ("efficient", "cudnn")]
-    assert runnable_on_cpu(training=True) == [a for a in ATTENTION if a not in ("efficient", "cudnn", "flex")]
+    cuda_only = ("efficient", "cudnn", "varlen")
+    assert runnable_on_cpu(training=False) == [a for a in ATTENTION if a not in cuda_only]
+    assert runnable_on_cpu(training=True) == [a for a in ATTENTION if a not in (*cuda_only, "flex")]
 
 
 def tiny_model(attn="manual", pad_vocab=False, seed=0, **kw) -> GPT:
@@ -285,7 +286,7 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
 
 # -- clear errors --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("attn,reason", [("efficient", "CUDA-only"), ("cudnn", "CUDA-only")])
+@pytest.mark.parametrize("attn,reason", [("efficient", "CUDA-only"), ("cudnn", "CUDA-only"), ("varlen", "CUDA-only")])
 def test_cuda_only_kernels_on_cpu_say_why_and_what_runs(attn, reason):
     model = tiny_model(attn)
     x, y = batch()

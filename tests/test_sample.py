@@ -145,10 +145,11 @@ def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(ch
     assert out.count(sample_text) == 1  # identical samples are printed once, not once per implementation
     assert "=== efficient: skipped, the memory-efficient kernel is CUDA-only" in out
     assert "=== cudnn: skipped, the cuDNN kernel is CUDA-only" in out
+    assert "=== varlen: skipped, varlen_attn is CUDA-only" in out
     assert "== teacher-forced logits" in out and "== Appendix A" in out
     report = json.loads((tmp_path / "c.json").read_text())
     gens = report["implementations"]
-    assert list(gens) == CPU_RUNNABLE and set(report["skipped"]) == {"efficient", "cudnn"}
+    assert list(gens) == CPU_RUNNABLE and set(report["skipped"]) == {"efficient", "cudnn", "varlen"}
     assert report["numerics_tokens"] == 32  # the prompt is short: the default text, cropped to block_size
     for name, g in gens.items():
         assert g["identical_to_first"] and g["first_divergence"] is None and g["cache_equals_no_cache"], name

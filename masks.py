@@ -1,0 +1,114 @@
+"""
+Which keys a query may see beyond causality: its own document only (`doc_mask`), and at most the last `window`
+tokens (`window`). One rule, `allowed`, says it; each attention implementation takes it in its own form, built
+once per forward and shared by every layer:
+
+    dense_mask   (B, 1, T, T) bool, True where allowed: manual, sdpa_mask and the SDPA rows
+    block_mask   a FlexAttention BlockMask: blocks where nothing is allowed are skipped, not computed
+    packed       the documents as varlen_attn's cu_seqlens (and the window as its window_size)
+    decode_rows  a decode step's (B, 1, 1, block_size) row over the KV cache: one interval of written keys
+
+Documents are separated by the dataset's end-of-text token. End-of-text opens the next document, as a
+beginning-of-sequence token would: it is that document's first token, so the prediction after it sees nothing of
+the document before. Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+
+def document_ids(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
+    """(B, T) tokens -> (B, T) the index of each token's document within its row, counting from 0."""
+    return torch.cumsum(idx == eot_token, dim=1)
+
+
+def allowed(q_idx, kv_idx, q_doc, kv_doc, window: int):
+    """Whether query position q_idx may see key position kv_idx: causal, same document (when documents are
+    given) and fewer than `window` positions back (when window > 0). Works elementwise on broadcast tensors,
+    and inside a FlexAttention mask_mod."""
+    ok = kv_idx <= q_idx
+    if q_doc is not None:
+        ok = ok & (q_doc == kv_doc)
+    if window:
+        ok = ok & (q_idx - kv_idx < window)
+    return ok
+
+
+def dense_mask(docs: Optional[torch.Tensor], window: int, T: int, device) -> torch.Tensor:
+    """(B, 1, T, T) bool (batch dimension 1 without documents): True where query i may see key j."""
+    pos = torch.arange(T, device=device)
+    q_doc = kv_doc = None
+    if docs is not None:
+        q_doc, kv_doc = docs[:, None, :, None], docs[:, None, None, :]  # (B, 1, T, 1), (B, 1, 1, T)
+    ok = allowed(pos[:, None], pos[None, :], q_doc, kv_doc, window)  # (T, T) or (B, 1, T, T)
+    return ok if ok.dim() == 4 else ok[None, None]
+
+
+def block_mask(docs: Optional[torch.Tensor], window: int, T: int, device) -> BlockMask:
+    """The same rule as a FlexAttention BlockMask (one per row when documents are given)."""
+    if docs is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return allowed(q_idx, kv_idx, None, None, window)
+        return create_block_mask(mask_mod, None, None, T, T, device=device)
+
+    def doc_mask_mod(b, h, q_idx, kv_idx):
+        return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], window)
+    return create_block_mask(doc_mask_mod, docs.size(0), None, T, T, device=device)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """The batch as varlen_attn sees it: every document of every row one sequence of the flattened (B*T) tokens."""
+    cu_seqlens: torch.Tensor  # (N + 1,) int32: where each sequence starts, and the total at the end
+    max_len: int              # the longest sequence
+    window: int               # 0: causal over the whole document
+
+
+def packed(docs: Optional[torch.Tensor], window: int, B: int, T: int, device) -> Packed:
+    """Sequences start at each row's first token and wherever the document id changes."""
+    starts = torch.zeros(B, T, dtype=torch.bool, device=device)
+    starts[:, 0] = True
+    if docs is not None:
+        starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()  # (N,): a host sync, once per forward
+    cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)  # (N + 1,)
+    return Packed(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), window)
+
+
+def mask_fraction(mask: torch.Tensor) -> float:
+    """The fraction of the (T, T) score matrix a dense mask lets through: what an implementation that skips the
+    rest would compute."""
+    return mask.float().mean().item()
+
+
+def block_fraction(mask: BlockMask) -> float:
+    """The fraction of the score matrix a BlockMask computes (whole blocks: partly masked ones count in full)."""
+    return 1.0 - mask.sparsity() / 100
+
+
+# -- decoding over a KV cache ---------------------------------------------------------------------------
+
+def doc_starts_after_prefill(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
+    """(B, T) a prompt from position 0 -> (B,) where each row's last document starts (0 without end-of-text)."""
+    pos = torch.arange(idx.size(1), device=idx.device)
+    return torch.where(idx == eot_token, pos, 0).amax(dim=1)
+
+
+def doc_starts_after_step(doc_start: torch.Tensor, idx: torch.Tensor, input_pos: torch.Tensor,
+                          eot_token: int) -> torch.Tensor:
+    """(B,) document starts after one decode step writes idx (B, 1) at input_pos (1,): end-of-text opens one."""
+    return torch.where(idx[:, 0] == eot_token, input_pos, doc_start)
+
+
+def decode_rows(doc_start: Optional[torch.Tensor], window: int, input_pos: torch.Tensor,
+                block_size: int) -> torch.Tensor:
+    """(B, 1, 1, block_size) bool (batch dimension 1 without documents): the cache positions a decode step at
+    input_pos (1,) sees, one interval [max(document start, pos - window + 1), pos] per row."""
+    kv = torch.arange(block_size, device=input_pos.device)  # (block_size,)
+    ok = allowed(input_pos[:, None], kv[None, :], None, None, window)  # (1, block_size)
+    if doc_start is not None:
+        ok = ok & (kv[None, :] >= doc_start[:, None])  # (B, block_size): keys of the query's own document
+    return ok[:, None, None, :]

@@ -1,0 +1,228 @@
+"""Document masks and sliding windows: every implementation computes the masked attention a float64 reference
+computes, a document sees nothing of another, a token nothing beyond the window, flex skips exactly the empty
+blocks, and decoding over the KV cache gives the cache-free tokens."""
+
+import copy
+
+import pytest
+import torch
+
+import attention
+import masks
+import model as model_module
+from conftest import runnable_on_cpu
+from generate import Decoder
+from model import GPT, GPTConfig, UserError
+
+EOT = 0  # a small vocabulary, so end-of-text also turns up among sampled tokens
+CPU_TRAINABLE = runnable_on_cpu(training=True)
+CPU_ALL = runnable_on_cpu(training=False)
+MASKS = {"doc": dict(doc_mask=True), "window": dict(window=6), "doc+window": dict(doc_mask=True, window=6)}
+TINY = dict(block_size=48, vocab_size=23, n_layer=2, n_head=2, n_embd=32, eot_token=EOT)
+
+
+def tiny_model(attn="manual", seed=0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **kw}, attn=attn))
+
+
+def documents(B=2, T=48, seed=1) -> torch.Tensor:
+    """(B, T) tokens with end-of-text at different places in each row (documents of 1 to 20 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(1, TINY["vocab_size"], (2, 48), generator=g)
+    idx[0, [5, 6, 25]] = EOT  # a one-token document between two
+    idx[1, [0, 17, 40]] = EOT  # a row that opens with end-of-text
+    return idx[:B, :T]
+
+
+def reference_mask(idx: torch.Tensor, doc_mask: bool, window: int) -> torch.Tensor:
+    """(B, 1, T, T) written out from the definition: key j is visible to query i when j <= i, no end-of-text lies
+    in (j, i] (end-of-text opens a document) and i - j < window."""
+    B, T = idx.shape
+    out = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            for j in range(i + 1):
+                same_doc = not doc_mask or not (idx[b, j + 1:i + 1] == EOT).any()
+                out[b, 0, i, j] = same_doc and (window == 0 or i - j < window)
+    return out
+
+
+def reference_run(model: GPT, idx, targets, monkeypatch):
+    """Logits and gradients of the same weights in float64, attention a plain softmax under reference_mask."""
+    cfg = model.config
+    ref = copy.deepcopy(model).double()
+    ref.config = GPTConfig(**{**TINY, "attn": "manual"})  # the model builds no mask: the reference passes its own
+    mask = reference_mask(idx, cfg.doc_mask, cfg.window)
+
+    def softmax_attention(attn, q, k, v, _mask, dropout_p, block_size):
+        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5  # (B, nh, T, T)
+        return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    monkeypatch.setattr(model_module, "attend", softmax_attention)
+    logits, loss = ref(idx, targets)
+    loss.backward()
+    monkeypatch.undo()
+    return logits.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def rel_err(a, ref) -> float:
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("attn", CPU_ALL)
+def test_every_implementation_and_mask_matches_a_float64_reference(attn, mask, monkeypatch):
+    model = tiny_model(attn, **MASKS[mask])
+    idx = documents()
+    targets = torch.roll(idx, -1, dims=1)
+    ref_logits, ref_grads = reference_run(model, idx, targets, monkeypatch)
+    trains = attn in CPU_TRAINABLE
+    with torch.set_grad_enabled(trains):
+        logits, loss = model(idx, targets)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    if trains:
+        loss.backward()
+        for name, p in model.named_parameters():
+            assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("attn", CPU_ALL)
+def test_changing_one_document_changes_only_its_own_logits_under_doc_mask(attn):
+    idx = documents(B=1)
+    edited = idx.clone()
+    edited[0, 7:25] = (edited[0, 7:25] % 22) + 1  # the third document (positions 6..24) rewritten, no end-of-text
+    inside = torch.zeros(48, dtype=torch.bool)
+    inside[7:25] = True
+    for doc_mask in (True, False):
+        model = tiny_model(attn, doc_mask=doc_mask).eval()
+        with torch.no_grad():
+            before, _ = model(idx, all_positions=True)
+            after, _ = model(edited, all_positions=True)
+        changed = (before - after).abs().amax(-1)[0] > 1e-5  # (T,)
+        if doc_mask:
+            assert torch.equal(changed, inside)  # its own positions change, no other position does
+        else:
+            assert changed[25:].all()  # causal attention carries the edit into every later document
+
+
+@pytest.mark.parametrize("attn", CPU_ALL)
+def test_tokens_beyond_the_window_have_no_influence(attn):
+    """A token reaches back window - 1 positions per layer: with 2 layers and window 6, position i depends on
+    positions i - 10 .. i and on none before."""
+    model = tiny_model(attn, window=6).eval()
+    idx = documents(B=1)
+    edited = idx.clone()
+    edited[0, 10] = (edited[0, 10] % 22) + 1
+    with torch.no_grad():
+        before, _ = model(idx, all_positions=True)
+        after, _ = model(edited, all_positions=True)
+    changed = (before - after).abs().amax(-1)[0] > 1e-6  # (T,)
+    assert changed[10:21].all() and not changed[21:].any() and not changed[:10].any()
+
+
+def test_flex_block_mask_sparsity_is_the_fraction_of_blocks_with_nothing_visible():
+    T, block = 512, 128
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(1, 23, (2, T), generator=g)
+    idx[0, [100, 300, 301, 450]] = EOT
+    idx[1, [200]] = EOT
+    for doc_mask, window in ((True, 0), (False, 64), (True, 64), (False, 0)):
+        docs = masks.document_ids(idx, EOT) if doc_mask else None
+        block_mask = masks.block_mask(docs, window, T, "cpu")
+        dense = reference_mask(idx, doc_mask, window) if doc_mask else reference_mask(idx[:1], False, window)
+        blocks = dense.view(dense.size(0), T // block, block, T // block, block).any(dim=(2, 4))  # (B, nq, nkv)
+        assert block_mask.sparsity() == pytest.approx(100 * (1 - blocks.float().mean().item()))
+        assert masks.block_fraction(block_mask) == pytest.approx(blocks.float().mean().item())
+        assert masks.mask_fraction(dense) == pytest.approx(dense.float().mean().item())
+
+
+def decoded(model: GPT, new_tokens: int = 40, temperatures=(0.0, 1.0), **kw) -> list[torch.Tensor]:
+    """Tokens from two prompts (12 tokens; 40 new run past block_size=48, so the cache refills), with the cache
+    (a Decoder made with **kw) and without it."""
+    prompt = documents(T=12)
+    return [[decoder.generate(prompt, new_tokens, temperature, None, torch.Generator().manual_seed(7),
+                              use_cache=cache) for decoder, cache in ((Decoder(model, **kw), True),
+                                                                      (Decoder(model), False))]
+            for temperature in temperatures]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("attn", CPU_ALL)
+def test_cached_decoding_with_documents_and_a_window_gives_the_cache_free_tokens(attn, mask):
+    runs = decoded(tiny_model(attn, **MASKS[mask]).eval())
+    for cached, plain in runs:
+        assert torch.equal(cached, plain)
+    assert (runs[1][0][:, 12:] == EOT).any()  # sampling opened new documents while decoding
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "flex"])  # a dense mask's decode rows, and flex's score mod over them
+def test_compiled_decoding_with_documents_and_a_window_gives_the_cache_free_tokens(attn):
+    torch._dynamo.reset()
+    (cached, plain), = decoded(tiny_model(attn, doc_mask=True, window=6).eval(), new_tokens=30, temperatures=(1.0,),
+                               compile=True, tune=False)
+    assert torch.equal(cached, plain)
+    assert (cached[:, 12:] == EOT).any()
+
+
+def test_an_implementation_that_cannot_take_the_mask_is_refused_naming_what_can():
+    with pytest.raises(UserError, match=r"attn='varlen' cannot run for training on cpu in float32 with "
+                                        r"dropout=0.0, a document or window mask and head size 16: varlen_attn is "
+                                        r"CUDA-only .*; use one of manual, sdpa_mask, sdpa, flash, math\."):
+        tiny_model("varlen", doc_mask=True)(documents(), documents())
+
+
+def test_doc_mask_without_an_end_of_text_token_is_refused_in_one_sentence():
+    with pytest.raises(UserError, match="doc_mask needs the end-of-text token"):
+        GPTConfig(**{**TINY, "eot_token": -1}, doc_mask=True)
+    with pytest.raises(UserError, match="window must be 0"):
+        GPTConfig(**TINY, window=-2)
+
+
+def test_a_flash_like_kernel_without_a_mask_is_refused_for_masked_training(monkeypatch):
+    """CUDA's flash kernel takes no mask: what the probe meets there, injected into the CPU flash path."""
+    def no_mask_flash(q, k, v, mask, dropout_p):
+        if mask is not None:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return attention.sdpa_attention(q, k, v, None, dropout_p)
+    monkeypatch.setitem(attention.ATTENTION, "flash", no_mask_flash)
+    attention.attention_problem.cache_clear()
+    try:
+        assert attention.attention_problem("flash", "cpu", torch.float32, 0.0, 16, True) is None
+        problem = attention.attention_problem("flash", "cpu", torch.float32, 0.0, 16, True, masked=True)
+        assert problem.startswith("PyTorch has no kernel for it")
+    finally:
+        attention.attention_problem.cache_clear()
+
+
+def fake_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, -1)):
+    """varlen_attn as torch 2.13 documents it, in plain tensor code: q, k, v (total, H, D); each sequence of
+    cu_seq_q attends within itself, key j visible to query i when i - left <= j <= i + right (-1: unlimited)."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
+    assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    left, right = window_size
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        i, j = torch.arange(end - start)[:, None], torch.arange(end - start)[None, :]
+        visible = (j <= i + right) & ((j >= i - left) if left >= 0 else True)
+        att = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) / q.size(-1) ** 0.5  # (H, len, len)
+        att = att.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", att, v[start:end])
+    return out
+
+
+@pytest.mark.parametrize("mask", [*MASKS, "causal"])
+def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatch):
+    """The CUDA-only varlen row, its packing and window convention checked on CPU against the dense reference, with
+    varlen_attn replaced by what its documentation says it computes."""
+    monkeypatch.setattr(attention, "varlen_attn", fake_varlen_attn)
+    settings = MASKS.get(mask, {})
+    idx = documents()
+    q, k, v = torch.randn(3, 2, 2, 48, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each
+    docs = masks.document_ids(idx, EOT) if settings.get("doc_mask") else None
+    packing = attention.make_mask("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
+    expected = attention.manual_attention(q, k, v, reference_mask(idx, bool(docs is not None),
+                                                                  settings.get("window", 0)), 0.0)
+    assert torch.allclose(attention.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)
+    if docs is not None:  # one sequence per document: rows 0 and 1 hold 4 each
+        assert packing.cu_seqlens.tolist() == [0, 5, 6, 25, 48, 65, 88, 96]
