@@ -161,7 +161,7 @@ class Run:
 
     def problem(self, attn: str, dtype: str, config: GPTConfig) -> Optional[str]:
         return attention_problem(attn, self.rt.device_type, runtime.DTYPES[dtype], 0.0, config.head_size, False,
-                                 config.block_size)
+                                 config.block_size, config.restricted)
 
 
 def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str], dict[str, str]]:

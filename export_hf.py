@@ -119,6 +119,9 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
         raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
                         f"is overwritten).")
     model = checkpoint.build_model()
+    if model.config.window:  # doc_mask exports: within one document HF's causal attention is the same attention
+        raise UserError(f"this run attends through a window of {model.config.window} tokens, which Hugging Face's "
+                        f"GPT-2 cannot express (its logits would differ); export a run trained with window=0.")
     config = hf_config(model, checkpoint.meta)
     tokenizer = hf_tokenizer(checkpoint.meta, model.config.block_size)
     hf_model = GPT2LMHeadModel(config)

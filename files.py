@@ -24,6 +24,7 @@ from errors import UserError
 TOKEN_DTYPE = np.uint16  # every .bin file holds token ids in this dtype
 TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
 GPT2_VOCAB_SIZE = 50257
+GPT2_EOT_TOKEN = 50256  # <|endoftext|>: ends each document in GPT-2's data (and in openwebtext's here)
 
 
 def read_meta(data_dir: Path) -> dict | None:
@@ -41,6 +42,14 @@ def read_meta(data_dir: Path) -> dict | None:
     if (Path(data_dir) / "meta.pkl").exists():
         return read_nanogpt_meta(Path(data_dir) / "meta.pkl")
     return None
+
+
+def eot_token_of(meta: dict | None) -> int:
+    """The end-of-text id that separates a dataset's documents: meta.json's "eot_token", GPT-2's for GPT-2 BPE
+    (a folder without meta is GPT-2 BPE, as nanoGPT's are), else -1: a character vocabulary has none."""
+    if meta is None:
+        return GPT2_EOT_TOKEN
+    return int(meta.get("eot_token", GPT2_EOT_TOKEN if meta.get("tokenizer") == "gpt2" else -1))
 
 
 def write_meta(path: Path, meta: dict) -> None:

@@ -16,9 +16,9 @@ from model import GPT, GPTConfig
 
 
 def from_pretrained(name_or_path: str, **overrides) -> GPT:
-    """GPT-2 weights from a local Hugging Face directory or a hub name; `overrides` may set attn, pad_vocab and
-    dropout."""
-    allowed = {"attn", "pad_vocab", "dropout"}
+    """GPT-2 weights from a local Hugging Face directory or a hub name; `overrides` may set attn, pad_vocab,
+    dropout and the attention masks (doc_mask, window, eot_token)."""
+    allowed = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token"}
     if set(overrides) - allowed:
         raise UserError(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
     hf_config, state_dict = load_hf_checkpoint(name_or_path)

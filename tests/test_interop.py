@@ -149,6 +149,10 @@ def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, 
     checkpoint.meta = {"tokenizer": "sentencepiece", "vocab_size": checkpoint.meta["vocab_size"]}
     with pytest.raises(UserError, match=r"names tokenizer 'sentencepiece'; only GPT-2 BPE and character "):
         export_hf.export(checkpoint, tmp_path / "hf")
+    checkpoint = Checkpoint.load(out / "ckpt.pt")
+    checkpoint.model_config["window"] = 8
+    with pytest.raises(UserError, match=r"attends through a window of 8 tokens, which Hugging Face's GPT-2 cannot"):
+        export_hf.export(checkpoint, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 

@@ -4,6 +4,7 @@ import glob
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,6 +155,43 @@ def test_attention_the_device_cannot_run_fails_before_training(char_data, tmp_pa
     with pytest.raises(UserError, match="attn='efficient' cannot run"):
         train.main(TINY + [f"--data_dir={char_data}", "--attn=efficient", f"--out_dir={tmp_path}"])
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# -- document masks -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def doc_data(tmp_path_factory) -> Path:
+    """Character data with documents: meta.json names '|' the end-of-text token, closing every few lines."""
+    d = tmp_path_factory.mktemp("docs")
+    text = "".join(f"line {i} of {i * 7 % 13}.\n" + ("|" if i % 3 == 2 else "") for i in range(3000))
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    ids[:int(0.9 * len(ids))].tofile(d / "train.bin")
+    ids[int(0.9 * len(ids)):].tofile(d / "val.bin")
+    meta = {"tokenizer": "char", "vocab_size": len(chars), "chars": chars, "eot_token": chars.index("|")}
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d
+
+
+def test_doc_mask_and_window_train_resume_and_reach_the_checkpoint(doc_data, tmp_path):
+    args = TINY + [f"--data_dir={doc_data}", "--doc_mask=True", "--window=8", "--eval_interval=3", "--attn=sdpa"]
+    straight, stopped = straight_and_resumed(args, tmp_path)
+    assert metrics(straight, "val/loss")[6] == metrics(stopped, "val/loss")[6]
+    config = torch.load(straight / "ckpt.pt", weights_only=True)["model_config"]
+    assert config["doc_mask"] and config["window"] == 8 and config["eot_token"] == json.loads(
+        (doc_data / "meta.json").read_text())["chars"].index("|")
+
+
+def test_doc_mask_on_data_without_documents_is_refused_by_name(char_data, tmp_path):
+    with pytest.raises(UserError, match="doc_mask needs documents, and dataset .* has no end-of-text token"):
+        train.main(TINY + [f"--data_dir={char_data}", "--doc_mask=True", f"--out_dir={tmp_path}"])
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_mask_the_implementation_cannot_take_fails_before_training(doc_data, tmp_path):
+    with pytest.raises(UserError, match="attn='flex' cannot run for training on cpu in float32 with dropout=0.0, a "
+                                        "document or window mask and head size 16: FlexAttention has no backward"):
+        train.main(TINY + [f"--data_dir={doc_data}", "--attn=flex", "--window=4", f"--out_dir={tmp_path}"])
 
 
 # -- configurator ---------------------------------------------------------------------------------------

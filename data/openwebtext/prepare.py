@@ -185,7 +185,8 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
     check_split_sizes(splits, block_size)
     with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
         tokens = {name: write_split(part, tmp[f"{name}.bin"], name) for name, part in splits.items()}
-        files.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE})
+        files.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE,
+                                            "eot_token": files.GPT2_EOT_TOKEN})
     return {
         "source": source,
         "skipped_records": skipped,  # records with no text (no such field, or null)

