@@ -7,6 +7,7 @@ PyTorch's "Accelerating Large Language Models with Accelerated Transformers" pos
     python bench.py --max_batch=True                       # also the largest batch each row fits
     python bench.py --dropout=0.1                          # watch sdpa leave the fused kernel (flagged "!")
     python bench.py --mode=attention                       # the attention op alone, over sequence lengths
+    python bench.py --mode=attention --mask=causal,doc,window  # what documents and a window cost each kernel
     python bench.py --profile=True                         # also a chrome trace of one step per row
     python bench.py --mode=generate                        # generation: cache, compiled cache, bf16, int8
 
@@ -36,6 +37,7 @@ from configurator import Settings, as_list, comma_list_of, configure, one_of
 from errors import UserError
 from attention import ATTENTION, attention_names, attention_problem
 from bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_sweep
+from bench_masks import MASKS, document_ids, fractions, mask_settings, row_mask, tokens_with_documents
 from bench_report import ATTENTION_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from model import GPT, GPTConfig
 from runtime import Runtime
@@ -53,6 +55,11 @@ n_embd = None
 vocab_size = None         # tokens in the vocabulary; padding rounds it up to a multiple of 64
 dropout = 0.0             # > 0 shows the post's silent fallback: on CPU, sdpa's fused kernel refuses dropout
 bias = True
+# masks (bench_masks.py): a row per attn x mask; causal alone by default
+mask = "causal"           # comma list of causal, doc (document-causal), window, doc+window
+window = 256              # the window rows' sliding window, in tokens
+doc_data = "shakespeare"  # the doc rows' documents: real end-of-text boundaries of this prepared dataset (or folder)
+doc_len = 0               # > 0: documents of exactly doc_len tokens instead
 # batch
 batch_size = None         # sequences per step
 seq_len = None            # tokens per sequence, also the model's block_size
@@ -93,7 +100,8 @@ LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vo
           "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)", "prompt_len": "[1, inf)",
           "new_tokens": "[1, inf)", "gen_batch": "[1, inf)", "mode": one_of("train", "attention", "generate"),
           "padding": comma_list_of("off", "on"), "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
-          "dtype": one_of("auto", *runtime.DTYPES)}
+          "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",
+          "doc_len": "[0, inf)"}
 
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
@@ -143,6 +151,7 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
         if cfg.prompt_len + 1 > cfg.seq_len:
             raise UserError(f"prompt_len={cfg.prompt_len} leaves no room in block_size (seq_len) {cfg.seq_len}; "
                             f"use a shorter prompt.")
+    cfg.mask = list(dict.fromkeys(as_list(cfg.mask)))  # checked against LIMITS' words
     words = as_list(cfg.padding or ("off" if generating else "off,on"))  # checked against LIMITS' words
     cfg.padding = [w == "on" for w in dict.fromkeys(words)]
     for key in ("attn_seq_lens", "attn_head_sizes"):
@@ -182,6 +191,7 @@ class Trainer:
     scaler: torch.amp.GradScaler
     batch: torch.Tensor                  # (2, B, T): inputs and targets
     rt: Runtime
+    docs: Optional[torch.Tensor] = None  # (B, T) the inputs' document ids, with doc_mask
 
     def step(self, attn: str) -> None:
         """One training step through `attn`: forward, backward, optimizer step."""
@@ -208,22 +218,28 @@ class Trainer:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> Trainer:
+def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int,
+                  mask: str = "causal") -> Trainer:
     torch.manual_seed(cfg.seed)  # the same weights whatever the row
-    config = GPTConfig.from_settings({**cfg.as_dict(), "block_size": cfg.seq_len, "attn": attn, "pad_vocab": pad_vocab})
+    doc_mask, window = mask_settings(mask, cfg.window)
+    config = GPTConfig.from_settings({**cfg.as_dict(), "block_size": cfg.seq_len, "attn": attn, "pad_vocab": pad_vocab,
+                                      "doc_mask": doc_mask, "window": window, "eot_token": cfg.vocab_size - 1})
     model = GPT(config).to(rt.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
     batch = torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len),
-                          generator=torch.Generator().manual_seed(cfg.seed)).to(rt.device)  # random ids cost as text
-    return Trainer(model, compiled(model.forward, cfg), optimizer, rt.grad_scaler(), batch, rt)
+                          generator=torch.Generator().manual_seed(cfg.seed))  # random ids cost as text
+    docs = document_ids(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
+    if doc_mask:  # the inputs carry end-of-text where the documents of real blocks begin
+        batch[0] = tokens_with_documents(docs, cfg.vocab_size, cfg.vocab_size - 1, cfg.seed)
+    return Trainer(model, compiled(model.forward, cfg), optimizer, rt.grad_scaler(), batch.to(rt.device), rt, docs)
 
 
-def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int) -> bool:
+def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal") -> bool:
     """Whether training at this batch size fits: two full steps (the second carries AdamW's state) without
     running out of memory of any kind; on CPU also resident plus peak step memory within mem_budget_gb."""
     trainer = None
     try:
-        trainer = build_trainer(cfg, rt, attn, pad_vocab, batch_size)
+        trainer = build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask)
         trainer.step(attn)
         if rt.is_cuda:
             trainer.step(attn)
@@ -238,23 +254,30 @@ def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int
         free_memory(rt)
 
 
+def row_key(attn: str, pad_vocab: bool, mask: str) -> str:
+    """A training row's name (its trace file's too): manual_unpadded, flex_padded_doc+window, ..."""
+    return f"{attn}_{'padded' if pad_vocab else 'unpadded'}" + ("" if mask == "causal" else f"_{mask}")
+
+
 def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
-    """One row per attn x padding: timing, tokens/s, MFU, peak memory, speedup, audited kernel, skip reason."""
+    """One row per attn x padding x mask: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the share of
+    the score matrix computed, skip reason."""
     head_size, tokens = cfg.n_embd // cfg.n_head, cfg.batch_size * cfg.seq_len
     rows, trainers, calls, audits = {}, {}, {}, {}
-    for a in cfg.attn:
+    for a, m, pad in ((a, m, pad) for a in cfg.attn for m in cfg.mask for pad in cfg.padding):
         problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
-                                    cfg.seq_len)
-        for pad in cfg.padding:
-            key = f"{a}_{'padded' if pad else 'unpadded'}"
-            rows[key] = dict(attn=a, pad_vocab=pad, eager_reference=eager_reference(a, problem, cfg, rt),
-                             status="skipped" if problem else "ok", reason=problem)
-            if problem is None:
-                if pad not in trainers:
-                    trainers[pad] = build_trainer(cfg, rt, a, pad, cfg.batch_size)
-                rows[key]["vocab"] = trainers[pad].model.config.padded_vocab_size
-                calls[key] = functools.partial(trainers[pad].step, a)
-                audits[key] = functools.partial(trainers[pad].eager_pass, a)
+                                    cfg.seq_len, masked=m != "causal")
+        key = row_key(a, pad, m)
+        rows[key] = dict(attn=a, pad_vocab=pad, mask=m, eager_reference=eager_reference(a, problem, cfg, rt),
+                         status="skipped" if problem else "ok", reason=problem)
+        if problem is None:
+            if (pad, m) not in trainers:
+                trainers[pad, m] = build_trainer(cfg, rt, a, pad, cfg.batch_size, m)
+            trainer = trainers[pad, m]
+            rows[key].update(vocab=trainer.model.config.padded_vocab_size,
+                             **fractions(a, trainer.docs, trainer.model.config.window, cfg.seq_len))
+            calls[key] = functools.partial(trainer.step, a)
+            audits[key] = functools.partial(trainer.eager_pass, a)
     peak = flops.peak_flops(rt)
     with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr) as bar:
         measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),
@@ -262,19 +285,19 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     for key, m in measured.items():
         row = audited_row(rows[key], m, rows[key]["attn"], rt)
         if row["status"] == "ok":
-            trainer = trainers[row["pad_vocab"]]
+            trainer = trainers[row["pad_vocab"], row["mask"]]
             row["mem/peak_gb"] = (trainer.resident_bytes() + row.pop("added_bytes")) / 1e9
             row["tokens_per_s"] = tokens / (row["ms_per_iter"] / 1e3)
             row["mfu"] = trainer.model.estimate_mfu(row["tokens_per_s"], peak, cfg.seq_len)
     for row in rows.values():
-        base = rows.get(f"manual_{'padded' if row['pad_vocab'] else 'unpadded'}", {})
+        base = rows.get(row_key("manual", row["pad_vocab"], row["mask"]), {})
         if row["status"] == "ok" and base.get("status") == "ok":
             row["speedup_vs_manual"] = paired_speedup(base, row)
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
     free_memory(rt)
     if cfg.max_batch:
         for row in tqdm([r for r in rows.values() if r["status"] == "ok"], desc="max batch", file=sys.stderr):
-            row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b),
+            row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"]),
                                               cfg.max_batch_limit)
     return list(rows.values())
 
@@ -293,27 +316,35 @@ def attention_call(fn, q, k, v, mask, dropout_p: float, backward: bool) -> Calla
 
 
 def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
-    """One row per head size x sequence length x pass (fwd, fwd+bwd) x attn: time, added memory, kernel."""
+    """One row per head size x sequence length x pass (fwd, fwd+bwd) x mask x attn: time, added memory, kernel, the
+    share of the score matrix computed. Each row's mask is built before it is timed: this times the kernel."""
     functions = {a: compiled(ATTENTION[a], cfg) for a in cfg.attn}
-    cases = [(hs, T, bwd) for hs in cfg.attn_head_sizes for T in cfg.attn_seq_lens for bwd in (False, True)]
+    cases = [(hs, T, bwd, m) for hs in cfg.attn_head_sizes for T in cfg.attn_seq_lens for bwd in (False, True)
+             for m in cfg.mask]
     rows = []
     total = len(cases) * len(cfg.attn) * (cfg.warmup + 1 + cfg.iters)
     with tqdm(total=total, desc="attention", file=sys.stderr) as bar:
-        for hs, T, backward in cases:
+        for hs, T, backward, mask in cases:
             shape = (cfg.attn_batch, cfg.attn_heads, T, hs)  # (B, nh, T, hs)
             q, k, v = (torch.randn(shape, device=rt.device, dtype=rt.torch_dtype, requires_grad=backward)
                        for _ in range(3))
+            doc_mask, window = mask_settings(mask, cfg.window)
+            docs = document_ids(cfg.doc_data, cfg.doc_len, cfg.attn_batch, T, cfg.seed) if doc_mask else None
             here, calls, audits = {}, {}, {}
             for a in cfg.attn:
-                problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward, T)
-                here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, eager_reference=eager_reference(
-                    a, problem, cfg, rt), status="skipped" if problem else "ok", reason=problem)
+                problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward, T,
+                                            masked=mask != "causal")
+                here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, mask=mask,
+                               eager_reference=eager_reference(a, problem, cfg, rt),
+                               status="skipped" if problem else "ok", reason=problem)
                 if problem is None:
-                    calls[a] = attention_call(functions[a], q, k, v, None, cfg.dropout, backward)  # None: causal
-                    audits[a] = attention_call(ATTENTION[a], q, k, v, None, cfg.dropout, backward)
+                    here[a].update(fractions(a, docs, window, T))
+                    masking = row_mask(a, docs, window, cfg.attn_batch, T, rt.device)  # None: causal
+                    calls[a] = attention_call(functions[a], q, k, v, masking, cfg.dropout, backward)
+                    audits[a] = attention_call(ATTENTION[a], q, k, v, masking, cfg.dropout, backward)
                 else:
                     bar.update(cfg.warmup + 1 + cfg.iters)
-            name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}"
+            name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}" + ("" if mask == "causal" else f"_{mask}")
             measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, name),
                                      audits if cfg.compile else None)
             for a, m in measured.items():
@@ -334,8 +365,8 @@ def sweep_plan(cfg: Settings) -> str:
         compiled = rows // len(cfg.cache) if "compiled" in cfg.cache else 0
         return (f"generate: {rows} rows, {compiled} of them compiled (each compiles once: ~20-60 s on a 2-core CPU), "
                 f"{cfg.iters} timed rounds of {cfg.new_tokens} tokens; rows are saved to {cfg.out_dir} as they finish")
-    rows = len(cfg.attn) * (len(cfg.padding) if cfg.mode == "train" else 2 * len(cfg.attn_seq_lens) *
-                            len(cfg.attn_head_sizes))
+    rows = len(cfg.attn) * len(cfg.mask) * (len(cfg.padding) if cfg.mode == "train" else 2 * len(cfg.attn_seq_lens) *
+                                            len(cfg.attn_head_sizes))
     return f"{cfg.mode}: {rows} rows x ({cfg.warmup} warm-up + {cfg.iters} timed) runs"
 
 
@@ -377,6 +408,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     columns = {"train": TRAIN_COLUMNS, "attention": ATTENTION_COLUMNS, "generate": GENERATE_COLUMNS}[cfg.mode]
     if not cfg.max_batch:
         columns = {k: v for k, v in columns.items() if k != "max batch"}
+    if cfg.mask == ["causal"]:  # the table as it was before masks
+        columns = {k: v for k, v in columns.items() if k not in ("mask", "computed")}
     print(f"{env['device_name']}, torch {env['torch']}, {cfg.dtype}: {env['command']}")
     print(format_table(rows, columns))
     for row in rows:

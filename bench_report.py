@@ -12,11 +12,13 @@ from configurator import Settings
 
 
 def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:
-    """A plain-text table; a skipped row (or one that ran out of memory) shows why in place of the numbers."""
+    """A plain-text table; a skipped row (or one that ran out of memory) shows why in place of the numbers, after
+    the columns that name it (attn, vocab or case, and mask)."""
     formats = list(columns.values())
+    labels = 3 if "mask" in columns else 2
     cells = [[f(row) for f in formats] if row["status"] == "ok"
-             else [f(row) for f in formats[:2]] + [f"{row['status']}: {row['reason']}"] for row in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells if len(c) == len(formats) or i < 2])
+             else [f(row) for f in formats[:labels]] + [f"{row['status']}: {row['reason']}"] for row in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells if len(c) == len(formats) or i < labels])
               for i, h in enumerate(columns)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
     return "\n".join([line(list(columns)), line(["-" * w for w in widths])] + [line(c) for c in cells])
@@ -33,6 +35,7 @@ def attn_cell(row: dict) -> str:
 TRAIN_COLUMNS = {
     "attn": attn_cell,
     "vocab": lambda r: str(r.get("vocab", "padded" if r["pad_vocab"] else "unpadded")),
+    "mask": lambda r: r["mask"],
     "ms/iter": lambda r: f"{r['ms_per_iter']:.1f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.1f}",
     "tokens/s": lambda r: f"{r['tokens_per_s']:,.0f}",
@@ -40,15 +43,18 @@ TRAIN_COLUMNS = {
     "peak GB": lambda r: f"{r['mem/peak_gb']:.3f}",
     "speedup": lambda r: f"{r.get('speedup_vs_manual', float('nan')):.2f}x",
     "max batch": lambda r: str(r.get("max_batch", "-")),
+    "computed": lambda r: f"{r['computed']:.2f}",
     "kernel": kernel_cell,
 }
 ATTENTION_COLUMNS = {
     "attn": attn_cell,
     "case": lambda r: f"hs={r['head_size']} T={r['seq_len']} {'fwd+bwd' if r['backward'] else 'fwd'}",
+    "mask": lambda r: r["mask"],
     "ms": lambda r: f"{r['ms_per_iter']:.2f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.2f}",
     "added GB": lambda r: f"{r['mem/peak_gb']:.3f}",
     "speedup": lambda r: f"{r.get('speedup_vs_manual', float('nan')):.2f}x",
+    "computed": lambda r: f"{r['computed']:.2f}",
     "kernel": kernel_cell,
 }
 
@@ -70,10 +76,16 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
 def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     """The post's figure: ms per training step per attn, unpadded and padded side by side, IQR whiskers
     (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
+    masked = len(cfg.mask) > 1 or cfg.mask != ["causal"]
     if cfg.mode == "train":
-        series = {f"vocab {'padded' if p else 'unpadded'}": {"pad_vocab": p} for p in cfg.padding}
+        series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if masked else ""): {"pad_vocab": p, "mask": m}
+                  for p in cfg.padding for m in cfg.mask}
         title = (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, B={cfg.batch_size}, T={cfg.seq_len}: ms per training "
                  f"step (lower is better)")
+    elif masked:  # one bar per mask, at the longest sequence
+        hs, T = cfg.attn_head_sizes[0], max(cfg.attn_seq_lens)
+        series = {m: {"seq_len": T, "head_size": hs, "backward": True, "mask": m} for m in cfg.mask}
+        title = f"attention forward+backward, hs={hs}, T={T}, by mask (lower is better)"
     else:
         hs = cfg.attn_head_sizes[0]
         series = {f"T={T}": {"seq_len": T, "head_size": hs, "backward": True} for T in cfg.attn_seq_lens}

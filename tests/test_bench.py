@@ -178,6 +178,46 @@ def test_attention_mode_measures_forward_and_backward_and_manual_needs_more_memo
     assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_the_mask_axis_gives_a_row_per_mask_with_the_share_of_scores_each_kernel_computes(tmp_path):
+    """Documents of 32 tokens in blocks of 128 (flex's block size): flex computes the 4 diagonal blocks of 16 and
+    skips the rest; the mask lets through 33/64 of each 32 x 32 diagonal block."""
+    result = run_bench(tmp_path, "--mode=attention", "--attn=manual,flash,flex,varlen", "--attn_seq_lens=128",
+                       "--attn_head_sizes=16", "--attn_heads=2", "--mask=causal,doc,window", "--doc_len=32",
+                       "--window=16")
+    rows = rows_by(result, "attn", "backward", "mask")
+    assert len(rows) == 4 * 2 * 3
+    doc, causal = rows[("flex", False, "doc")], rows[("flex", False, "causal")]
+    assert doc["status"] == "ok" and doc["kernel"] == "flex" and doc["computed"] == 1.0  # one 128-block: no skip
+    assert doc["visible"] == pytest.approx(4 * (32 * 33 / 2) / 128 ** 2)
+    assert causal["visible"] == pytest.approx(128 * 129 / 2 / 128 ** 2)
+    for mask in ("causal", "doc", "window"):
+        assert rows[("manual", True, mask)]["computed"] == 1.0 and rows[("manual", True, mask)]["kernel"] == "none"
+        assert rows[("flash", True, mask)]["kernel"] == "flash" and rows[("flash", True, mask)]["kernel_ok"]
+        assert "CUDA-only" in rows[("varlen", False, mask)]["reason"]
+    assert rows[("flash", True, "causal")]["computed"] == rows[("flash", True, "causal")]["visible"]
+    assert rows[("flash", True, "doc")]["computed"] == 1.0  # an explicit mask: every score, then masked
+    assert rows[("manual", True, "window")]["visible"] == pytest.approx(
+        sum(min(i + 1, 16) for i in range(128)) / 128 ** 2)
+
+
+def test_a_training_row_with_documents_takes_them_from_a_datasets_end_of_text(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = torch.randint(0, 50, (4000,))
+    tokens[::100] = 50  # a document every 100 tokens
+    tokens.numpy().astype("uint16").tofile(data / "train.bin")
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 51, "eot_token": 50}))
+    result = run_bench(tmp_path, "--attn=manual,sdpa,flex", "--padding=off", "--mask=causal,doc",
+                       f"--doc_data={data}")
+    rows = rows_by(result, "attn", "mask")
+    assert rows[("sdpa", "doc")]["status"] == "ok" and rows[("sdpa", "doc")]["kernel"] == "flash"
+    assert rows[("manual", "doc")]["speedup_vs_manual"] == 1.0
+    # 2 blocks of 64 tokens, documents of 100: a block holds at most one boundary, so it sees no less than two
+    # 32-token triangles (a boundary in the middle) and, here where one block or both cross one, less than causal
+    assert 2 * (32 * 33 / 2) / 64 ** 2 <= rows[("sdpa", "doc")]["visible"] < rows[("sdpa", "causal")]["visible"]
+    assert "no backward" in rows[("flex", "doc")]["reason"]
+
+
 def test_command_line_prints_the_table_and_writes_json_chart_and_chrome_trace(tmp_path):
     cmd = [sys.executable, "bench.py", *TINY, "--attn=manual,flash", "--padding=on", "--profile=True",
            f"--out_dir={tmp_path}"]
@@ -269,7 +309,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
         def resident_bytes(self):
             return 0
 
-    def build_trainer(cfg, rt, attn, pad_vocab, batch_size):
+    def build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask="causal"):
         assert all(probe() is None for probe in probes)  # the previous probe's trainer is gone
         trainer = Trainer(batch_size)
         probes.append(weakref.ref(trainer))
@@ -282,7 +322,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
 
 
 def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatch):
-    def build_trainer(cfg, rt, attn, pad_vocab, batch_size):
+    def build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask="causal"):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     monkeypatch.setattr(bench, "build_trainer", build_trainer)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):

@@ -1,0 +1,90 @@
+"""
+bench.py's mask axis: the documents a row's blocks hold, and the share of the score matrix each implementation
+computes under a mask.
+
+    causal       plain causal attention (every table before the axis existed)
+    doc          document-causal: each block's documents from a prepared dataset's real end-of-text boundaries
+                 (--doc_data), or documents of --doc_len tokens each
+    window       a sliding window of --window tokens
+    doc+window   both
+"""
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+import files
+import masks
+from attention import make_mask
+from dataset import dataset_dir, prepare_if_missing
+from errors import UserError
+
+MASKS = ("causal", "doc", "window", "doc+window")
+# kernels that skip what causality (and, for varlen, the document packing) rules out, at tile granularity
+SKIPPING = {"flash", "efficient", "cudnn", "sdpa", "varlen"}
+
+
+def mask_settings(mask: str, window: int) -> tuple[bool, int]:
+    """(doc_mask, window) of a mask name."""
+    return "doc" in mask, window if "window" in mask else 0
+
+
+def document_ids(doc_data: str, doc_len: int, B: int, T: int, seed: int) -> torch.Tensor:
+    """(B, T) document ids of B blocks of T tokens: documents of doc_len tokens each (> 0), else random blocks of
+    the prepared dataset doc_data (a name under data/, prepared if missing, or a folder), split at its end-of-text."""
+    if doc_len > 0:
+        return (torch.arange(T) // doc_len).expand(B, T).contiguous()
+    folder = Path(doc_data)
+    if not (folder / "train.bin").exists():  # a dataset's name: data/<name>, prepared on first use
+        folder = dataset_dir("", doc_data)
+        prepare_if_missing(folder, doc_data)
+    eot = files.eot_token_of(files.read_meta(folder))
+    if eot < 0:
+        raise UserError(f"{folder} has no end-of-text token, so no documents; pass --doc_data= a BPE dataset "
+                        f"(shakespeare, openwebtext) or --doc_len= a document length.")
+    data = np.memmap(folder / "train.bin", dtype=files.TOKEN_DTYPE, mode="r")
+    if len(data) <= T:
+        raise UserError(f"{folder / 'train.bin'} holds {len(data):,} tokens, fewer than seq_len={T}; use a shorter "
+                        f"seq_len or --doc_len=.")
+    starts = torch.randint(len(data) - T, (B,), generator=torch.Generator().manual_seed(seed)).tolist()
+    blocks = torch.from_numpy(np.stack([data[s:s + T].astype(np.int64) for s in starts]))  # (B, T)
+    return masks.document_ids(blocks, eot)
+
+
+def tokens_with_documents(docs: torch.Tensor, vocab_size: int, eot_token: int, seed: int) -> torch.Tensor:
+    """(B, T) random ids below eot_token, with eot_token wherever a document begins after the first: the batch a
+    training row feeds a model whose doc_mask splits on eot_token."""
+    idx = torch.randint(eot_token, docs.shape, generator=torch.Generator().manual_seed(seed))
+    opens = torch.zeros_like(docs, dtype=torch.bool)
+    opens[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return idx.masked_fill(opens, eot_token).clamp(max=vocab_size - 1)
+
+
+def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int) -> dict[str, float]:
+    """`visible`: the share of the T x T score matrix the mask allows (its exact work); `computed`: the share the
+    kernel computes. A dense mask is applied to every score (1.0); flex skips whole blocks with nothing visible
+    (its BlockMask's exact count); the kernels that skip by causality or packing compute about what is visible
+    (at tile granularity, slightly more) - for flash, sdpa and the CUDA kernels only without a mask."""
+    causal = docs is None and window == 0
+    visible = masks.mask_fraction(masks.dense_mask(docs, window, T, "cpu"))
+    if attn == "flex":
+        computed = masks.block_fraction(masks.block_mask(docs, window, T, "cpu"))
+    elif attn == "varlen" or (attn in SKIPPING and causal):
+        computed = visible
+    else:
+        computed = 1.0
+    return {"visible": visible, "computed": computed}
+
+
+def row_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
+    """What an attention-mode row passes its implementation: None for causal, else the mask in its form."""
+    if docs is None and window == 0:
+        return None
+    return make_mask(attn, None if docs is None else docs.to(device), window, B, T, device)
+
+
+def boundaries_per_block(docs: torch.Tensor) -> float:
+    """Mean number of document boundaries inside a block."""
+    return (docs[:, -1] - docs[:, 0]).float().mean().item()
