@@ -155,7 +155,7 @@ def varlen_attention(q, k, v, mask, dropout_p):
     q, k, v = (t.transpose(1, 2).reshape(B * T, nh, hs) for t in (q, k, v))  # (B*T, nh, hs): rows end to end
     y = varlen_attn(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_len, packing.max_len,
                     window_size=window_size)  # (B*T, nh, hs)
-    return y.view(B, T, nh, hs).transpose(1, 2)
+    return y.reshape(B, T, nh, hs).transpose(1, 2)
 
 
 ATTENTION: dict[str, AttentionFn] = {

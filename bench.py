@@ -37,7 +37,8 @@ from configurator import Settings, as_list, comma_list_of, configure, one_of
 from errors import UserError
 from attention import ATTENTION, attention_names, attention_problem
 from bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_sweep
-from bench_masks import MASKS, document_ids, fractions, mask_settings, row_mask, tokens_with_documents
+from bench_masks import (MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask,
+                         tokens_with_documents)
 from bench_report import ATTENTION_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from model import GPT, GPTConfig
 from runtime import Runtime
@@ -276,6 +277,8 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             trainer = trainers[pad, m]
             rows[key].update(vocab=trainer.model.config.padded_vocab_size,
                              **fractions(a, trainer.docs, trainer.model.config.window, cfg.seq_len))
+            if trainer.docs is not None:
+                rows[key]["boundaries_per_block"] = boundaries_per_block(trainer.docs)
             calls[key] = functools.partial(trainer.step, a)
             audits[key] = functools.partial(trainer.eager_pass, a)
     peak = flops.peak_flops(rt)
@@ -339,6 +342,8 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                                status="skipped" if problem else "ok", reason=problem)
                 if problem is None:
                     here[a].update(fractions(a, docs, window, T))
+                    if docs is not None:
+                        here[a]["boundaries_per_block"] = boundaries_per_block(docs)
                     masking = row_mask(a, docs, window, cfg.attn_batch, T, rt.device)  # None: causal
                     calls[a] = attention_call(functions[a], q, k, v, masking, cfg.dropout, backward)
                     audits[a] = attention_call(ATTENTION[a], q, k, v, masking, cfg.dropout, backward)

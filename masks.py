@@ -25,14 +25,14 @@ def document_ids(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
     return torch.cumsum(idx == eot_token, dim=1)
 
 
-def allowed(q_idx, kv_idx, q_doc, kv_doc, window: int):
+def allowed(q_idx, kv_idx, q_doc, kv_doc, window):
     """Whether query position q_idx may see key position kv_idx: causal, same document (when documents are
-    given) and fewer than `window` positions back (when window > 0). Works elementwise on broadcast tensors,
-    and inside a FlexAttention mask_mod."""
+    given) and fewer than `window` positions back (an int: when > 0; a tensor: always). Works elementwise on
+    broadcast tensors, and inside a FlexAttention mask_mod."""
     ok = kv_idx <= q_idx
     if q_doc is not None:
         ok = ok & (q_doc == kv_doc)
-    if window:
+    if isinstance(window, torch.Tensor) or window:
         ok = ok & (q_idx - kv_idx < window)
     return ok
 
@@ -49,13 +49,18 @@ def dense_mask(docs: Optional[torch.Tensor], window: int, T: int, device) -> tor
 
 def block_mask(docs: Optional[torch.Tensor], window: int, T: int, device) -> BlockMask:
     """The same rule as a FlexAttention BlockMask (one per row when documents are given)."""
+    # Built eagerly and handed to a compiled flex (bench.py), the window rides as a tensor (T: no limit): compiled
+    # flex would see another window as a dynamic int, which torch 2.13's CPU flex template fails to compile (C++
+    # "cur_qSplitSize0 was not declared"). Built inside a compiled model it stays the model's int: a tensor made
+    # there is a constant the CPU template cannot read ("No choices to select").
+    span = window if torch.compiler.is_compiling() else torch.tensor(window or T, device=device)
     if docs is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return allowed(q_idx, kv_idx, None, None, window)
+            return allowed(q_idx, kv_idx, None, None, span)
         return create_block_mask(mask_mod, None, None, T, T, device=device)
 
     def doc_mask_mod(b, h, q_idx, kv_idx):
-        return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], window)
+        return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], span)
     return create_block_mask(doc_mask_mod, docs.size(0), None, T, T, device=device)
 
 

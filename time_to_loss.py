@@ -5,6 +5,7 @@ back and in turn, several times; the wall time from launch to the first logged v
 
     python time_to_loss.py                        # nanoGPT's CPU recipe vs the quickstart, 3 rounds, target 1.89
     python time_to_loss.py --runs=5 --target=1.95 --full=False   # stop each run at the target
+    python time_to_loss.py --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
 
 Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
 recipes run one after the other), then the median over rounds: the machine's drift hits both alike.
@@ -22,13 +23,14 @@ import numpy as np
 
 import files
 import runtime
-from configurator import configure
+from configurator import configure, one_of
 
+compare = "quickstart"        # which recipes: "quickstart" (nanoGPT's CPU recipe vs ours) or "doc_mask" (RECIPE_SETS)
 target = 1.89                 # the validation loss to reach
 runs = 3                      # rounds; each runs every recipe once
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
 out_dir = "bench_results"
-LIMITS = {"target": "(0, inf)", "runs": "[1, inf)"}
+LIMITS = {"target": "(0, inf)", "runs": "[1, inf)", "compare": one_of("quickstart", "doc_mask")}
 
 # The recipes, as command-line arguments to train.py. nanoGPT's is its README's CPU command, flag for flag, plus
 # what nanoGPT's code fixes and this repo makes a setting: its exact-erf GELU and fp32 on a CPU.
@@ -39,6 +41,14 @@ RECIPES = {
                            "--gelu=none", "--dtype=float32"],
     "quickstart": ["config/train_shakespeare_char_cpu.py"],
 }
+# The same small GPT-2 BPE model on Shakespeare's scenes (one document each), the same steps and batches (one seed),
+# with causal attention and with doc_mask: what masking documents does to the val loss at a fixed budget. fp32 on
+# every CPU kind, so the losses compare across machines. ~2.5 s a step on 2 AVX2 threads: ~9 minutes a run.
+SCENES = ["--dataset=shakespeare", "--device=cpu", "--compile=False", "--dtype=float32", "--n_layer=4", "--n_head=4",
+          "--n_embd=128", "--block_size=512", "--batch_size=4", "--gradient_accumulation_steps=1", "--pad_vocab=True",
+          "--dropout=0.0", "--max_iters=200", "--lr_decay_iters=200", "--warmup_iters=20", "--learning_rate=2e-3",
+          "--min_lr=2e-4", "--eval_interval=50", "--eval_iters=20", "--log_interval=10"]
+RECIPE_SETS = {"quickstart": RECIPES, "doc_mask": {"causal": SCENES, "doc_mask": SCENES + ["--doc_mask=True"]}}
 ROOT = Path(__file__).resolve().parent
 POLL_S = 0.05  # how often a run's metrics.jsonl is read: the timing's resolution
 
@@ -89,11 +99,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     files.check_writable_dir(out)
     machine = runtime.Runtime("cpu", "float32").name  # the CPU with its threads and capability (AVX2, AMX, ...)
     print(f"on {machine}", flush=True)
-    names = list(RECIPES)
+    recipes = RECIPE_SETS[cfg.compare]
+    names = list(recipes)
     rounds = []
     for i in range(cfg.runs):
         order = names[i % len(names):] + names[:i % len(names)]  # who goes first alternates between rounds
-        rounds.append({name: time_one(RECIPES[name], cfg.target, not cfg.full) for name in order})
+        rounds.append({name: time_one(recipes[name], cfg.target, not cfg.full) for name in order})
         print(f"round {i + 1}: " + "; ".join(f"{n} {r['seconds'] and round(r['seconds'], 1)} s" for n, r in
                                               rounds[-1].items()), flush=True)
     base = names[0]
@@ -109,7 +120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{summary([r[name]['wall_s'] for r in rounds]):>22}")
     path = out / "time_to_loss.json"
     path.write_text(json.dumps({"config": cfg.as_dict(), "machine": machine, "capability": runtime.cpu_capability(),
-                                "recipes": RECIPES, "rounds": rounds}, indent=1))
+                                "recipes": recipes, "rounds": rounds}, indent=1))
     print(f"wrote {path}")
     return 0
 

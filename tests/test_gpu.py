@@ -215,3 +215,75 @@ def test_two_gpus_match_one_process_with_the_same_global_batch(char_data, tmp_pa
     one, two = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
     for it in one:
         assert two[it] == pytest.approx(one[it], abs=1e-4)  # NCCL's reduction order differs from one process
+
+
+# -- document masks and windows ----------------------------------------------------------------------------
+
+def documents_on_cuda(T: int = 1024, eot: int = 0) -> torch.Tensor:
+    """(2, T) tokens, end-of-text every 100 to 300 tokens: blocks of 128 with nothing visible for flex to skip."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(1, 512, (2, T), generator=g)
+    for row in range(2):
+        p = 0
+        while p < T:
+            idx[row, p] = eot
+            p += int(torch.randint(100, 300, (1,), generator=g))
+    return idx.cuda()
+
+
+@pytest.mark.parametrize("mask", [dict(doc_mask=True), dict(window=128), dict(doc_mask=True, window=128)])
+def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradients_of_fp32_manual(mask):
+    # catches: varlen's packing (cu_seqlens, window_size) or flex's block mask computing other attention on CUDA, a
+    # forced kernel taking a mask it silently ignores, and a refusal that is a traceback instead of one sentence
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=1024, vocab_size=512, n_layer=2, n_head=4, n_embd=256, eot_token=0, **mask)
+    model = GPT(config).cuda()
+    x = documents_on_cuda()
+    ref_logits, ref_loss = model.set_attention("manual")(x, x)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    for attn in ATTENTION:
+        model.zero_grad()
+        if attention_problem(attn, "cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True) is not None:
+            with pytest.raises(UserError, match=f"attn='{attn}' cannot run for training on cuda"):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    model.set_attention(attn)(x, x)
+            continue
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits, loss = model.set_attention(attn)(x, x)
+        loss.backward()
+        scaled = ((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max()).item()
+        assert scaled <= BF16_TOLERANCE, (attn, scaled)
+        for name, grad in ref_grads.items():
+            p = dict(model.named_parameters())[name]
+            assert ((p.grad.float() - grad).abs().max() / grad.abs().max()).item() <= 0.1, (attn, name)
+    assert attention_problem("varlen", "cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True) is None
+    assert attention_problem("flex", "cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True) is None
+
+
+def test_flex_skips_the_blocks_documents_leave_empty_and_the_audit_names_varlen():
+    # catches: a BlockMask that computes every block (no sparsity), and a varlen row audited as another kernel
+    import masks
+    x = documents_on_cuda()
+    block_mask = masks.block_mask(masks.document_ids(x, 0), 0, 1024, "cuda")
+    assert block_mask.sparsity() > 70  # documents of 100-300 tokens in a 1024 block: most blocks hold nothing
+    cfg, rt = bench.settings(["--mode=attention", "--attn=manual,flex,varlen", "--attn_seq_lens=1024",
+                              "--attn_head_sizes=64", "--mask=causal,doc", "--doc_len=256", "--iters=2",
+                              "--dtype=bfloat16", "--out_dir=/tmp/bench_gpu_masks"])
+    rows = {(r["attn"], r["backward"], r["mask"]): r for r in bench.attention_sweep(cfg, rt)}
+    for backward in (False, True):
+        assert rows[("varlen", backward, "doc")]["kernel"] == "varlen" and rows[("varlen", backward, "doc")]["kernel_ok"]
+        assert rows[("flex", backward, "doc")]["computed"] == pytest.approx(4 * 3 / 64)  # 4 documents of 2 blocks
+
+
+def test_cached_decoding_with_a_window_gives_the_cache_free_tokens_on_cuda():
+    # catches: a decode step that reads the whole cache where a window or a document should cut it, eager and compiled
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=256, vocab_size=64, n_layer=2, n_head=4, n_embd=256, attn="sdpa", doc_mask=True,
+                          window=32, eot_token=0)).cuda().eval()
+    prompt = torch.randint(0, 64, (2, 8), device="cuda")
+    plain = Decoder(model).generate(prompt, 64, 1.0, None, torch.Generator("cuda").manual_seed(7), use_cache=False)
+    for compile in (False, True):
+        cached = Decoder(model, compile=compile).generate(prompt, 64, 1.0, None,
+                                                          torch.Generator("cuda").manual_seed(7))
+        assert torch.equal(cached, plain), compile

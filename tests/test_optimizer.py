@@ -177,8 +177,9 @@ def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(char_
     tiny = TINY + [f"--data_dir={char_data}", "--eval_interval=5"]
     # --full=False: a run that reaches the target is stopped at that evaluation (read from its metrics.jsonl as it
     # is written); one that never does runs to its end, its last evaluation its final loss
-    monkeypatch.setattr(time_to_loss, "RECIPES", {"adamw": tiny + ["--max_iters=200"],
-                                                  "never": tiny + ["--max_iters=5", "--learning_rate=1e-9"]})
+    monkeypatch.setitem(time_to_loss.RECIPE_SETS, "quickstart", {"adamw": tiny + ["--max_iters=200"],
+                                                                 "never": tiny + ["--max_iters=5",
+                                                                                  "--learning_rate=1e-9"]})
     assert time_to_loss.main(["--target=2.8", "--runs=2", "--full=False", f"--out_dir={tmp_path}"]) == 0
     rounds = json.loads((tmp_path / "time_to_loss.json").read_text())["rounds"]
     assert [list(r) for r in rounds] == [["adamw", "never"], ["never", "adamw"]]  # the order alternates
