@@ -36,15 +36,16 @@ def documents(B=2, T=48, seed=1) -> torch.Tensor:
 
 
 def reference_mask(idx: torch.Tensor, doc_mask: bool, window: int) -> torch.Tensor:
-    """(B, 1, T, T) written out from the definition: key j is visible to query i when j <= i, no end-of-text lies
-    in (j, i] (end-of-text opens a document) and i - j < window."""
+    """(B, 1, T, T) written out from the definition, query by query: query i sees the keys from the start of its
+    document (the last end-of-text at or before i: end-of-text opens a document) and from i - window + 1, up to i."""
     B, T = idx.shape
     out = torch.zeros(B, 1, T, T, dtype=torch.bool)
     for b in range(B):
+        start = 0
         for i in range(T):
-            for j in range(i + 1):
-                same_doc = not doc_mask or not (idx[b, j + 1:i + 1] == EOT).any()
-                out[b, 0, i, j] = same_doc and (window == 0 or i - j < window)
+            if doc_mask and idx[b, i] == EOT:
+                start = i
+            out[b, 0, i, max(start, i - window + 1 if window else 0):i + 1] = True
     return out
 
 
