@@ -74,10 +74,11 @@ class Packed:
 
 def packed(docs: Optional[torch.Tensor], window: int, B: int, T: int, device) -> Packed:
     """Sequences start at each row's first token and wherever the document id changes."""
+    if docs is None:  # one sequence per row: no search, no host sync
+        return Packed(torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device), T, window)
     starts = torch.zeros(B, T, dtype=torch.bool, device=device)
     starts[:, 0] = True
-    if docs is not None:
-        starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
     offsets = starts.flatten().nonzero().flatten()  # (N,): a host sync, once per forward
     cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)  # (N + 1,)
     return Packed(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), window)
