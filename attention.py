@@ -317,8 +317,8 @@ def _written_span(mask: torch.Tensor) -> Optional[tuple[int, int]]:
     rows = mask.reshape(-1, mask.size(-1))  # (rows, Tk)
     if rows.size(0) > 1 and not bool((rows == rows[:1]).all()):
         return None
-    start = int(rows[0].int().argmax())  # the first True
-    return start, start + int(rows[0].sum())
+    start, count = torch.stack([rows[0].int().argmax(), rows[0].sum()]).tolist()  # the first True; one sync
+    return start, start + count
 
 
 def reads_written_keys(attn: str, q: torch.Tensor) -> bool:

@@ -28,6 +28,15 @@ def kernel_cell(row: dict) -> str:
     return row["kernel"] + ("" if row["kernel_ok"] else f"  ! expected {'/'.join(row['kernel_expected'])}")
 
 
+def speedup_cell(row: dict) -> str:
+    return f"{row.get('speedup_vs_manual', float('nan')):.2f}x"
+
+
+def computed_cell(row: dict) -> str:
+    """The share of the score matrix the kernel computes (bench_masks.fractions)."""
+    return f"{row['computed']:.2f}"
+
+
 def attn_cell(row: dict) -> str:
     return row["attn"] + (" (eager reference)" if row.get("eager_reference") else "")
 
@@ -41,9 +50,9 @@ TRAIN_COLUMNS = {
     "tokens/s": lambda r: f"{r['tokens_per_s']:,.0f}",
     "MFU": lambda r: f"{100 * r['mfu']:.1f}%",
     "peak GB": lambda r: f"{r['mem/peak_gb']:.3f}",
-    "speedup": lambda r: f"{r.get('speedup_vs_manual', float('nan')):.2f}x",
+    "speedup": speedup_cell,
     "max batch": lambda r: str(r.get("max_batch", "-")),
-    "computed": lambda r: f"{r['computed']:.2f}",
+    "computed": computed_cell,
     "kernel": kernel_cell,
 }
 ATTENTION_COLUMNS = {
@@ -53,8 +62,8 @@ ATTENTION_COLUMNS = {
     "ms": lambda r: f"{r['ms_per_iter']:.2f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.2f}",
     "added GB": lambda r: f"{r['mem/peak_gb']:.3f}",
-    "speedup": lambda r: f"{r.get('speedup_vs_manual', float('nan')):.2f}x",
-    "computed": lambda r: f"{r['computed']:.2f}",
+    "speedup": speedup_cell,
+    "computed": computed_cell,
     "kernel": kernel_cell,
 }
 

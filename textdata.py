@@ -154,33 +154,30 @@ def write_documents_dataset(out_dir: Path, documents: list[str], encode: Callabl
     and openwebtext's prepare.py have it); the report counts documents and their lengths."""
     splits = split_documents(documents)
     tokens = [[t for doc in split for t in encode(doc) + [eot_token]] for split in splits]
-    with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        n_train = files.write_tokens(tmp["train.bin"], tokens[0])
-        n_val = files.write_tokens(tmp["val.bin"], tokens[1])
-        files.write_meta(tmp["meta.json"], {**meta, "eot_token": eot_token})
-    return {
-        "source": source,
-        "characters": sum(map(len, documents)),
-        "vocab_size": meta["vocab_size"],
-        "train_tokens": n_train,
-        "val_tokens": n_val,
-        "documents": f"{len(splits[0]):,} train, {len(splits[1]):,} val, "
-                     f"{(n_train + n_val) / len(documents):,.0f} tokens each on average",
-        "files": [out_dir / name for name in ("train.bin", "val.bin", "meta.json")],
-    }
+    report = write_splits(Path(out_dir), tokens[0], tokens[1], {**meta, "eot_token": eot_token}, source,
+                          characters=sum(map(len, documents)))
+    n_tokens = report["train_tokens"] + report["val_tokens"]
+    report["documents"] = (f"{len(splits[0]):,} train, {len(splits[1]):,} val, "
+                           f"{n_tokens / len(documents):,.0f} tokens each on average")
+    return report
 
 
 def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[int]], meta: dict, source: str) -> dict:
     """Split text into train (head) and val (tail), encode each, write train.bin, val.bin and meta.json
     (staged, so a failure keeps earlier files); return what was written."""
     train_text, val_text = split_text(text)
+    return write_splits(Path(out_dir), encode(train_text), encode(val_text), meta, source, characters=len(text))
+
+
+def write_splits(out_dir: Path, train: list[int], val: list[int], meta: dict, source: str, characters: int) -> dict:
+    """train.bin, val.bin and meta.json, staged (a failure keeps earlier files); the report prepare scripts print."""
     with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        n_train = files.write_tokens(tmp["train.bin"], encode(train_text))
-        n_val = files.write_tokens(tmp["val.bin"], encode(val_text))
+        n_train = files.write_tokens(tmp["train.bin"], train)
+        n_val = files.write_tokens(tmp["val.bin"], val)
         files.write_meta(tmp["meta.json"], meta)
     return {
         "source": source,
-        "characters": len(text),
+        "characters": characters,
         "vocab_size": meta["vocab_size"],
         "train_tokens": n_train,
         "val_tokens": n_val,
