@@ -27,8 +27,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.nn.attention.varlen import varlen_attn
 
 import masks
-import runtime
-from errors import UserError
+from core import runtime
+from core.errors import UserError
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 

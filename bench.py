@@ -28,20 +28,20 @@ from typing import Callable, Optional
 import torch
 from tqdm import tqdm
 
-import flops
-import files
-import runtime
-from measure import (audited_row, free_memory, max_batch_size, measure_calls, out_of_memory, paired_speedup,
+from core import flops
+from core import files
+from core import runtime
+from benchmarks.measure import (audited_row, free_memory, max_batch_size, measure_calls, out_of_memory, paired_speedup,
                      profiled_run)
-from configurator import Settings, as_list, comma_list_of, configure, one_of
-from errors import UserError
+from core.configurator import Settings, as_list, comma_list_of, configure, one_of
+from core.errors import UserError
 from attention import ATTENTION, attention_names, attention_problem
-from bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_sweep
-from bench_masks import (MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask,
+from benchmarks.bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_sweep
+from benchmarks.bench_masks import (MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask,
                          tokens_with_documents)
-from bench_report import ATTENTION_COLUMNS, TRAIN_COLUMNS, chart, format_table
+from benchmarks.bench_report import ATTENTION_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from model import GPT, GPTConfig
-from runtime import Runtime
+from core.runtime import Runtime
 
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone;

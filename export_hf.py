@@ -18,15 +18,15 @@ from typing import Optional
 
 import torch
 
-import files
-import runtime
-from checkpoint import Checkpoint
-from configurator import configure
-from errors import UserError
-from hf import CONV1D_WEIGHTS
-from generate import quiet_imports
+from core import files
+from core import runtime
+from core.checkpoint import Checkpoint
+from core.configurator import configure
+from core.errors import UserError
+from interop.hf import CONV1D_WEIGHTS
+from core.generate import quiet_imports
 from model import GPT
-from tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
+from core.tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
 
 out_dir = "out"                   # the training run's folder (its ckpt.pt)
 hf_dir = ""                       # where to write the Hugging Face directory; empty: <out_dir>/hf

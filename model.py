@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 import masks
 from attention import ATTENTION, attend, make_mask
-from errors import UserError
+from core.errors import UserError
 
 
 # -----------------------------------------------------------------------------
@@ -326,7 +326,7 @@ class GPT(nn.Module):
         """Muon (muon.py) for muon_parameters() at muon_lr, AdamW for every other parameter at learning_rate.
         Muon's update is scaled to AdamW's RMS ("match_rms_adamw", Moonshot's recipe), so AdamW's learning rates
         and weight decay carry over as starting points; its Newton-Schulz runs in orthogonalize_dtype."""
-        from muon import Muon
+        from core.muon import Muon
         matrices = self.muon_parameters()
         chosen = {id(p) for p in matrices}
         rest = [p for p in self.parameters() if id(p) not in chosen]

@@ -15,19 +15,19 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import files
-import runtime
+from core import files
+from core import runtime
 from attention import ATTENTION, check_attention
-from checkpoint import Checkpoint
-from configurator import configure, one_of
-from dataset import dataset_dir
-from errors import UserError
-from generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
+from core.checkpoint import Checkpoint
+from core.configurator import configure, one_of
+from core.dataset import dataset_dir
+from core.errors import UserError
+from core.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                       tokens_per_s)
-from hf import from_pretrained
+from interop.hf import from_pretrained
 from model import GPT
-from runtime import Runtime
-from tokenizer import Tokenizer, tokenizer_from_meta
+from core.runtime import Runtime
+from core.tokenizer import Tokenizer, tokenizer_from_meta
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -127,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "source": source, "prompt_tokens": len(prompt)}
     print(f"{source}: {model.get_num_params() / 1e6:.2f}M parameters, {rt.dtype} on {rt.name}")
     if cfg.compare:
-        import compare  # the comparison harness imports this module: only now, when it is asked for
+        from benchmarks import compare  # the comparison harness imports this module: only now, when it is asked for
         report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile,
                                       cfg.quantize, data))
     else:

@@ -22,18 +22,18 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import flops
-import files
-import runtime
-from checkpoint import Checkpoint, claim_out_dir, restore_rng, rng_state
-from configurator import Settings, configure, one_of
-from dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
-from errors import UserError
-from hf import from_pretrained
+from core import flops
+from core import files
+from core import runtime
+from core.checkpoint import Checkpoint, claim_out_dir, restore_rng, rng_state
+from core.configurator import Settings, configure, one_of
+from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
+from core.errors import UserError
+from interop.hf import from_pretrained
 from attention import ATTENTION, check_attention
-from metrics import MetricsLog, StepTimer
+from core.metrics import MetricsLog, StepTimer
 from model import GPT, GPTConfig
-from runtime import Runtime
+from core.runtime import Runtime
 
 # I/O
 out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go here

@@ -101,7 +101,7 @@ def ddp_two_ranks(char_data_session, tmp_path_factory):
 
 def checkpoint_of(model, **fields):
     """A Checkpoint of an unwrapped model's weights and config, with whatever else is given."""
-    from checkpoint import Checkpoint
+    from core.checkpoint import Checkpoint
     return Checkpoint(model=model.state_dict(), model_config=dataclasses.asdict(model.config), **fields)
 
 

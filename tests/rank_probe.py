@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import runtime  # noqa: E402
+from core import runtime  # noqa: E402
 import train  # noqa: E402
 
 models = []

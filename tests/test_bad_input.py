@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import bench
-import configurator
-import dataset
+from core import configurator
+from core import dataset
 import sample
 import train
-from checkpoint import Checkpoint
+from core.checkpoint import Checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
 from model import GPT, GPTConfig, UserError
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import bench
-import measure
-import runtime
-from configurator import Settings
+from benchmarks import measure
+from core import runtime
+from core.configurator import Settings
 from attention import ATTENTION
 from conftest import runnable_on_cpu, strict_recompile_limit
-from runtime import Runtime
+from core.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny model that still runs a real training step of every CPU-trainable implementation in well under a second.
@@ -334,8 +334,8 @@ def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatc
 @pytest.mark.slow
 def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the_cache_free_tokens(tmp_path,
                                                                                                  monkeypatch):
-    import bench_generate
-    from generate import Decoder
+    from benchmarks import bench_generate
+    from core.generate import Decoder
     # untuned compiling: the same graphs in seconds (tuning and frozen weights are tested in test_generate.py)
     monkeypatch.setattr(bench_generate, "Decoder", functools.partial(Decoder, tune=False))
     # 1 + 24 tokens cross block_size 16, so the cache rows refill too
@@ -361,7 +361,7 @@ def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the
 
 
 def test_an_interrupted_generate_sweep_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
-    import bench_generate
+    from benchmarks import bench_generate
     real = bench_generate.time_round_robin
 
     def ctrl_c_in_round_two(calls, iters, rt, bar, failed, after_round):

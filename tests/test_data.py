@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import textdata
-import files
-import tokenizer
+from data import textdata
+from core import files
+from core import tokenizer
 from model import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -357,6 +357,6 @@ def test_an_unwritable_out_dir_is_one_clear_error(tmp_path):
 
 
 def test_preparing_data_and_reading_settings_do_not_import_torch():
-    code = ("import sys; import configurator, errors, files, textdata, tokenizer; "
+    code = ("import sys; from core import configurator, errors, files, tokenizer; from data import textdata; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60).returncode == 0

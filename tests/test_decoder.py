@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from generate import Decoder
+from core.generate import Decoder
 
 VOCAB = 17
 

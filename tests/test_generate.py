@@ -11,9 +11,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import attention
-import runtime
+from core import runtime
 import train
-from generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
+from core.generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
 from model import GPT, GPTConfig, UserError
 from conftest import TINY as TINY_ARGS, runnable_on_cpu
 
@@ -102,7 +102,7 @@ def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatc
     model = small_model("flash")
     expected = generate(model, prompts(), 20, temperature=0.0, use_cache=False)
     monkeypatch.setattr("attention.decodes_with_mask", lambda *args: False)
-    monkeypatch.setattr("generate.decodes_with_mask", lambda *args: False)
+    monkeypatch.setattr("core.generate.decodes_with_mask", lambda *args: False)
     assert torch.equal(generate(model, prompts(), 20, temperature=0.0), expected)
     with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
         Decoder(model, compile=True)
@@ -116,7 +116,7 @@ def test_the_compiled_decode_gate_asks_about_the_dtype_decoding_runs_in_not_the_
     def like_cudnn(attn, device_type, dtype, head_size):
         asked.append(dtype)
         return dtype == torch.bfloat16
-    monkeypatch.setattr("generate.decodes_with_mask", like_cudnn)
+    monkeypatch.setattr("core.generate.decodes_with_mask", like_cudnn)
     monkeypatch.setattr(runtime, "compile_isolated", lambda fn, **options: fn)  # the gate, not inductor
     model = small_model("sdpa")  # fp32 weights
     with pytest.raises(UserError, match="takes no mask on cpu"):
@@ -130,7 +130,7 @@ def test_the_compiled_decode_gate_asks_about_the_dtype_decoding_runs_in_not_the_
 
 
 def test_compare_builds_its_decoders_for_the_dtype_it_draws_in(monkeypatch):
-    import compare
+    from benchmarks import compare
     made = []
     real = compare.Decoder
     monkeypatch.setattr(compare, "Decoder", lambda model, compile, dtype: made.append(dtype) or real(model, compile,
@@ -173,7 +173,7 @@ def trained(char_data, tmp_path_factory) -> GPT:
     out = tmp_path_factory.mktemp("trained")
     train.main(TINY_ARGS + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150", "--eval_interval=150",
                             "--n_embd=64", "--n_head=4"])
-    from checkpoint import Checkpoint
+    from core.checkpoint import Checkpoint
     return Checkpoint.load(out / "ckpt.pt").build_model().eval()
 
 
@@ -209,7 +209,7 @@ def test_bf16_weights_halve_the_bytes():
 
 
 def test_importing_torchao_prints_nothing():
-    code = ("import torch; from generate import generate, quantize_int8; from model import GPT, GPTConfig; "
+    code = ("import torch; from core.generate import generate, quantize_int8; from model import GPT, GPTConfig; "
             "m = quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "
             "print(generate(m, torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

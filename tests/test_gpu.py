@@ -15,13 +15,13 @@ import torch
 from torch._dynamo.utils import counters
 
 import bench
-import measure
-import runtime
+from benchmarks import measure
+from core import runtime
 import sample
 import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
 from attention import ATTENTION, attention_problem, decodes_with_mask
-from generate import Decoder, for_inference, generate
+from core.generate import Decoder, for_inference, generate
 from model import GPT, GPTConfig, UserError
 
 pytestmark = [pytest.mark.gpu,

@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 import export_hf
 import sample
 import train
-from checkpoint import Checkpoint
+from core.checkpoint import Checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
-from errors import UserError
-from hf import from_pretrained
+from core.errors import UserError
+from interop.hf import from_pretrained
 from model import GPT, GPTConfig
-from files import write_meta
-from tokenizer import GPT2Tokenizer, tokenizer_from_meta
+from core.files import write_meta
+from core.tokenizer import GPT2Tokenizer, tokenizer_from_meta
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import attention
 import masks
 import model as model_module
 from conftest import runnable_on_cpu
-from generate import Decoder
+from core.generate import Decoder
 from model import GPT, GPTConfig, UserError
 
 EOT = 0  # a small vocabulary, so end-of-text also turns up among sampled tokens

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from generate import generate
-from hf import convert_hf_state_dict, from_pretrained
+from core.generate import generate
+from interop.hf import convert_hf_state_dict, from_pretrained
 from attention import ATTENTION, attention_names, attention_problem, check_attention
 from conftest import runnable_on_cpu
 from model import GPT, GPTConfig, UserError

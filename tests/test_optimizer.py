@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-import runtime
+from core import runtime
 import train
 from conftest import TINY, TWO_RANKS, metrics, run_train, straight_and_resumed
 from model import GPT, GPTConfig, UserError
-from muon import Muon, orthogonalize
+from core.muon import Muon, orthogonalize
 
 BLOCK_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -173,7 +173,7 @@ def test_the_run_records_its_newton_schulz_dtype(char_data, tmp_path, capsys):
 def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(char_data, tmp_path, monkeypatch, capsys):
     import json
 
-    import time_to_loss
+    from benchmarks import time_to_loss
     tiny = TINY + [f"--data_dir={char_data}", "--eval_interval=5"]
     # --full=False: a run that reaches the target is stopped at that evaluation (read from its metrics.jsonl as it
     # is written); one that never does runs to its end, its last evaluation its final loss

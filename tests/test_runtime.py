@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-import flops
-import measure
+from core import flops
+from benchmarks import measure
 import bench
-import compare
-import runtime
+from benchmarks import compare
+from core import runtime
 import sample
 import train
 from conftest import REPO
@@ -146,7 +146,7 @@ def test_when_rank_0_fails_to_prepare_every_rank_stops_with_it(tmp_path):
     script.write_text(f"""
 import sys
 sys.path.insert(0, {str(REPO)!r})
-import runtime
+from core import runtime
 from model import UserError
 
 def work():

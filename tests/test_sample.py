@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import attention
-import compare
-import runtime
+from benchmarks import compare
+from core import runtime
 import sample
 from conftest import checkpoint_of, runnable_on_cpu, strict_recompile_limit
-from generate import Decoder, Sampling, draw_samples
+from core.generate import Decoder, Sampling, draw_samples
 from model import GPT, GPTConfig, UserError
-from tokenizer import CharTokenizer, GPT2Tokenizer
+from core.tokenizer import CharTokenizer, GPT2Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHARS = list("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tinyshakespeare's 65

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import runtime
+from core import runtime
 import train
-from configurator import configure
+from core.configurator import configure
 from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
 from model import UserError
 

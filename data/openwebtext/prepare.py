@@ -30,11 +30,11 @@ REPO_ROOT = HERE.parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
 
-import errors  # noqa: E402
-import files  # noqa: E402
-import tokenizer  # noqa: E402
-from configurator import check_limits  # noqa: E402
-from errors import UserError  # noqa: E402
+from core import errors  # noqa: E402
+from core import files  # noqa: E402
+from core import tokenizer  # noqa: E402
+from core.configurator import check_limits  # noqa: E402
+from core.errors import UserError  # noqa: E402
 
 DEFAULT_DATASET = "openwebtext"
 SEED = 2357  # the validation split nanoGPT holds out

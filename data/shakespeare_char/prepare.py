@@ -18,10 +18,10 @@ REPO_ROOT = HERE.parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so the repo's modules import however this script is started
 
-import textdata  # noqa: E402
-import errors  # noqa: E402
-import files  # noqa: E402
-import tokenizer  # noqa: E402
+from data import textdata  # noqa: E402
+from core import errors  # noqa: E402
+from core import files  # noqa: E402
+from core import tokenizer  # noqa: E402
 
 
 def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:

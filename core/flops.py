@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import Runtime, time_call
+from core.runtime import Runtime, time_call
 
 
 def peak_flops(rt: Runtime) -> float:

@@ -22,9 +22,9 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-import runtime
+from core import runtime
 from attention import decodes_with_mask
-from errors import UserError
+from core.errors import UserError
 from model import GPT
 
 QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only

@@ -15,11 +15,11 @@ from typing import Optional
 
 import torch
 
-import files
-import nanogpt
-from errors import UserError
+from core import files
+from interop import nanogpt
+from core.errors import UserError
 from model import GPT, GPTConfig
-from runtime import Runtime
+from core.runtime import Runtime
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
 # 1: every file before the version field (the same fields); 2: with it. Older layouts are read through upgrade().

@@ -15,8 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-import files
-from errors import UserError
+from core import files
+from core.errors import UserError
 
 TRAIN_FRACTION = 0.9  # train is the head of the text, val the tail
 SPEAKER = re.compile(r"\*\*([^*]+)\*\*")  # a line holding only **HAMLET** starts a speech

@@ -7,8 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from configurator import Settings
-from runtime import Runtime
+from core.configurator import Settings
+from core.runtime import Runtime
 
 
 class MetricsLog:

@@ -20,13 +20,13 @@ import torch
 from tqdm import tqdm
 
 from attention import attention_problem
-from errors import UserError
-from generate import Decoder, for_inference, weight_bytes
-from measure import (expected_kernels, kernel_of, out_of_memory, paired_speedup, profiled_run, ran_as_expected,
+from core.errors import UserError
+from core.generate import Decoder, for_inference, weight_bytes
+from benchmarks.measure import (expected_kernels, kernel_of, out_of_memory, paired_speedup, profiled_run, ran_as_expected,
                      summarize, time_round_robin)
 from model import GPT, GPTConfig
-from runtime import Runtime
-import runtime
+from core.runtime import Runtime
+from core import runtime
 
 CACHES = {"none": "no cache", "cache": "cache", "compiled": "compiled cache"}
 WEIGHTS = ("float32", "bfloat16", "int8")

@@ -2,7 +2,7 @@
 GPT-2 weights in Hugging Face's format: reading a local directory (model.safetensors or pytorch_model.bin, plus
 config.json) or a hub name, and converting GPT2LMHeadModel's state dict to this project's GPT.
 
-    from hf import from_pretrained
+    from interop.hf import from_pretrained
     model = from_pretrained("gpt2", attn="flash")
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from errors import UserError
+from core.errors import UserError
 from model import GPT, GPTConfig
 
 

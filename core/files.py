@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from errors import UserError
+from core.errors import UserError
 
 TOKEN_DTYPE = np.uint16  # every .bin file holds token ids in this dtype
 TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize

@@ -7,8 +7,8 @@ from typing import Callable
 
 import numpy as np
 
-from bench_generate import generate_chart
-from configurator import Settings
+from benchmarks.bench_generate import generate_chart
+from core.configurator import Settings
 
 
 def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:

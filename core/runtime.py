@@ -19,8 +19,8 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-import errors
-from errors import UserError
+from core import errors
+from core.errors import UserError
 
 T = TypeVar("T")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

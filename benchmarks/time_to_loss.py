@@ -3,9 +3,9 @@ Time to a validation loss: each recipe launched as a user launches it (python tr
 back and in turn, several times; the wall time from launch to the first logged val/loss at or below the target
 (start-up included; prepare the data beforehand), the iteration it came at, and the run's final val loss.
 
-    python time_to_loss.py                        # nanoGPT's CPU recipe vs the quickstart, 3 rounds, target 1.89
-    python time_to_loss.py --runs=5 --target=1.95 --full=False   # stop each run at the target
-    python time_to_loss.py --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
+    python -m benchmarks.time_to_loss                        # nanoGPT's CPU recipe vs the quickstart, 3 rounds, target 1.89
+    python -m benchmarks.time_to_loss --runs=5 --target=1.95 --full=False   # stop each run at the target
+    python -m benchmarks.time_to_loss --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
 
 Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
 recipes run one after the other), then the median over rounds: the machine's drift hits both alike.
@@ -21,9 +21,9 @@ from typing import Optional
 
 import numpy as np
 
-import files
-import runtime
-from configurator import configure, one_of
+from core import files
+from core import runtime
+from core.configurator import configure, one_of
 
 compare = "quickstart"        # which recipes: "quickstart" (nanoGPT's CPU recipe vs ours) or "doc_mask" (RECIPE_SETS)
 target = 1.89                 # the validation loss to reach
@@ -49,7 +49,7 @@ SCENES = ["--dataset=shakespeare", "--device=cpu", "--compile=False", "--dtype=f
           "--dropout=0.0", "--max_iters=200", "--lr_decay_iters=200", "--warmup_iters=20", "--learning_rate=2e-3",
           "--min_lr=2e-4", "--eval_interval=50", "--eval_iters=20", "--log_interval=10"]
 RECIPE_SETS = {"quickstart": RECIPES, "doc_mask": {"causal": SCENES, "doc_mask": SCENES + ["--doc_mask=True"]}}
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.05  # how often a run's metrics.jsonl is read: the timing's resolution
 
 

@@ -23,15 +23,15 @@ from torch.nn import functional as F
 
 import numpy as np
 
-import runtime
+from core import runtime
 from attention import ATTENTION, attention_names, attention_problem
-from dataset import TOKEN_BYTES, read_windows
-from errors import UserError
-from generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
+from core.dataset import TOKEN_BYTES, read_windows
+from core.errors import UserError
+from core.generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
                       weight_bytes)
 from model import GPT, GPTConfig
-from runtime import Runtime
-from tokenizer import CharTokenizer, Tokenizer
+from core.runtime import Runtime
+from core.tokenizer import CharTokenizer, Tokenizer
 
 _MIN_NUMERICS_TOKENS = 16  # a shorter prompt is too little text for the teacher-forced comparison
 _DEFAULT_TEXT = """To be, or not to be, that is the question:

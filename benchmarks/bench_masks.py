@@ -15,11 +15,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-import files
+from core import files
 import masks
 from attention import make_mask
-from dataset import dataset_dir, prepare_if_missing
-from errors import UserError
+from core.dataset import dataset_dir, prepare_if_missing
+from core.errors import UserError
 
 MASKS = ("causal", "doc", "window", "doc+window")
 # kernels that skip what causality (and, for varlen, the document packing) rules out, at tile granularity

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import UserError
-from files import TOKEN_BYTES, TOKEN_DTYPE
+from core.errors import UserError
+from core.files import TOKEN_BYTES, TOKEN_DTYPE
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
 DATA_FILES = ("train.bin", "val.bin", "meta.json", "meta.pkl")
 

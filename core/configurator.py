@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from errors import UserError
+from core.errors import UserError
 
 PLAIN_TYPES = (bool, int, float, str, tuple, list, type(None))
 

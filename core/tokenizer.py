@@ -25,8 +25,8 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-from files import GPT2_EOT_TOKEN, GPT2_VOCAB_SIZE
-from errors import UserError
+from core.files import GPT2_EOT_TOKEN, GPT2_VOCAB_SIZE
+from core.errors import UserError
 
 # the hashes tiktoken_ext/openai_public.py pins for gpt2 (a test checks they still agree)
 GPT2_FILE_HASHES = {

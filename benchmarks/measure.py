@@ -22,9 +22,9 @@ import torch
 from torch import profiler
 from torch.autograd import DeviceType
 
-import runtime
+from core import runtime
 from attention import FLEX_REGION
-from runtime import Runtime
+from core.runtime import Runtime
 
 # The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and flex's autograd op.
 # Compiled code is audited through an eager twin (bench.py): inductor decomposes math and generates flex's kernel.

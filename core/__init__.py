@@ -1,0 +1,1 @@
+"""The core that training, sampling and benchmarking share: settings, runtime, checkpoints, data, generation."""
