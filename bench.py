@@ -102,7 +102,7 @@ LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vo
           "new_tokens": "[1, inf)", "gen_batch": "[1, inf)", "mode": one_of("train", "attention", "generate"),
           "padding": comma_list_of("off", "on"), "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
           "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",
-          "doc_len": "[0, inf)"}
+          "doc_len": "[0, inf)", "attn": comma_list_of("all", *ATTENTION)}
 
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
@@ -223,8 +223,8 @@ def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_
                   mask: str = "causal") -> Trainer:
     torch.manual_seed(cfg.seed)  # the same weights whatever the row
     doc_mask, window = mask_settings(mask, cfg.window)
-    config = GPTConfig.from_settings({**cfg.as_dict(), "block_size": cfg.seq_len, "attn": attn, "pad_vocab": pad_vocab,
-                                      "doc_mask": doc_mask, "window": window, "eot_token": cfg.vocab_size - 1})
+    config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab},
+                             dict(attn=attn, doc_mask=doc_mask, window=window, eot_token=cfg.vocab_size - 1))
     model = GPT(config).to(rt.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
     batch = torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len),
@@ -291,7 +291,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             trainer = trainers[row["pad_vocab"], row["mask"]]
             row["mem/peak_gb"] = (trainer.resident_bytes() + row.pop("added_bytes")) / 1e9
             row["tokens_per_s"] = tokens / (row["ms_per_iter"] / 1e3)
-            row["mfu"] = trainer.model.estimate_mfu(row["tokens_per_s"], peak, cfg.seq_len)
+            row["mfu"] = trainer.model.model_flops_utilization(row["tokens_per_s"], peak, cfg.seq_len)
     for row in rows.values():
         base = rows.get(row_key("manual", row["pad_vocab"], row["mask"]), {})
         if row["status"] == "ok" and base.get("status") == "ok":

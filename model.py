@@ -28,6 +28,10 @@ from core.errors import UserError
 # -----------------------------------------------------------------------------
 # the model
 
+# What a run may choose for weights trained otherwise: the attention implementation, its masks and dropout.
+RUN_FIELDS = ("attn", "dropout", "doc_mask", "window", "eot_token")
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -54,7 +58,7 @@ class GPTConfig:
             raise UserError(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
         if self.doc_mask and not 0 <= self.eot_token < self.vocab_size:
             raise UserError(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
-                            f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use data "
+                            f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a dataset "
                             f"whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
         if self.window < 0:
             raise UserError(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
@@ -65,9 +69,14 @@ class GPTConfig:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}.")
 
     @classmethod
-    def from_settings(cls, settings: dict) -> "GPTConfig":
-        """The config a script's settings name (n_layer, n_embd, attn, pad_vocab, ...; other keys are ignored)."""
-        return cls(**{f.name: settings[f.name] for f in dataclasses.fields(cls) if f.name in settings})
+    def build(cls, shape: dict, run: dict) -> "GPTConfig":
+        """The one way a config is made, for a new model, a checkpoint, Hugging Face's GPT-2 and nanoGPT's files alike:
+        `shape`, what the weights fix (a script's settings, a checkpoint's model_config, a converted GPT2Config or
+        nanoGPT's model_args; keys that are not GPTConfig fields are ignored), then `run`, what this run chooses
+        whatever the weights were trained with (RUN_FIELDS: attention, its masks, dropout)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in shape.items() if k in names},
+                      **{k: v for k, v in run.items() if k in RUN_FIELDS}})
 
     @property
     def head_size(self) -> int:
@@ -340,6 +349,38 @@ class GPT(nn.Module):
         cfg, T = self.config, seq_len or self.config.block_size
         return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * T
 
-    def estimate_mfu(self, tokens_per_s: float, peak_flops: float, seq_len: Optional[int] = None) -> float:
+    def model_flops_utilization(self, tokens_per_s: float, peak_flops: float, seq_len: Optional[int] = None) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak for the dtype in use."""
         return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
+
+    # -- nanoGPT's API: its signatures and meanings; the work is done elsewhere, imported when called -----------
+    # (lazily: core.generate and interop.hf import this module, and training needs neither)
+
+    @classmethod
+    def from_pretrained(cls, model_type: str, override_args: Optional[dict] = None) -> "GPT":
+        """GPT-2's weights: one of nanoGPT's names (gpt2, gpt2-medium, gpt2-large, gpt2-xl; from the Hugging Face
+        hub) or a local Hugging Face GPT-2 directory. override_args may set dropout, as nanoGPT's does, and also
+        attn, pad_vocab, doc_mask, window and eot_token (interop/hf.py)."""
+        from interop.hf import from_pretrained
+        return from_pretrained(model_type, **(override_args or {}))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None) -> torch.Tensor:
+        """idx (B, T) with max_new_tokens tokens appended, each drawn with torch's global RNG from the softmax of
+        the last position's logits (the context cropped to block_size) over temperature, among the top_k likeliest
+        if given; temperature=0 is greedy. Over the KV cache (core/generate.py). The model stays in the mode it is
+        in: call model.eval() first, as with nanoGPT, unless dropout is wanted."""
+        from core.generate import generate
+        had_cache = self.cache_bytes() > 0
+        try:
+            return generate(self, idx, max_new_tokens, temperature, top_k)
+        finally:
+            if not had_cache:  # nanoGPT's generate leaves no state behind: free the cache it made, and its buffers
+                self.clear_cache()
+
+    def estimate_mfu(self, fwdbwd_per_iter: float, dt: float, peak_flops: float = 312e12) -> float:
+        """nanoGPT's MFU: the fraction of an A100's bf16 peak, 312 TFLOP/s (or `peak_flops`), that a training
+        iteration of fwdbwd_per_iter sequences of block_size tokens, forward and backward, reaches in dt seconds.
+        model_flops_utilization is the project's own, against the peak measured for the device and dtype."""
+        return self.model_flops_utilization(fwdbwd_per_iter * self.config.block_size / dt, peak_flops)

@@ -29,7 +29,6 @@ from core.checkpoint import Checkpoint, claim_out_dir, restore_rng, rng_state
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from interop.hf import from_pretrained
 from attention import ATTENTION, check_attention
 from core.metrics import MetricsLog, StepTimer
 from model import GPT, GPTConfig
@@ -137,25 +136,21 @@ def cosine(fraction: float, start: float, end: float) -> float:
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------
 
 def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None) -> GPT:
-    vocab_size, eot_token = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE, files.eot_token_of(meta)
-    if cfg.doc_mask and eot_token < 0:
-        raise UserError(f"doc_mask needs documents, and dataset '{cfg.dataset}' has no end-of-text token to separate "
-                        f"them (its meta.json names none); use a dataset with documents (shakespeare, openwebtext) "
-                        f"or --doc_mask=False.")
-    # attention's settings are this run's, whatever the weights were trained with
-    attention = dict(attn=cfg.attn, dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=eot_token)
-    if checkpoint is not None:  # resume: the weights decide the shape
-        model = checkpoint.build_model(**attention)
-        if model.config.vocab_size != vocab_size:
-            raise UserError(f"the checkpoint's vocab_size is {model.config.vocab_size} but dataset "
-                            f"'{cfg.dataset}' has {vocab_size}; resume with the dataset it was trained on.")
+    """The model this run trains: the checkpoint's weights when resuming, new ones, or GPT-2's; attention, its masks
+    and dropout are this run's settings whatever the weights were trained with."""
+    vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
+    run = dict(attn=cfg.attn, dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window,
+               eot_token=files.eot_token_of(meta))
+    if checkpoint is not None:
+        model, source = checkpoint.build_model(**run), "the checkpoint"
     elif cfg.init_from == "scratch":
-        model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": vocab_size, "eot_token": eot_token}))
+        model, source = GPT(GPTConfig.build({**cfg.as_dict(), "vocab_size": vocab_size}, run)), "a new model"
     else:
-        model = from_pretrained(cfg.init_from, pad_vocab=cfg.pad_vocab, **attention)
-        if model.config.vocab_size != vocab_size:
-            raise UserError(f"{cfg.init_from} has vocab_size {model.config.vocab_size} but dataset "
-                            f"'{cfg.dataset}' has {vocab_size}; use a GPT-2 tokenized dataset.")
+        from interop.hf import from_pretrained  # GPT-2's weights: only this branch reads Hugging Face's format
+        model, source = from_pretrained(cfg.init_from, pad_vocab=cfg.pad_vocab, **run), cfg.init_from
+    if model.config.vocab_size != vocab_size:
+        raise UserError(f"{source} has vocab_size {model.config.vocab_size} but dataset '{cfg.dataset}' has "
+                        f"{vocab_size}; use the dataset the weights were trained on (GPT-2's: GPT-2 BPE).")
     if cfg.block_size > model.config.block_size:
         raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}; "
                         f"use --block_size={model.config.block_size} or less.")
@@ -324,7 +319,8 @@ class Trainer:
         metrics = {"iter": self.iter_num, "train/loss": loss, "lr": lr}
         if steps:  # none when the only step since the last line was the compiling one
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
-            mfu = self.raw_model.estimate_mfu(tokens_per_s / self.rt.world_size, peak_flops, self.cfg.block_size)
+            mfu = self.raw_model.model_flops_utilization(tokens_per_s / self.rt.world_size, peak_flops,
+                                                         self.cfg.block_size)
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s, mfu=mfu)
         self.log.log({**metrics, **self.rt.memory_metrics()})
 
@@ -333,10 +329,12 @@ def tokens_per_iter(cfg: Settings) -> int:
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
 
 
-def start(argv: list[str] | None) -> tuple[Settings, Runtime]:
-    """The settings, this process's rank and its runtime, with everything checked that needs no data or model: the
-    parallel layout, and (unless only evaluating) that out_dir can be written and holds no other run."""
+def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool]:
+    """The settings, this process's rank and its runtime, and whether this run resumes (decided here, once), with
+    everything checked that needs no data or model: the parallel layout, and (unless only evaluating) that out_dir
+    can be written and holds no other run."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    resuming = cfg.init_from == "resume"
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
     if cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp":
         raise UserError("optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes each "
@@ -347,9 +345,9 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime]:
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         def writable_and_ours() -> None:
             files.check_writable_dir(Path(cfg.out_dir))
-            claim_out_dir(Path(cfg.out_dir), resuming=cfg.init_from == "resume", overwrite=cfg.overwrite)
+            claim_out_dir(Path(cfg.out_dir), resuming=resuming, overwrite=cfg.overwrite)
         runtime.on_master(writable_and_ours, rt.device)
-    return cfg, rt
+    return cfg, rt, resuming
 
 
 def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
@@ -391,8 +389,18 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
         trainer.log.close()
 
 
+def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
+    """Where a resumed run stood, in one place: its step, best val loss, optimizer state and RNG streams (the weights
+    are in the model already). Returns the step it resumes at."""
+    load_optimizer_state(trainer.raw_model, trainer.optimizers, checkpoint.optimizer)
+    if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
+        restore_rng(checkpoint.rng, trainer.batches.generator, trainer.rt)
+    trainer.iter_num, trainer.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
+    return checkpoint.iter_num
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg, rt = start(argv)
+    cfg, rt, resuming = start(argv)
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
@@ -400,7 +408,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
-    resuming = cfg.init_from == "resume"
     checkpoint = (Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
                   if resuming else None)
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
@@ -411,11 +418,10 @@ def main(argv: list[str] | None = None) -> int:
                     masked=raw_model.config.restricted)  # now, not after compiling
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
-    iter_num = checkpoint.iter_num if resuming else 0
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
         log = MetricsLog(cfg, cfg.as_dict(), enabled=rt.is_master, to_file=False)
         losses = estimate_loss(model, cfg, data_dir, rt)
-        log.log({"iter": iter_num, **losses})
+        log.log({"iter": checkpoint.iter_num if checkpoint else 0, **losses})
         log.close()
         return 0
 
@@ -427,20 +433,17 @@ def main(argv: list[str] | None = None) -> int:
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
     trainer = Trainer(cfg, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
-                      MetricsLog(cfg, run_config, enabled=rt.is_master), iter_num)
-    if checkpoint is not None:
-        load_optimizer_state(raw_model, optimizers, checkpoint.optimizer)
-        if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds set above stand
-            restore_rng(checkpoint.rng, batches.generator, rt)
-        trainer.best_val_loss = checkpoint.best_val_loss
-        checkpoint = None  # free the memory
+                      MetricsLog(cfg, run_config, enabled=rt.is_master))
+    resumed_at = restore(trainer, checkpoint) if checkpoint is not None else None
+    del checkpoint  # free its copy of the weights and optimizer state before training
     if rt.is_master:
         muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
               f"{rt.name}{muon}, world size {rt.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
 
-    train_loop(trainer, iter_num if resuming else None)
+    train_loop(trainer, resumed_at)
     return 0
+
 
 if __name__ == "__main__":
     runtime.run_main(main)

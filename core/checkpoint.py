@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 
 from core import files
-from interop import nanogpt
 from core.errors import UserError
 from model import GPT, GPTConfig
 from core.runtime import Runtime
@@ -40,8 +39,8 @@ class Checkpoint:
     version: int = FORMAT_VERSION        # of the format; what load() returns is always the current one
 
     def build_model(self, **overrides) -> GPT:
-        """The model it holds, optionally with another attn or dropout (the weights fix everything else)."""
-        model = GPT(GPTConfig(**{**self.model_config, **overrides}))
+        """The model it holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
+        model = GPT(GPTConfig.build(self.model_config, overrides))
         model.load_state_dict(self.model)
         return model
 
@@ -83,7 +82,7 @@ class Checkpoint:
             raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
                             f"with 'model' and 'model_config', as train.py writes them.")
         # nanoGPT's files carry no RNG state: a resumed run starts fresh streams
-        training_state = ("optimizer",) if nanogpt.is_nanogpt(contents) else TRAINING_STATE
+        training_state = ("optimizer",) if is_nanogpt(contents) else TRAINING_STATE
         contents = upgrade(contents, path, for_training, data_dir)
         required = ("model", "model_config") + (training_state if for_training else ())
         missing = [k for k in required if contents.get(k) is None]
@@ -94,12 +93,18 @@ class Checkpoint:
         return cls(**{k: v for k, v in contents.items() if k in known})
 
 
+def is_nanogpt(contents: dict) -> bool:
+    """nanoGPT's ckpt.pt: its shape under model_args, where this project's files have model_config."""
+    return "model_args" in contents and "model_config" not in contents
+
+
 def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | None) -> dict:
     """The one place older files become the current format: nanoGPT's layout (nanogpt.py: only a run that resumes
     converts its optimizer state, and keeps nanoGPT's file, which its first save replaces, as ckpt.nanogpt.pt) and
     this project's files from before the version field (version 1: the same fields). A file from a newer version of
     this project is refused."""
-    if nanogpt.is_nanogpt(contents):
+    if is_nanogpt(contents):
+        from interop import nanogpt  # the conversion is read only for nanoGPT's files
         contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
         if for_training and contents["optimizer"] is None:
             raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only one with "

@@ -22,9 +22,10 @@ def from_pretrained(name_or_path: str, **overrides) -> GPT:
     if set(overrides) - allowed:
         raise UserError(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
     hf_config, state_dict = load_hf_checkpoint(name_or_path)
-    config = GPTConfig(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
-                       n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"],
-                       bias=True, gelu=gelu_of(hf_config, name_or_path), **overrides)
+    shape = dict(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
+                 n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"], bias=True,
+                 gelu=gelu_of(hf_config, name_or_path), pad_vocab=overrides.pop("pad_vocab", False))
+    config = GPTConfig.build(shape, overrides)
     model = GPT(config)
     model.load_state_dict(convert_hf_state_dict(state_dict, config))
     return model

@@ -22,10 +22,6 @@ NANOGPT_PADDED_VOCAB = 50304  # nanoGPT's default for GPT-2 BPE: 50257 rounded u
 COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before every key
 
 
-def is_nanogpt(contents: dict) -> bool:
-    return "model_args" in contents and "model_config" not in contents
-
-
 def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_dir: Path | None = None) -> dict:
     """The fields of a Checkpoint for nanoGPT's checkpoint `contents` (read from `path`). Only a run that resumes
     (`for_training`) gets the optimizer state, converted; sampling and export read the weights and vocabulary.
@@ -35,10 +31,9 @@ def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_di
     # nanoGPT's 50304 rows are GPT-2's 50257 padded: here the padding is a switch, and padded ids get a -inf
     # logit (never sampled), where nanoGPT leaves them trainable; the 50257 real logits are the same
     padded = args["vocab_size"] == NANOGPT_PADDED_VOCAB and meta["tokenizer"] == "gpt2"
-    config = GPTConfig(block_size=args["block_size"], vocab_size=GPT2_VOCAB_SIZE if padded else args["vocab_size"],
-                       n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"],
-                       dropout=args.get("dropout", 0.0), bias=args.get("bias", True), pad_vocab=padded,
-                       gelu="none")  # nanoGPT's nn.GELU() is the exact (erf) one
+    shape = {**args, "vocab_size": GPT2_VOCAB_SIZE if padded else args["vocab_size"], "pad_vocab": padded,
+             "gelu": "none"}  # nanoGPT's nn.GELU() is the exact (erf) one
+    config = GPTConfig.build(shape, {"dropout": args.get("dropout", 0.0)})
     model_state = nanogpt_model_state(contents["model"])
     optimizer = contents.get("optimizer") if for_training else None
     return dict(model=model_state, model_config=dataclasses.asdict(config), iter_num=int(contents.get("iter_num", 0)),

@@ -64,7 +64,7 @@ def test_the_readmes_export_and_pipeline_snippet_run_as_written_on_the_quickstar
     README's own commands, literally, from a user's folder: no error and no warning."""
     cfg = train.configure(vars(train), [str(REPO / "config" / "train_shakespeare_char_cpu.py")])
     chars = sorted(set("ROMEO:\nJULIET: wherefore art thou, abcdefghijklmnopqrstuvwxyz!?."))
-    model = GPT(GPTConfig.from_settings({**cfg.as_dict(), "vocab_size": len(chars)}))
+    model = GPT(GPTConfig.build({**cfg.as_dict(), "vocab_size": len(chars)}, {}))
     checkpoint_of(model, meta={"tokenizer": "char", "vocab_size": len(chars), "chars": chars}).save(
         tmp_path / cfg.out_dir / "ckpt.pt")
     (sh_lang, sh), (py_lang, snippet) = readme_blocks("### To Hugging Face")[:2]

@@ -133,7 +133,7 @@ def test_vocab_mismatch_between_data_and_checkpoint_is_refused(char_data, tmp_pa
         (other / name).write_bytes((char_data / name).read_bytes())
     (other / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"]}))
     before = (tmp_path / "ckpt.pt").read_bytes()
-    with pytest.raises(UserError, match="the checkpoint's vocab_size is .* but dataset"):
+    with pytest.raises(UserError, match="the checkpoint has vocab_size .* but dataset"):
         train.main(TINY + [f"--data_dir={other}", "--init_from=resume", f"--out_dir={tmp_path}"])
     assert (tmp_path / "ckpt.pt").read_bytes() == before
 
@@ -183,7 +183,7 @@ def test_doc_mask_and_window_train_resume_and_reach_the_checkpoint(doc_data, tmp
 
 
 def test_doc_mask_on_data_without_documents_is_refused_by_name(char_data, tmp_path):
-    with pytest.raises(UserError, match="doc_mask needs documents, and dataset .* has no end-of-text token"):
+    with pytest.raises(UserError, match="doc_mask needs the end-of-text token that separates documents.*use a dataset whose meta.json names one"):
         train.main(TINY + [f"--data_dir={char_data}", "--doc_mask=True", f"--out_dir={tmp_path}"])
     assert not list(tmp_path.iterdir())
 
