@@ -8,7 +8,9 @@ the globals as they were.
     python train.py config/train_shakespeare_char.py --batch_size=32 --attn=flash
 
 Positional arguments are Python files of assignments, applied in order; `--key=value` overrides come after, the
-value read with ast.literal_eval (a bare word that is not a Python literal stays a string).
+value read with ast.literal_eval (a bare word that is not a Python literal stays a string). `--help` (or `-h`)
+anywhere prints the script's docstring summary and every setting with its default, comment and allowed values,
+grouped under the comment headers of the script's source (`# I/O`), then exits (settings_help.py).
 """
 
 import ast
@@ -76,8 +78,21 @@ class Choice:
     def check(self, key: str, value) -> None:
         given = as_list(value) if self.many else [value]
         if not given or any(word not in self.words for word in given):
-            what = "a comma list of" if self.many else "one of"
-            raise UserError(f"{key} must be {what} {', '.join(map(repr, self.words))}, got {value!r}.")
+            raise UserError(f"{key} must be {self.text()} {', '.join(map(repr, self.words))}, got {value!r}"
+                            f"{self.suggestion(given)}")
+
+    def text(self) -> str:
+        return "a comma list of" if self.many else "one of"
+
+    def suggestion(self, given: list) -> str:
+        """'; did you mean 'flash'?' when every word not allowed is close to one that is, else '.'."""
+        fixed = []
+        for word in given:
+            close = [word] if word in self.words else difflib.get_close_matches(str(word), self.words, n=1)
+            if not close:
+                return "."
+            fixed.append(close[0])
+        return f"; did you mean {','.join(fixed)!r}?" if fixed else "."
 
 
 def one_of(*words: str) -> Choice:
@@ -86,6 +101,14 @@ def one_of(*words: str) -> Choice:
 
 def comma_list_of(*words: str) -> Choice:
     return Choice(tuple(words), many=True)
+
+
+def allowed_text(spec) -> str:
+    """A LIMITS entry in words: 'at least 1', 'greater than 0 and less than 1', 'one of tanh, none'."""
+    if isinstance(spec, Choice):
+        return f"{spec.text()} {', '.join(word or repr(word) for word in spec.words)}"
+    left, lo, hi, right = _INTERVAL.match(spec).groups()
+    return _interval_text(float(lo), float(hi), left == "[", right == "]") or "any number"
 
 
 def check_limits(values: dict, limits: dict, defaults: dict) -> None:
@@ -123,7 +146,12 @@ class Settings(SimpleNamespace):
 def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> Settings:
     """The settings of a script whose defaults are the plain globals of `namespace`, with config files and
     --key=value overrides applied and checked against `limits`. `namespace` itself is left untouched, so a
-    script's main() can run again in the same process with its defaults."""
+    script's main() can run again in the same process with its defaults. `--help` or `-h` anywhere in argv prints
+    settings_help.help_text() and exits 0 before anything else is read."""
+    if "--help" in argv or "-h" in argv:
+        from core import settings_help  # only when asked for: the scripts' start-up does not carry it
+        settings_help.print_help(namespace, limits)
+        raise SystemExit(0)
     namespace = dict(namespace)
     defaults = settings(namespace)  # types are checked against these, whatever a config file set before
     for arg in argv:

@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -66,7 +67,12 @@ def read_nanogpt_meta(path: Path) -> dict:
             isinstance(c, str) and len(c) == 1 for c in itos.values()):
         raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
                         f"characters); copy the one from the run's data folder.")
-    return {"tokenizer": "char", "vocab_size": size, "chars": [itos[i] for i in range(size)]}
+    chars = [itos[i] for i in range(size)]
+    repeated = [c for c, count in Counter(chars).items() if count > 1]
+    if repeated:
+        raise UserError(f"{path} gives the character {repeated[0]!r} more than one id, and a character vocabulary "
+                        f"holds each character once; copy the meta.pkl from the run's data folder.")
+    return {"tokenizer": "char", "vocab_size": size, "chars": chars}
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -122,8 +122,8 @@ class CharTokenizer:
 
     def __post_init__(self):
         if len(set(self.chars)) != len(self.chars) or any(len(c) != 1 for c in self.chars):
-            raise UserError("the chars list in meta.json must hold distinct single characters; "
-                            "rerun the dataset's prepare.py")
+            raise UserError("a character vocabulary must hold distinct single characters; rebuild it from the text "
+                            "(CharTokenizer.from_text) or rerun the dataset's prepare.py")
         self.stoi = {c: i for i, c in enumerate(self.chars)}
 
     @classmethod
@@ -158,7 +158,11 @@ def tokenizer_from_meta(meta: dict | None, source: str = "meta.json") -> Tokeniz
     if meta["tokenizer"] == "gpt2":
         return GPT2Tokenizer()
     if meta["tokenizer"] == "char":
-        tok = CharTokenizer(list(meta.get("chars", [])))
+        chars = list(meta.get("chars", []))
+        if not all(isinstance(c, str) and len(c) == 1 for c in chars) or len(set(chars)) != len(chars):
+            raise UserError(f"the chars list in {source} must hold distinct single characters; "
+                            f"rerun the dataset's prepare.py")
+        tok = CharTokenizer(chars)
         if tok.vocab_size == 0 or tok.vocab_size != meta.get("vocab_size"):
             raise UserError(f"{source} lists {tok.vocab_size} chars but says vocab_size={meta.get('vocab_size')}; "
                             f"rerun the dataset's prepare.py")

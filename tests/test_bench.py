@@ -234,8 +234,9 @@ def test_a_bad_setting_is_one_line_on_stderr_and_exit_code_2(tmp_path):
     proc = subprocess.run([sys.executable, "bench.py", "--attn=fast", f"--out_dir={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: unknown attn 'fast'; use all or a comma-separated list of "
-                                                + ", ".join(ATTENTION) + "."]
+    assert proc.stderr.strip().splitlines() == ["error: attn must be a comma list of 'all', "
+                                                + ", ".join(map(repr, ATTENTION)) + ", got 'fast'; did you mean "
+                                                "'flash'?"]
 
 
 def test_speedup_pairs_iterations_so_drift_that_hits_every_row_cancels():

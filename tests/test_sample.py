@@ -241,7 +241,7 @@ def test_the_command_line_prints_bad_input_as_one_line_and_exit_code_2(char_ckpt
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: attn must be one of {', '.join(map(repr, attention.ATTENTION))}, got 'fast'."]
+        f"error: attn must be one of {', '.join(map(repr, attention.ATTENTION))}, got 'fast'; did you mean 'flash'?"]
 
 
 # -- compiled comparisons and kernels that refuse at run time ---------------------------------------------------

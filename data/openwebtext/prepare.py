@@ -15,11 +15,12 @@ text in --text_column (default "text").
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import math
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import datasets
 import numpy as np
@@ -33,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
 from core import errors  # noqa: E402
 from core import files  # noqa: E402
 from core import tokenizer  # noqa: E402
-from core.configurator import check_limits  # noqa: E402
+from core.configurator import as_list, check_limits, configure  # noqa: E402
 from core.errors import UserError  # noqa: E402
 
 DEFAULT_DATASET = "openwebtext"
@@ -44,6 +45,20 @@ DEFAULT_BLOCK_SIZE = 1024  # train.py's default (and GPT-2's): a split must hold
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 # token ids are stored as uint16 in datasets' cache too: a quarter of the disk of the default int64
 TOKENIZED_FEATURES = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
+QUIET_LOAD_BYTES = 100 * 2**20  # local files smaller than this load in seconds: no progress bars, so that a problem
+                                # found in them is the only line printed
+
+# I/O
+dataset = None                    # a Hugging Face dataset name (downloaded); None: "openwebtext", unless data_files
+data_files = None                 # a local corpus instead: PATH[,PATH...] (.jsonl/.json, .parquet, .txt)
+text_column = "text"              # the column (json: the field) that holds each document's text
+out_dir = ""                      # where to write train.bin, val.bin and meta.json; empty: this script's folder
+cache_dir = None                  # datasets' cache; None: ~/.cache/huggingface/datasets
+# splits
+val_fraction = 0.0005             # the share of documents held out for val (at least one document)
+block_size = DEFAULT_BLOCK_SIZE   # the block you will train with: each split must hold more tokens than this
+# system
+num_proc = None                   # worker processes; None: min(8, half the CPU cores)
 
 
 def default_num_proc() -> int:
@@ -92,8 +107,10 @@ def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: 
         builder = source = dataset or DEFAULT_DATASET
         kwargs = {}
         hint = "check the name and your network, or pass --data_files=PATH[,PATH...] for a local corpus"
+    quiet = data_files is not None and sum(Path(f).stat().st_size for f in data_files) < QUIET_LOAD_BYTES
     try:
-        ds = datasets.load_dataset(builder, split="train", num_proc=num_proc, cache_dir=cache_dir, **kwargs)
+        with quiet_datasets(quiet):
+            ds = datasets.load_dataset(builder, split="train", num_proc=num_proc, cache_dir=cache_dir, **kwargs)
     except Exception as e:  # network, parse and schema failures come as many types; to a user they mean the same
         raise UserError(f"could not load {source} ({error_reason(e)}); {hint}") from e
     if text_column not in ds.column_names:
@@ -102,14 +119,32 @@ def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: 
     if ds.features[text_column] not in (datasets.Value("string"), datasets.Value("large_string")):
         raise UserError(f"column {text_column!r} of {source} holds {ds.features[text_column]}, not text; "
                         f"pass --text_column= a text column")
-    with_text = ds.filter(lambda texts: [t is not None for t in texts], input_columns=text_column, batched=True,
-                          num_proc=min(num_proc, ds.num_rows), desc="dropping records without text")
+    with quiet_datasets(quiet):
+        with_text = ds.filter(lambda texts: [t is not None for t in texts], input_columns=text_column, batched=True,
+                              num_proc=min(num_proc, ds.num_rows), desc="dropping records without text")
     skipped = ds.num_rows - with_text.num_rows
     if with_text.num_rows < 2:
         without = f" ({skipped} of {ds.num_rows} records have no {text_column!r})" if skipped else ""
         raise UserError(f"{source} has {with_text.num_rows} document(s){without}; a train and a val split need at "
                         f"least 2 - pass --text_column= the field that holds the text")
     return with_text, source, skipped
+
+
+@contextlib.contextmanager
+def quiet_datasets(quiet: bool = True) -> Iterator[None]:
+    """datasets' progress bars and its log lines below errors off inside (when `quiet`), as they were after."""
+    if not quiet:
+        yield
+        return
+    bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def split_corpus(ds: datasets.Dataset, val_fraction: float) -> dict[str, datasets.Dataset]:
@@ -178,6 +213,8 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
     if dataset and data_files is not None:
         raise UserError("pass either --dataset or --data_files, not both")
     check_limits({"num_proc": num_proc, "val_fraction": val_fraction, "block_size": block_size}, LIMITS, {})
+    if num_proc is not None and type(num_proc) is not int:
+        raise UserError(f"num_proc must be a whole number, got {num_proc!r}; pass --num_proc= a count of processes.")
     num_proc = default_num_proc() if num_proc is None else num_proc
     tokenizer.gpt2_encoding()  # fail on bad vocabulary files here, with a clear message, not inside a worker
     ds, source, skipped = load_corpus(dataset, data_files, text_column, num_proc, cache_dir)
@@ -200,22 +237,12 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Prepare OpenWebText (or a local corpus) with GPT-2 BPE for train.py.")
-    parser.add_argument("--dataset", default=None, help=f"Hugging Face dataset name (default: {DEFAULT_DATASET})")
-    parser.add_argument("--data_files", default=None,
-                        help="local corpus instead: PATH[,PATH...] (.jsonl/.json, .parquet, .txt)")
-    parser.add_argument("--text_column", default="text", help="column holding each document's text")
-    parser.add_argument("--num_proc", type=int, default=None, help=f"worker processes (default: {default_num_proc()})")
-    parser.add_argument("--val_fraction", type=float, default=0.0005, help="share of documents held out for val")
-    parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
-    parser.add_argument("--cache_dir", default=None, help="datasets cache (default: ~/.cache/huggingface/datasets)")
-    parser.add_argument("--block_size", type=int, default=DEFAULT_BLOCK_SIZE,
-                        help="the block you will train with: each split must hold more tokens than this")
-    args = parser.parse_args(argv)
-    data_files = [f for f in args.data_files.split(",") if f] if args.data_files is not None else None
-    return errors.exit_code(lambda: tokenizer.print_report(prepare(
-        args.out_dir, args.dataset, data_files, args.text_column, args.num_proc, args.val_fraction, args.cache_dir,
-        args.block_size)))
+    def run() -> None:
+        cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+        data_files = as_list(cfg.data_files) if cfg.data_files is not None else None
+        tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.dataset, data_files, cfg.text_column,
+                                       cfg.num_proc, cfg.val_fraction, cfg.cache_dir, cfg.block_size))
+    return errors.exit_code(run)
 
 
 if __name__ == "__main__":

