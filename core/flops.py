@@ -2,7 +2,7 @@
 Peak FLOP/s, the denominator of MFU: a vendor's datasheet for a known GPU, else the best matmul rate measured on
 the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only emulate it).
 
-    mfu = model.estimate_mfu(tokens_per_s, peak_flops(rt), seq_len)
+    mfu = model.model_flops_utilization(tokens_per_s, peak_flops(rt), seq_len)
 """
 
 import functools
