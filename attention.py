@@ -7,17 +7,21 @@ Every function in ATTENTION computes the same causal attention; they differ only
     mask None: causal, aligned to the end: query i sees keys 0 .. i + Tk - Tq. With Tq == Tk that is the usual
         causal mask (training, a prompt); with one query it is every key (a decode step over exactly the
         positions written so far).
-    mask a (Tq, Tk) or (B, 1, Tq, Tk) bool tensor, True where attention is allowed: a decode step over a
-        fixed-size KV cache, whose later positions are not written yet, so each row is one interval of written
-        keys (a prefix, unless documents or a window cut its start; masks.decode_rows). A fixed shape is what
-        lets the step compile once. With doc_mask or a window, training and prefill pass the mask in the form
-        the implementation takes (MASK_FORMS: a dense (B, 1, T, T) mask, a BlockMask, or varlen's packing).
+    mask a (Tq, Tk) or (B, 1, Tq, Tk) bool tensor, True where attention is allowed; or, with doc_mask or a
+        window in training and prefill, the form the implementation takes (mask_form: a dense mask, a BlockMask,
+        or varlen's packing). A decode step over a fixed-size KV cache (one shape, so it compiles once) sees one
+        interval of it per row, a masks.Span: flex reads it as such, the others as a dense (1 or B, 1, 1, Tk) row
+        (decode_form).
+
+GPT resolves its implementation once (resolve: an Attention, called by every layer) and checks it where it will
+run (check_attention, from GPT.set_attention); a kernel that still refuses a call is reported in the same words.
 """
 
 import functools
 import math
 import re
 import warnings
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -87,18 +91,14 @@ def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
     return _block_masks[key]
 
 
-def _score_mod_of(mask: torch.Tensor):
-    # Each row of a decode mask is one interval of keys: its start and length, reductions that inductor
-    # materialises, are what the score mod reads. Indexing the mask itself fails to compile on CPU (torch 2.13:
-    # inductor's flex template cannot read a captured tensor that is not materialised).
-    rows = mask if mask.dim() == 4 else mask[None, None]  # (1 or B, 1, Tq, Tk)
-    first, count = rows.int().argmax(-1), rows.sum(-1)  # (1 or B, 1, Tq) each: argmax finds the first True
-    per_row = rows.size(0) > 1
+def _span_score_mod(span: masks.Span):
+    # A decode step's one query row has no blocks worth skipping: the score mod keeps the keys of the row's span.
+    start, end = span.start, span.end  # (1 or B,), (1,)
+    per_row = start.size(0) > 1
 
     def masked(score, b, h, q_idx, kv_idx):
-        r = b if per_row else 0
-        seen = (kv_idx >= first[r, 0, q_idx]) & (kv_idx < first[r, 0, q_idx] + count[r, 0, q_idx])
-        return torch.where(seen, score, -float("inf"))
+        first = start[b] if per_row else start[0]
+        return torch.where((kv_idx >= first) & (kv_idx < end[0]), score, -float("inf"))
     return masked
 
 
@@ -129,9 +129,9 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         # stride ("not enough values to unpack"); a copy with plain strides compiles. One query: a tiny copy.
         q = q.clone(memory_format=torch.contiguous_format)
     compile_here = _compile_flex_here(q)
-    # a decode step's mask is read by a score mod (one query row: no blocks worth skipping); training and prefill
-    # take a block mask, causal or the documents' and window's (built once per forward by the model)
-    score_mod = _score_mod_of(mask) if isinstance(mask, torch.Tensor) else None
+    # a decode step's span is read by a score mod; training and prefill take a block mask, causal or the documents'
+    # and window's (built once per forward by the model)
+    score_mod = _span_score_mod(mask) if isinstance(mask, masks.Span) else None
     block_mask = mask if isinstance(mask, BlockMask) else None
     if mask is None and q.size(-2) > 1:
         block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device)
@@ -177,11 +177,24 @@ MASK_FORMS: dict[str, Callable] = {
 }
 
 
-def make_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
+def mask_form(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
     """The mask `attn` takes for training or a prefill with documents (docs (B, T), or None) and/or a window."""
     if attn in MASK_FORMS:
         return MASK_FORMS[attn](docs, window, B, T, device)
     return masks.dense_mask(docs, window, T, device)
+
+
+def mask_for(attn: str, spec: masks.MaskSpec, idx: torch.Tensor):
+    """The mask value of the settings, for a batch of tokens idx (B, T), in `attn`'s form; None: plain causal."""
+    if not spec.restricted:
+        return None
+    docs = masks.document_ids(idx, spec.eot_token) if spec.documents else None  # (B, T)
+    return mask_form(attn, docs, spec.window, idx.size(0), idx.size(1), idx.device)
+
+
+def decode_form(attn: str, span: masks.Span, kv_len: int):
+    """A decode step's span in `attn`'s form: flex's score mod reads the interval itself, the others a dense row."""
+    return span if attn == "flex" else masks.span_rows(span, kv_len)
 
 
 def attention_names(spec) -> list[str]:
@@ -242,13 +255,14 @@ def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, he
             with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
                 warnings.simplefilter("always")
                 if masked_decode:
-                    mask = (torch.arange(T + 8, device=device_type) < T)[None]  # (1, T + 8): the last 8 unwritten
-                    ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], mask, 0.0)
+                    written = masks.Span(torch.zeros(1, dtype=torch.long, device=device_type),
+                                         torch.full((1,), T, device=device_type))  # the last 8 unwritten
+                    ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], decode_form(attn, written, T + 8), 0.0)
                     return None
                 mask = None
                 if masked:
                     docs = (torch.arange(T, device=device_type) >= T // 2).long()[None]  # (1, T): two documents
-                    mask = make_mask(attn, docs, T // 4, 1, T, device_type)
+                    mask = mask_form(attn, docs, T // 4, 1, T, device_type)
                 y = ATTENTION[attn](q, k, v, mask, dropout_p)
                 if needs_grad:
                     y.sum().backward()
@@ -287,38 +301,43 @@ def refusal_reason(messages: list[str], attn: str) -> Optional[str]:
     return next(iter(reasons), None)
 
 
-def attend(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           dropout_p: float, block_size: int) -> torch.Tensor:
-    """The model's one call into ATTENTION[attn], with the signature above. Eager, it first checks that `attn` can
-    run here (one sentence naming what can, instead of a kernel's failure), lets a decode step read only the written
-    keys where the whole-cache mask does not suit the kernel, and turns a kernel's late refusal into the same
-    sentence. Compiled code was checked when it was traced."""
-    if torch.compiler.is_compiling():
-        return ATTENTION[attn](q, k, v, mask, dropout_p)
-    device_type, head_size = q.device.type, q.size(-1)
-    masked = mask is not None and q.size(-2) > 1  # documents or a window in training or a prefill
-    check_attention(attn, device_type, q.dtype, dropout_p, head_size, q.requires_grad, block_size, masked=masked)
-    span = _written_span(mask) if mask is not None and not masked and reads_written_keys(attn, q) else None
-    if span is not None:
-        k, v, mask = k[:, :, span[0]:span[1]], v[:, :, span[0]:span[1]], None
-    try:
-        return ATTENTION[attn](q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
-    except RuntimeError as e:  # a kernel refusing a shape or layout the probe did not meet
-        if "No available kernel" not in str(e):
+@dataclass(frozen=True)
+class Attention:
+    """An implementation resolved once (GPT.set_attention), called by every layer with ATTENTION's signature; the
+    mask may also be a decode step's masks.Span, which it hands on in the implementation's form."""
+    name: str
+    fn: AttentionFn = field(repr=False)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> torch.Tensor:
+        if isinstance(mask, masks.Span):
+            k, v, mask = self._decode_form(q, k, v, mask)
+        if torch.compiler.is_compiling():  # compiled code was checked before it was traced
+            return self.fn(q, k, v, mask, dropout_p)
+        try:
+            return self.fn(q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
+        except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what set_attention could not foresee
+            masked = mask is not None and q.size(-2) > 1
+            problem = attention_problem(self.name, q.device.type, q.dtype, dropout_p, q.size(-1), q.requires_grad,
+                                        q.size(-2), masked)
+            if problem is None and "No available kernel" not in str(e):
+                raise
+            check_attention(self.name, q.device.type, q.dtype, dropout_p, q.size(-1), q.requires_grad, q.size(-2),
+                            masked, problem or f"PyTorch refused q of shape {tuple(q.shape)} at run time")
             raise
-        check_attention(attn, device_type, q.dtype, dropout_p, head_size, q.requires_grad, block_size,
-                        masked=masked, problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
-        raise
+
+    def _decode_form(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: masks.Span):
+        """Eager, where the whole-cache mask does not suit the kernel (reads_written_keys) and every row sees the
+        same interval, the keys in it and no mask; else the span in the implementation's form."""
+        if not torch.compiler.is_compiling() and reads_written_keys(self.name, q):
+            first, last, end = torch.stack([*span.start.aminmax(), span.end[0]]).tolist()  # one sync
+            if first == last:
+                return k[:, :, first:end], v[:, :, first:end], None
+        return k, v, decode_form(self.name, span, k.size(-2))
 
 
-def _written_span(mask: torch.Tensor) -> Optional[tuple[int, int]]:
-    """A decode step's keys [start, end) when every row of its mask is the same interval; None if rows differ
-    (documents starting at different positions), which needs the mask itself."""
-    rows = mask.reshape(-1, mask.size(-1))  # (rows, Tk)
-    if rows.size(0) > 1 and not bool((rows == rows[:1]).all()):
-        return None
-    start, count = torch.stack([rows[0].int().argmax(), rows[0].sum()]).tolist()  # the first True; one sync
-    return start, start + count
+def resolve(attn: str) -> Attention:
+    """The implementation named `attn` (a key of ATTENTION)."""
+    return Attention(attn, ATTENTION[attn])
 
 
 def reads_written_keys(attn: str, q: torch.Tensor) -> bool:

@@ -1,12 +1,15 @@
 """
 Which keys a query may see beyond causality: its own document only (`doc_mask`), and at most the last `window`
-tokens (`window`). One rule, `allowed`, says it; each attention implementation takes it in its own form, built
-once per forward and shared by every layer:
+tokens (`window`). The settings become one value, MaskSpec (GPTConfig.mask); one rule, `allowed`, says what it
+lets through; attention.mask_for turns it into each implementation's form, built once per forward and shared by
+every layer:
 
     dense_mask   (B, 1, T, T) bool, True where allowed: manual, sdpa_mask and the SDPA rows
     block_mask   a FlexAttention BlockMask: blocks where nothing is allowed are skipped, not computed
     packed       the documents as varlen_attn's cu_seqlens (and the window as its window_size)
-    decode_rows  a decode step's (B, 1, 1, block_size) row over the KV cache: one interval of written keys
+
+A decode step sees one interval of the KV cache per row, a Span [start, end), from the cache to the kernel: flex's
+score mod reads it, a kernel that takes no mask reads the keys in it, the others take it as a dense row.
 
 Documents are separated by the dataset's end-of-text token. End-of-text opens the next document, as a
 beginning-of-sequence token would: it is that document's first token, so the prediction after it sees nothing of
@@ -18,6 +21,28 @@ from typing import Optional
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The attention mask the settings ask for beyond causality, as one value: documents (end-of-text, eot_token,
+    opens the next one) and a window (0: none)."""
+    documents: bool = False
+    window: int = 0
+    eot_token: int = -1
+
+    @property
+    def restricted(self) -> bool:
+        """Whether attention is narrower than causal: documents, a window, or both."""
+        return self.documents or self.window > 0
+
+
+@dataclass(frozen=True)
+class Span:
+    """The cache positions a decode step sees, [start, end): start (1 or B,), one per row with documents; end (1,),
+    the step's own position plus one."""
+    start: torch.Tensor
+    end: torch.Tensor
 
 
 def document_ids(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
@@ -109,12 +134,18 @@ def doc_starts_after_step(doc_start: torch.Tensor, idx: torch.Tensor, input_pos:
     return torch.where(idx[:, 0] == eot_token, input_pos, doc_start)
 
 
-def decode_rows(doc_start: Optional[torch.Tensor], window: int, input_pos: torch.Tensor,
-                block_size: int) -> torch.Tensor:
-    """(B, 1, 1, block_size) bool (batch dimension 1 without documents): the cache positions a decode step at
-    input_pos (1,) sees, one interval [max(document start, pos - window + 1), pos] per row."""
-    kv = torch.arange(block_size, device=input_pos.device)  # (block_size,)
-    ok = allowed(input_pos[:, None], kv[None, :], None, None, window)  # (1, block_size)
+def decode_span(doc_start: Optional[torch.Tensor], window: int, input_pos: torch.Tensor) -> Span:
+    """The interval a decode step at input_pos (1,) sees: [max(document start, pos - window + 1), pos]."""
+    end = input_pos + 1  # (1,)
+    start = (end - window).clamp(min=0) if window else torch.zeros_like(end)  # (1,)
     if doc_start is not None:
-        ok = ok & (kv[None, :] >= doc_start[:, None])  # (B, block_size): keys of the query's own document
+        start = torch.maximum(start, doc_start)  # (B,): each row's own document
+    return Span(start, end)
+
+
+def span_rows(span: Span, kv_len: int) -> torch.Tensor:
+    """The span as a dense mask over kv_len cache positions, (1 or B, 1, 1, kv_len) bool: for the implementations
+    that take a mask and no interval."""
+    kv = torch.arange(kv_len, device=span.end.device)
+    ok = (kv[None, :] >= span.start[:, None]) & (kv[None, :] < span.end[:, None])  # (1 or B, kv_len)
     return ok[:, None, None, :]

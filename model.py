@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import masks
-from attention import ATTENTION, attend, make_mask
+from attention import ATTENTION, Attention, check_attention, mask_for, resolve
 from core.errors import UserError
 
 
@@ -67,6 +67,9 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        # the mask settings as one value, made here once: what the model hands to attention (not a field, so
+        # asdict(config), what checkpoints hold, stays plain)
+        self.mask = masks.MaskSpec(self.doc_mask, self.window, self.eot_token)
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
@@ -83,62 +86,75 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @property
-    def restricted(self) -> bool:
-        """Whether attention is narrower than causal: documents, a window, or both."""
-        return self.doc_mask or self.window > 0
-
-    @property
     def padded_vocab_size(self) -> int:
         return math.ceil(self.vocab_size / 64) * 64 if self.pad_vocab else self.vocab_size
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values for positions [0, block_size), written in place at `input_pos`: fixed buffers,
-    so a decode step has one shape at every position and compiles once."""
+    """Everything decoding keeps between steps, in one place: every layer's keys and values for positions
+    [0, block_size), written in place (fixed buffers, so a decode step has one shape at every position and compiles
+    once), how many positions hold the text (`length`, the generator's bookkeeping), and with documents where each
+    row's current document starts (its decode steps see keys from there on)."""
 
-    def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int, device, dtype):
+    def __init__(self, config: "GPTConfig", batch_size: int, device, dtype):
         super().__init__()
-        shape = (batch_size, n_head, block_size, head_size)
+        self.mask = config.mask
+        shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.head_size)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
+        self.register_buffer("doc_start", starts, persistent=False)
+        self.length = 0
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, nh, T, hs) at positions input_pos (T,); return the whole cache, (B, nh, block_size, hs)."""
-        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
-        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
-        return self.k, self.v
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write layer's k, v (B, nh, T, hs) at positions input_pos (T,); return its whole cache, (B, nh, block, hs)
+        each."""
+        self.k[layer].index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v[layer].index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k[layer], self.v[layer]
+
+    def prefill(self, idx: torch.Tensor) -> None:
+        """A prompt idx (B, T) is written from position 0: where its rows' last documents start."""
+        if self.doc_start is not None:
+            self.doc_start.copy_(masks.doc_starts_after_prefill(idx, self.mask.eot_token))
+
+    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
+        """A decode step writes idx (B, 1) at input_pos (1,): the interval of cache positions it sees."""
+        if self.doc_start is not None:
+            self.doc_start.copy_(masks.doc_starts_after_step(self.doc_start, idx, input_pos, self.mask.eot_token))
+        return masks.decode_span(self.doc_start, self.mask.window, input_pos)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int, attention: Attention):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.n_embd, self.block_size = config.n_head, config.n_embd, config.block_size
-        self.kv_cache: Optional[KVCache] = None  # set by GPT.setup_cache, for generation
-        self.set_attention(config.attn)
+        self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
+        self.attention = attention  # resolved once by GPT (set_attention), shared by every layer
 
-    def set_attention(self, attn: str) -> None:
-        self.attn_name = attn  # a key of ATTENTION: attention.attend calls it
-
-    def forward(self, x: torch.Tensor, mask=None, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (B, T, C). Without input_pos: causal attention over x itself (narrowed by `mask`, documents or a
-        window in the form the implementation takes). With it, k and v are also written to the KV cache at
-        input_pos: T > 1 is a prefill from position 0 (x is the whole context), T == 1 a decode step that reads
-        the whole cache through `mask`, (1 or B, 1, 1, block_size)."""
+    def forward(self, x: torch.Tensor, mask=None, cache: Optional[KVCache] = None,
+                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, C). Without a cache: causal attention over x itself (narrowed by `mask`, documents or a window
+        in the form the implementation takes). With one, k and v are also written to it at input_pos: T > 1 is a
+        prefill from position 0 (x is the whole context), T == 1 a decode step that reads the whole cache within
+        `mask`, a masks.Span."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if input_pos is not None:
-            cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # (B, nh, block_size, hs)
+        if cache is not None:
+            cached_k, cached_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, block_size, hs)
             k, v = (cached_k, cached_v) if T == 1 else (k, v)
         dropout_p = self.attn_dropout if self.training else 0.0
-        y = attend(self.attn_name, q, k, v, mask, dropout_p, self.block_size)  # (B, nh, T, hs)
+        y = self.attention(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -158,15 +174,15 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int, attention: Attention):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer, attention)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask: Optional[torch.Tensor] = None, input_pos: Optional[torch.Tensor] = None):
-        x = x + self.attn(self.ln_1(x), mask, input_pos)
+    def forward(self, x, mask=None, cache: Optional[KVCache] = None, input_pos: Optional[torch.Tensor] = None):
+        x = x + self.attn(self.ln_1(x), mask, cache, input_pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -175,11 +191,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        self.attention = resolve(config.attn)  # checked by set_attention, once the device is known
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, layer, self.attention) for layer in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
@@ -190,11 +207,7 @@ class GPT(nn.Module):
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
-        # Row p: the KV-cache positions a decode step at position p sees. Not persistent: it is derived, so neither
-        # checkpoints nor DDP's broadcast carry it.
-        causal = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()  # (block, block)
-        self.register_buffer("causal_rows", causal, persistent=False)
-        self.register_buffer("doc_start", None, persistent=False)  # (B,) with a KV cache: where documents start
+        self.cache: Optional[KVCache] = None  # decode state, made by setup_cache for generation
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -227,12 +240,11 @@ class GPT(nn.Module):
             raise UserError(f"cannot forward a sequence of {T} tokens: block_size is "
                             f"{self.config.block_size}; crop the input or use a smaller block_size.")
         pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
-        if input_pos is not None:
-            self._check_cached_call(T, input_pos)
-        mask = self._attention_mask(idx, input_pos)  # one for every layer
+        cache = self._cache_for(T, input_pos)
+        mask = self._attention_mask(idx, cache, input_pos)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, mask, input_pos)
+            x = block(x, mask, cache, input_pos)
         x = self.transformer.ln_f(x)
         if targets is None and not all_positions:
             x = x[:, [-1], :]  # (B, 1, C): only the next token is needed
@@ -244,59 +256,56 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def _attention_mask(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor]):
-        """What the layers' attention takes beyond causality: None for plain causal training or prefill; the
-        documents' and window's mask in the implementation's form (attention.MASK_FORMS); a decode step's rows
-        over the KV cache. With doc_mask, a cached call also records where each row's document starts."""
-        cfg, (B, T) = self.config, idx.shape
-        if input_pos is None or T > 1:
-            if input_pos is not None and cfg.doc_mask:  # a prefill
-                self.doc_start.copy_(masks.doc_starts_after_prefill(idx, cfg.eot_token))
-            if not cfg.restricted:
-                return None
-            docs = masks.document_ids(idx, cfg.eot_token) if cfg.doc_mask else None  # (B, T)
-            return make_mask(cfg.attn, docs, cfg.window, B, T, idx.device)
-        if not cfg.restricted:
-            return self.causal_rows[input_pos]  # (1, block_size): the cache positions written so far
-        if cfg.doc_mask:
-            self.doc_start.copy_(masks.doc_starts_after_step(self.doc_start, idx, input_pos, cfg.eot_token))
-        return masks.decode_rows(self.doc_start if cfg.doc_mask else None, cfg.window, input_pos, cfg.block_size)
+    def _attention_mask(self, idx: torch.Tensor, cache: Optional[KVCache], input_pos: Optional[torch.Tensor]):
+        """What the layers' attention takes beyond causality, from the one mask value (config.mask): for training
+        and a prefill, None (causal) or the documents' and window's mask in the implementation's form; for a decode
+        step, the interval of cache positions it sees (masks.Span), which the cache works out."""
+        if cache is not None and idx.size(1) == 1:
+            return cache.step(idx, input_pos)
+        if cache is not None:
+            cache.prefill(idx)
+        return mask_for(self.attention.name, self.config.mask, idx)
 
-    def _check_cached_call(self, T: int, input_pos: torch.Tensor) -> None:
-        if self.transformer.h[0].attn.kv_cache is None:
+    def _cache_for(self, T: int, input_pos: Optional[torch.Tensor]) -> Optional[KVCache]:
+        """The KV cache a call with input_pos writes to (None without input_pos), checked."""
+        if input_pos is None:
+            return None
+        if self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         # compiled code was checked when it was traced; reading a position costs a sync, so eager only
         if not torch.compiler.is_compiling() and T > 1 and input_pos[0].item() != 0:
             raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
+        return self.cache
 
     # -- KV cache -----------------------------------------------------------------------------------------
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
-        """Give every layer a KV cache of block_size positions for batch_size sequences, in `dtype` (that of
-        the keys: the weights', or autocast's)."""
+        """A KV cache of block_size positions for batch_size sequences, in `dtype` (that of the keys: the
+        weights', or autocast's): all the state decoding keeps (KVCache)."""
         weight = self.transformer.wpe.weight
-        for block in self.transformer.h:
-            block.attn.kv_cache = KVCache(batch_size, self.config.n_head, self.config.block_size,
-                                          self.config.head_size, weight.device, dtype or weight.dtype)
-        if self.config.doc_mask:  # where each row's current document starts: decode steps see keys from there
-            self.doc_start = torch.zeros(batch_size, dtype=torch.long, device=weight.device)  # (B,)
+        self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
     def clear_cache(self) -> None:
-        for block in self.transformer.h:
-            block.attn.kv_cache = None
-        self.doc_start = None
+        self.cache = None
 
     def cache_bytes(self) -> int:
-        """Memory held by the KV caches (0 without them), doc_mask's document starts included."""
-        starts = self.doc_start.numel() * self.doc_start.element_size() if self.doc_start is not None else 0
-        return starts + sum(t.numel() * t.element_size() for block in self.transformer.h
-                            if block.attn.kv_cache is not None for t in (block.attn.kv_cache.k, block.attn.kv_cache.v))
+        """Memory held by the KV cache (0 without one), doc_mask's document starts included."""
+        return self.cache.nbytes() if self.cache is not None else 0
 
-    def set_attention(self, attn: str) -> "GPT":
-        """Read the same weights through another attention implementation, in place; returns the model."""
-        self.config = dataclasses.replace(self.config, attn=attn)  # checks the name
+    def set_attention(self, attn: str, training: bool = False, dtype: Optional[torch.dtype] = None,
+                      check: bool = True) -> "GPT":
+        """Read the same weights through another attention implementation, in place; returns the model. The
+        implementation is resolved here once and checked here, for where the model is now (call it after .to(device)),
+        in `dtype` (the one it computes in, autocast's; by default its weights'), for inference or with `training`
+        (gradients, the config's dropout): one sentence naming what can run instead, not a kernel's failure later.
+        check=False: the caller has asked attention_problem itself (the measuring tools, row by row)."""
+        config, weight = dataclasses.replace(self.config, attn=attn), self.lm_head.weight  # replace checks the name
+        if check:
+            check_attention(attn, weight.device.type, dtype or weight.dtype, config.dropout if training else 0.0,
+                            config.head_size, training, config.block_size, masked=config.mask.restricted)
+        self.config, self.attention = config, resolve(attn)
         for block in self.transformer.h:
-            block.attn.set_attention(attn)
+            block.attn.attention = self.attention
         return self
 
     def crop_block_size(self, block_size: int) -> None:
@@ -306,10 +315,7 @@ class GPT(nn.Module):
                             f"use at most {self.config.block_size}.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
-        self.causal_rows = self.causal_rows[:block_size, :block_size]
         self.clear_cache()
-        for block in self.transformer.h:
-            block.attn.block_size = block_size
 
     # -- optimizer and FLOPs ---------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 from core import files
 from core import runtime
-from attention import ATTENTION, check_attention
+from attention import ATTENTION
 from core.checkpoint import Checkpoint
 from core.configurator import configure, one_of
 from core.dataset import dataset_dir
@@ -77,7 +77,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
             raise UserError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not GPT-2's; sample.py "
                             f"reads Hugging Face directories with GPT-2 BPE only - sample from the training out_dir.")
     if attn is not None:
-        model.set_attention(attn)
+        model.set_attention(attn, check=False)  # checked where it runs: sample() or compare
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
                         f"{tok.vocab_size} tokens; sample from a checkpoint trained on this tokenizer's data.")
@@ -140,9 +140,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 def sample(model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int], compile: bool,
            quantize: str = "") -> dict:
     """Print num_samples samples and the generation speed; return the tokens, texts and tokens/s."""
-    check_attention(model.config.attn, rt.device_type, rt.torch_dtype, 0.0, model.config.head_size,
-                    needs_grad=False, seq_len=model.config.block_size, masked=model.config.restricted)
-    decoder = Decoder(for_inference(model, rt.device, rt.torch_dtype, quantize), compile)
+    model = for_inference(model, rt.device, rt.torch_dtype, quantize).set_attention(model.config.attn,
+                                                                                    dtype=rt.torch_dtype)
+    decoder = Decoder(model, compile)
     warmup = full_warmup(model, sampling) if compile else 8
     samples, seconds, warmup_s = draw_samples(decoder, prompt, rt, sampling, warmup=warmup)
     print_samples(tok, prompt, samples)

@@ -29,7 +29,7 @@ from core.checkpoint import Checkpoint, claim_out_dir, restore_rng, rng_state
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from attention import ATTENTION, check_attention
+from attention import ATTENTION
 from core.metrics import MetricsLog, StepTimer
 from model import GPT, GPTConfig
 from core.runtime import Runtime
@@ -413,9 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
-    check_attention(raw_model.config.attn, rt.device_type, rt.torch_dtype, raw_model.config.dropout,
-                    raw_model.config.head_size, not cfg.eval_only, cfg.block_size,
-                    masked=raw_model.config.restricted)  # now, not after compiling
+    # checked where it runs, in the dtype it computes in: now, not after compiling
+    raw_model.set_attention(raw_model.config.attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written

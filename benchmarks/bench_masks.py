@@ -17,7 +17,7 @@ import torch
 
 from core import files
 import masks
-from attention import make_mask
+from attention import mask_form
 from core.dataset import dataset_dir, prepare_if_missing
 from core.errors import UserError
 
@@ -82,7 +82,7 @@ def row_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: in
     """What an attention-mode row passes its implementation: None for causal, else the mask in its form."""
     if docs is None and window == 0:
         return None
-    return make_mask(attn, None if docs is None else docs.to(device), window, B, T, device)
+    return mask_form(attn, None if docs is None else docs.to(device), window, B, T, device)
 
 
 def boundaries_per_block(docs: torch.Tensor) -> float:

@@ -55,7 +55,7 @@ FORMULATIONS = {"a": "q.kT then scale (nanoGPT)", "b": "q, k pre-scaled by d^-1/
 
 def with_attn(model: GPT, attn: str) -> GPT:
     """A copy of the same weights, read through another attention implementation."""
-    return copy.deepcopy(model).set_attention(attn).eval()
+    return copy.deepcopy(model).set_attention(attn, check=False).eval()  # run.problem decides, per dtype
 
 
 def numerics_ids(tok: Tokenizer, prompt: list[int], block_size: int) -> list[int]:
@@ -161,7 +161,7 @@ class Run:
 
     def problem(self, attn: str, dtype: str, config: GPTConfig) -> Optional[str]:
         return attention_problem(attn, self.rt.device_type, runtime.DTYPES[dtype], 0.0, config.head_size, False,
-                                 config.block_size, config.restricted)
+                                 config.block_size, config.mask.restricted)
 
 
 def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str], dict[str, str]]:

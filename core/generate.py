@@ -121,37 +121,38 @@ class Decoder:
         """Append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy. Every row of the batch is
         its own text (several prompts of one length, or num_samples copies of one)."""
         model, block_size = self.model, self.model.config.block_size
-        if use_cache:
-            self._ensure_cache(idx.size(0))
-        written = 0  # cache positions holding the text's own tokens at their own positions
+        cache = self._ensure_cache(idx.size(0)) if use_cache else None
+        if cache is not None:
+            cache.length = 0  # a new text: none of it is in the cache yet
         token = None  # the token sampled last, (B, 1): a decode step's input
         for _ in range(max_new_tokens):
             context = idx[:, -block_size:]  # (B, <= block_size)
-            if not use_cache:
+            if cache is None:
                 logits = last_logits(model, context, None)
-            elif 0 < written < block_size and written == idx.size(1) - 1:  # one new token fits after the rest
-                logits = self.decode(model, token, torch.tensor([written], device=idx.device))
-                written += 1
+            elif 0 < cache.length < block_size and cache.length == idx.size(1) - 1:  # one new token fits after them
+                logits = self.decode(model, token, torch.tensor([cache.length], device=idx.device))
+                cache.length += 1
             else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
                 positions = torch.arange(context.size(1), device=idx.device)  # (T,)
                 step = self.prefill if context.size(1) > 1 else self.decode
                 # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
                 logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
-                written = context.size(1)
+                cache.length = context.size(1)
             token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
             idx = torch.cat((idx, token), dim=1)
         return idx
 
-    def _ensure_cache(self, batch_size: int) -> None:
-        """A cache for this batch in the dtype the keys will have (autocast's, if on); an existing one is reused,
-        so compiled steps keep reading the same buffers."""
+    def _ensure_cache(self, batch_size: int):
+        """The model's cache, for this batch in the dtype the keys will have (autocast's, if on); an existing one is
+        reused, so compiled steps keep reading the same buffers."""
         dtype = decoding_dtype(self.model)
         if self.compiled and dtype != self.dtype:
             raise ValueError(f"this Decoder compiled its steps for {self.dtype} and now decodes in {dtype}; "
                              f"pass Decoder(..., dtype={dtype})")
-        cache = self.model.transformer.h[0].attn.kv_cache
-        if cache is None or cache.k.size(0) != batch_size or cache.k.dtype != dtype:
+        cache = self.model.cache
+        if cache is None or cache.k.size(1) != batch_size or cache.k.dtype != dtype:
             self.model.setup_cache(batch_size, dtype)
+        return self.model.cache
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -262,7 +263,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def weight_bytes(model: GPT) -> int:
-    """Parameters and buffers, each once (tied weights once), KV caches (and doc_mask's starts) not included."""
+    """Parameters and buffers, each once (tied weights once), the KV cache (and doc_mask's starts) not included."""
     tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()]
-               if "kv_cache" not in name and name != "doc_start"}
+               if not name.startswith("cache.")}
     return sum(tensor_bytes(t) for t in tensors.values())

@@ -16,9 +16,8 @@ class MockModel:
 
     def __init__(self, block_size: int):
         self.config = SimpleNamespace(block_size=block_size)
-        attn = SimpleNamespace(kv_cache=None)
-        self.transformer = SimpleNamespace(h=[SimpleNamespace(attn=attn)], wpe=SimpleNamespace(
-            weight=torch.zeros(1)))
+        self.cache = None
+        self.transformer = SimpleNamespace(wpe=SimpleNamespace(weight=torch.zeros(1)))
         self.calls: list[tuple[list[int], list[int] | None]] = []  # (last tokens of each call, positions)
         self.caches: list[tuple[int, torch.dtype]] = []
 
@@ -29,7 +28,7 @@ class MockModel:
 
     def setup_cache(self, batch_size: int, dtype: torch.dtype) -> None:
         self.caches.append((batch_size, dtype))
-        self.transformer.h[0].attn.kv_cache = SimpleNamespace(k=torch.zeros(batch_size, dtype=dtype))
+        self.cache = SimpleNamespace(k=torch.zeros(1, batch_size, dtype=dtype), length=0)  # k: (n_layer, B)
 
 
 def greedy(model: MockModel, prompt: list[list[int]], new_tokens: int, use_cache: bool = True) -> list[list[int]]:

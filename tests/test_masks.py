@@ -9,7 +9,6 @@ import torch
 
 import attention
 import masks
-import model as model_module
 from conftest import runnable_on_cpu
 from core.generate import Decoder
 from model import GPT, GPTConfig, UserError
@@ -49,20 +48,20 @@ def reference_mask(idx: torch.Tensor, doc_mask: bool, window: int) -> torch.Tens
     return out
 
 
-def reference_run(model: GPT, idx, targets, monkeypatch):
+def reference_run(model: GPT, idx, targets):
     """Logits and gradients of the same weights in float64, attention a plain softmax under reference_mask."""
     cfg = model.config
     ref = copy.deepcopy(model).double()
     ref.config = GPTConfig(**{**TINY, "attn": "manual"})  # the model builds no mask: the reference passes its own
     mask = reference_mask(idx, cfg.doc_mask, cfg.window)
 
-    def softmax_attention(attn, q, k, v, _mask, dropout_p, block_size):
+    def softmax_attention(q, k, v, _mask, dropout_p):
         att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5  # (B, nh, T, T)
         return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-    monkeypatch.setattr(model_module, "attend", softmax_attention)
+    for block in ref.transformer.h:  # what each layer calls: the model's resolved implementation, replaced
+        block.attn.attention = softmax_attention
     logits, loss = ref(idx, targets)
     loss.backward()
-    monkeypatch.undo()
     return logits.detach(), {n: p.grad for n, p in ref.named_parameters()}
 
 
@@ -72,11 +71,11 @@ def rel_err(a, ref) -> float:
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("attn", CPU_ALL)
-def test_every_implementation_and_mask_matches_a_float64_reference(attn, mask, monkeypatch):
+def test_every_implementation_and_mask_matches_a_float64_reference(attn, mask):
     model = tiny_model(attn, **MASKS[mask])
     idx = documents()
     targets = torch.roll(idx, -1, dims=1)
-    ref_logits, ref_grads = reference_run(model, idx, targets, monkeypatch)
+    ref_logits, ref_grads = reference_run(model, idx, targets)
     trains = attn in CPU_TRAINABLE
     with torch.set_grad_enabled(trains):
         logits, loss = model(idx, targets)
@@ -221,7 +220,7 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
     idx = documents()
     q, k, v = torch.randn(3, 2, 2, 48, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each
     docs = masks.document_ids(idx, EOT) if settings.get("doc_mask") else None
-    packing = attention.make_mask("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
+    packing = attention.mask_form("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
     expected = attention.manual_attention(q, k, v, reference_mask(idx, bool(docs is not None),
                                                                   settings.get("window", 0)), 0.0)
     assert torch.allclose(attention.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)

@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 
+import masks
+
 from core.generate import generate
 from interop.hf import convert_hf_state_dict, from_pretrained
 from attention import ATTENTION, attention_names, attention_problem, check_attention
@@ -271,10 +273,11 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
                     reference = attention.manual_attention(q.float(), cache[0][:, :, :T].float(),
                                                            cache[1][:, :, :T].float(), None, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
-                for position in range(5, 40, 3):  # decode steps over the whole cache, a mask row each
-                    mask = (torch.arange(64) <= position)[None]  # (1, block): the positions written so far
+                for position in range(5, 40, 3):  # decode steps over the whole cache, a span each
+                    span = masks.Span(torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]))  # written
+                    mask = torch.arange(64)[None, None, None, :] <= position  # (1, 1, 1, block): the same, densely
                     q = torch.randn(1, 2, 1, 16, generator=generator).to(dtype)
-                    y = flex(q, cache[0], cache[1], mask, 0.0)
+                    y = flex(q, cache[0], cache[1], span, 0.0)
                     reference = attention.manual_attention(q.float(), cache[0].float(), cache[1].float(), mask, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
                 assert attention.attention_problem("flex", "cpu", dtype, 0.0, 16, False, 32) is None  # the probes
