@@ -12,6 +12,7 @@ import torch
 
 import bench
 from core import configurator
+from core import errors
 from core import dataset
 import sample
 import train
@@ -185,6 +186,7 @@ def test_a_choice_is_checked_against_its_declared_words_before_anything_runs():
         train.main(["--parallel=zero"])  # declared beside train.py's LIMITS, refused before any work
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: what only the command line shows
 def test_the_command_line_prints_an_out_of_range_setting_as_one_line():
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "--gradient_accumulation_steps=0"],
                             capture_output=True, text=True, timeout=120)
@@ -192,6 +194,22 @@ def test_the_command_line_prints_an_out_of_range_setting_as_one_line():
     assert result.stderr.strip().splitlines() == [
         "error: gradient_accumulation_steps must be at least 1, got 0; pass --gradient_accumulation_steps= a value "
         "in [1, inf)."]
+
+
+
+def test_a_scripts_user_error_is_one_line_on_stderr_and_exit_code_2_and_a_bug_still_raises(capsys):
+    """errors.exit_code, which every script's __main__ goes through (runtime.run_main): the in-process half of the
+    command-line tests (marked slow), which also show the scripts are wired to it."""
+    def refuses():
+        raise UserError("batch_size must be at least 1, got 0; pass --batch_size= a value in [1, inf).")
+    assert errors.exit_code(refuses) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: batch_size must be at least 1, got 0; pass --batch_size= a value in [1, inf)."]
+    assert errors.exit_code(lambda: None) == 0 and errors.exit_code(lambda: 3) == 3
+    assert errors.exit_code(lambda: (_ for _ in ()).throw(KeyboardInterrupt)) == 130
+    with pytest.raises(ZeroDivisionError):  # a programming error keeps its traceback
+        errors.exit_code(lambda: 1 / 0)
+    assert capsys.readouterr().err == ""
 
 
 # -- data files -------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ def test_a_row_is_judged_by_the_set_of_kernels_it_ran():
     assert not measure.ran_as_expected("flash+math", cuda_sdpa)  # a silent fallback next to a fused kernel
 
 
+@pytest.mark.slow  # compiles flex with inductor
 def test_a_compiled_flex_call_is_audited_as_flex(monkeypatch):
     """CUDA always runs flex through torch.compile, whose call records no FlexAttention op: the audit reads the
     region attention.py names instead. Run here by compiling CPU flex as CUDA would."""
@@ -218,19 +219,19 @@ def test_a_training_row_with_documents_takes_them_from_a_datasets_end_of_text(tm
     assert "no backward" in rows[("flex", "doc")]["reason"]
 
 
-def test_command_line_prints_the_table_and_writes_json_chart_and_chrome_trace(tmp_path):
-    cmd = [sys.executable, "bench.py", *TINY, "--attn=manual,flash", "--padding=on", "--profile=True",
-           f"--out_dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "manual" in proc.stdout and "flash" in proc.stdout and "speedup" in proc.stdout
+def test_bench_prints_the_table_and_writes_json_chart_and_chrome_trace(tmp_path, capsys):
+    # in process: the command line's own wiring (exit codes, one-line errors) is the subprocess test below
+    assert bench.main([*TINY, "--attn=manual,flash", "--padding=on", "--profile=True", f"--out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "manual" in out and "flash" in out and "speedup" in out
     assert json.loads((tmp_path / "train.json").read_text())["config"]["attn"] == ["manual", "flash"]
     assert (tmp_path / "train.png").read_bytes()[:8] == PNG_SIGNATURE
     trace = json.loads((tmp_path / "trace_train_flash_padded.json").read_text())
     assert any("flash_attention" in event.get("name", "") for event in trace["traceEvents"])
 
 
-def test_a_bad_setting_is_one_line_on_stderr_and_exit_code_2(tmp_path):
+@pytest.mark.slow  # a fresh interpreter importing torch: what only the command line shows
+def test_the_command_line_prints_a_bad_setting_as_one_line_on_stderr_and_exit_code_2(tmp_path):
     proc = subprocess.run([sys.executable, "bench.py", "--attn=fast", f"--out_dir={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -257,6 +258,7 @@ def no_recompile_fallback(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # dynamo traces ten models
 def test_a_compiled_sweep_runs_every_cpu_row_compiled(tmp_path, no_recompile_fallback):
     result = run_bench(tmp_path, "--compile=True")  # 5 trainable attns x 2 paddings: more rows than the limit, 8
     ran = [row for row in result["rows"] if row["status"] == "ok"]

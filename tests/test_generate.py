@@ -208,6 +208,7 @@ def test_bf16_weights_halve_the_bytes():
         weight_bytes(small_model()), rel=0.02)  # the bool causal mask does not halve
 
 
+@pytest.mark.slow  # a fresh interpreter: torchao's import-time output can only be seen once per process
 def test_importing_torchao_prints_nothing():
     code = ("import torch; from core.generate import generate, quantize_int8; from model import GPT, GPTConfig; "
             "m = quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "

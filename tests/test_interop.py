@@ -59,6 +59,7 @@ def readme_blocks(heading: str) -> list[tuple[str, str]]:
     return [(part.split("\n", 1)[0].strip(), part.split("\n", 1)[1]) for part in parts]
 
 
+@pytest.mark.slow  # two fresh interpreters, each importing torch and transformers
 def test_the_readmes_export_and_pipeline_snippet_run_as_written_on_the_quickstarts_out_dir(tmp_path):
     """The quickstart's model shape (block 64: a prompt plus new tokens must fit), its out_dir name, then the
     README's own commands, literally, from a user's folder: no error and no warning."""

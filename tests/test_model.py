@@ -251,6 +251,7 @@ def test_compiled_flex_forward_equals_eager():
     assert rel_err(logits.double(), eager_logits.double()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(monkeypatch):
     """CUDA compiles every flex call. Its uses - fp32 and bf16, prompts of any length, decode steps at every
     position, the availability probes - must never pass dynamo's recompile limit, past which flex would run eagerly

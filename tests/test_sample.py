@@ -236,6 +236,7 @@ def test_bad_input_is_one_sentence(char_ckpt, tmp_path, args, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: what only the command line shows
 def test_the_command_line_prints_bad_input_as_one_line_and_exit_code_2(char_ckpt):
     result = subprocess.run([sys.executable, str(REPO_ROOT / "sample.py"), f"--out_dir={char_ckpt}", "--attn=fast"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
