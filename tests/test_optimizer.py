@@ -169,25 +169,57 @@ def test_the_run_records_its_newton_schulz_dtype(char_data, tmp_path, capsys):
 
 # -- time to loss (time_to_loss.py) -------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(char_data, tmp_path, monkeypatch, capsys):
+# A stand-in for train.py, launched as time_to_loss launches train.py (python <root>/train.py <recipe>
+# --out_dir=...): it writes the evaluations of --losses= to out_dir/metrics.jsonl as train.py logs them ({"iter",
+# "val/loss", ...}, between training lines; test_train.py holds train.py to those names), one every --eval_interval=
+# iterations, then stalls --then_sleep= seconds, as a long run does between evaluations, before those of --later=.
+FAKE_TRAIN = """
+import json, sys, time
+from pathlib import Path
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+out = Path(args["out_dir"])
+out.mkdir(parents=True)
+losses = [float(x) for x in args["losses"].split(",")]
+for i, loss in enumerate(losses + [float(x) for x in args.get("later", "").split(",") if x]):
+    if i == len(losses):
+        time.sleep(float(args["then_sleep"]))
+    it = i * int(args["eval_interval"])
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iter": it, "train/loss": loss + 0.1, "lr": 1e-3}) + "\\n")
+        f.write(json.dumps({"iter": it, "train/eval_loss": loss, "val/loss": loss, "lr": 1e-3}) + "\\n")
+    time.sleep(0.02)
+"""
+
+
+def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(tmp_path, monkeypatch, capsys):
     import json
 
     from benchmarks import time_to_loss
-    tiny = TINY + [f"--data_dir={char_data}", "--eval_interval=5"]
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "train.py").write_text(FAKE_TRAIN)
+    monkeypatch.setattr(time_to_loss, "ROOT", tmp_path / "root")
     # --full=False: a run that reaches the target is stopped at that evaluation (read from its metrics.jsonl as it
-    # is written); one that never does runs to its end, its last evaluation its final loss
-    monkeypatch.setitem(time_to_loss.RECIPE_SETS, "quickstart", {"adamw": tiny + ["--max_iters=200"],
-                                                                 "never": tiny + ["--max_iters=5",
-                                                                                  "--learning_rate=1e-9"]})
+    # is written; were it not, it would stall 30 s and then log iteration 15); one that never does runs to its end,
+    # its last evaluation its final loss
+    monkeypatch.setitem(time_to_loss.RECIPE_SETS, "quickstart", {
+        "adamw": ["--eval_interval=5", "--losses=3.26,3.0,2.7", "--then_sleep=30", "--later=2.5"],
+        "never": ["--eval_interval=5", "--losses=3.26,3.25"]})
     assert time_to_loss.main(["--target=2.8", "--runs=2", "--full=False", f"--out_dir={tmp_path}"]) == 0
     rounds = json.loads((tmp_path / "time_to_loss.json").read_text())["rounds"]
     assert [list(r) for r in rounds] == [["adamw", "never"], ["never", "adamw"]]  # the order alternates
     for r in rounds:
         reached, never = r["adamw"], r["never"]
-        assert reached["iter"] == reached["final_iter"] in (5, 10) and 0 < reached["seconds"] <= reached["wall_s"]
-        assert reached["final_loss"] < 2.8  # from 3.26 at step 0
-        assert never["seconds"] is None and never["final_iter"] == 5 and never["final_loss"] > 2.8
+        assert reached["iter"] == reached["final_iter"] == 10 and 0 < reached["seconds"] <= reached["wall_s"] < 20
+        assert reached["final_loss"] == 2.7
+        assert never["seconds"] is None and never["final_iter"] == 5 and never["final_loss"] == 3.25
     table = capsys.readouterr().out
     assert "time to val/loss <= 2.8" in table and "not reached" in table
     assert f"{runtime.cpu_capability()}): median" in table  # the CPU's capability names every figure
+
+
+@pytest.mark.parametrize("recipes", ["quickstart", "doc_mask"])
+def test_every_time_to_loss_recipe_is_a_valid_train_py_command_line(recipes, monkeypatch):
+    from benchmarks import time_to_loss
+    monkeypatch.chdir(time_to_loss.ROOT)  # config files are named from the repository root, where runs start
+    for name, args in time_to_loss.RECIPE_SETS[recipes].items():
+        assert train.configure(vars(train), args, train.LIMITS), name
