@@ -91,14 +91,21 @@ def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
     return _block_masks[key]
 
 
-def _span_score_mod(span: masks.Span):
-    # A decode step's one query row has no blocks worth skipping: the score mod keeps the keys of the row's span.
-    start, end = span.start, span.end  # (1 or B,), (1,)
-    per_row = start.size(0) > 1
+def _span_score_mod(span: masks.Span, kv_len: int, on_cpu: bool):
+    # A decode step's one query row has no blocks worth skipping: the score mod keeps the keys of the row's span,
+    # read as its first key and its length, (1 or B,) each.
+    first, length = span.start, span.end - span.start
+    if on_cpu and torch.compiler.is_compiling():
+        # torch 2.13's CPU flex template reads only tensors inductor materialises, and it inlines pointwise ones
+        # (then "No choices to select"); reductions over more than a few elements are materialised, so the bounds
+        # are taken as two over the span's row of the cache
+        rows = masks.span_rows(span, kv_len)[:, 0, 0]  # (1 or B, kv_len)
+        first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
+    per_row = first.size(0) > 1
 
     def masked(score, b, h, q_idx, kv_idx):
-        first = start[b] if per_row else start[0]
-        return torch.where((kv_idx >= first) & (kv_idx < end[0]), score, -float("inf"))
+        r = b if per_row else 0
+        return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
     return masked
 
 
@@ -131,7 +138,7 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
     compile_here = _compile_flex_here(q)
     # a decode step's span is read by a score mod; training and prefill take a block mask, causal or the documents'
     # and window's (built once per forward by the model)
-    score_mod = _span_score_mod(mask) if isinstance(mask, masks.Span) else None
+    score_mod = _span_score_mod(mask, k.size(-2), not q.is_cuda) if isinstance(mask, masks.Span) else None
     block_mask = mask if isinstance(mask, BlockMask) else None
     if mask is None and q.size(-2) > 1:
         block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device)
@@ -317,12 +324,14 @@ class Attention:
             return self.fn(q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
         except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what set_attention could not foresee
             masked = mask is not None and q.size(-2) > 1
+            # what set_attention would have said (its probe's length; a refusal only at this call's shape is
+            # named by the shape)
             problem = attention_problem(self.name, q.device.type, q.dtype, dropout_p, q.size(-1), q.requires_grad,
-                                        q.size(-2), masked)
+                                        masked=masked)
             if problem is None and "No available kernel" not in str(e):
                 raise
-            check_attention(self.name, q.device.type, q.dtype, dropout_p, q.size(-1), q.requires_grad, q.size(-2),
-                            masked, problem or f"PyTorch refused q of shape {tuple(q.shape)} at run time")
+            check_attention(self.name, q.device.type, q.dtype, dropout_p, q.size(-1), q.requires_grad,
+                            masked=masked, problem=problem or f"PyTorch refused q of shape {tuple(q.shape)} at run time")
             raise
 
     def _decode_form(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: masks.Span):

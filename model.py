@@ -90,6 +90,16 @@ class GPTConfig:
         return math.ceil(self.vocab_size / 64) * 64 if self.pad_vocab else self.vocab_size
 
 
+class LayerCache(nn.Module):
+    """One layer's keys and values, (B, nh, block_size, hs) each: a buffer of its own, not a view into one for all
+    layers (torch 2.13's CPU flex template refuses a key tensor that starts inside another's storage)."""
+
+    def __init__(self, shape: tuple, device, dtype):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+
 class KVCache(nn.Module):
     """Everything decoding keeps between steps, in one place: every layer's keys and values for positions
     [0, block_size), written in place (fixed buffers, so a decode step has one shape at every position and compiles
@@ -98,10 +108,9 @@ class KVCache(nn.Module):
 
     def __init__(self, config: "GPTConfig", batch_size: int, device, dtype):
         super().__init__()
-        self.mask = config.mask
-        shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.head_size)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.mask, self.batch_size, self.dtype = config.mask, batch_size, dtype
+        shape = (batch_size, config.n_head, config.block_size, config.head_size)
+        self.layers = nn.ModuleList([LayerCache(shape, device, dtype) for _ in range(config.n_layer)])
         starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
         self.register_buffer("doc_start", starts, persistent=False)
         self.length = 0
@@ -109,9 +118,10 @@ class KVCache(nn.Module):
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write layer's k, v (B, nh, T, hs) at positions input_pos (T,); return its whole cache, (B, nh, block, hs)
         each."""
-        self.k[layer].index_copy_(2, input_pos, k.to(self.k.dtype))
-        self.v[layer].index_copy_(2, input_pos, v.to(self.v.dtype))
-        return self.k[layer], self.v[layer]
+        cache = self.layers[layer]
+        cache.k.index_copy_(2, input_pos, k.to(cache.k.dtype))
+        cache.v.index_copy_(2, input_pos, v.to(cache.v.dtype))
+        return cache.k, cache.v
 
     def prefill(self, idx: torch.Tensor) -> None:
         """A prompt idx (B, T) is written from position 0: where its rows' last documents start."""

@@ -150,7 +150,7 @@ class Decoder:
             raise ValueError(f"this Decoder compiled its steps for {self.dtype} and now decodes in {dtype}; "
                              f"pass Decoder(..., dtype={dtype})")
         cache = self.model.cache
-        if cache is None or cache.k.size(1) != batch_size or cache.k.dtype != dtype:
+        if cache is None or cache.batch_size != batch_size or cache.dtype != dtype:
             self.model.setup_cache(batch_size, dtype)
         return self.model.cache
 

@@ -28,7 +28,7 @@ class MockModel:
 
     def setup_cache(self, batch_size: int, dtype: torch.dtype) -> None:
         self.caches.append((batch_size, dtype))
-        self.cache = SimpleNamespace(k=torch.zeros(1, batch_size, dtype=dtype), length=0)  # k: (n_layer, B)
+        self.cache = SimpleNamespace(batch_size=batch_size, dtype=dtype, length=0)
 
 
 def greedy(model: MockModel, prompt: list[list[int]], new_tokens: int, use_cache: bool = True) -> list[list[int]]:
