@@ -90,54 +90,6 @@ class GPTConfig:
         return math.ceil(self.vocab_size / 64) * 64 if self.pad_vocab else self.vocab_size
 
 
-class LayerCache(nn.Module):
-    """One layer's keys and values, (B, nh, block_size, hs) each: a buffer of its own, not a view into one for all
-    layers (torch 2.13's CPU flex template refuses a key tensor that starts inside another's storage)."""
-
-    def __init__(self, shape: tuple, device, dtype):
-        super().__init__()
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-
-class KVCache(nn.Module):
-    """Everything decoding keeps between steps, in one place: every layer's keys and values for positions
-    [0, block_size), written in place (fixed buffers, so a decode step has one shape at every position and compiles
-    once), how many positions hold the text (`length`, the generator's bookkeeping), and with documents where each
-    row's current document starts (its decode steps see keys from there on)."""
-
-    def __init__(self, config: "GPTConfig", batch_size: int, device, dtype):
-        super().__init__()
-        self.mask, self.batch_size, self.dtype = config.mask, batch_size, dtype
-        shape = (batch_size, config.n_head, config.block_size, config.head_size)
-        self.layers = nn.ModuleList([LayerCache(shape, device, dtype) for _ in range(config.n_layer)])
-        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
-        self.register_buffer("doc_start", starts, persistent=False)
-        self.length = 0
-
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write layer's k, v (B, nh, T, hs) at positions input_pos (T,); return its whole cache, (B, nh, block, hs)
-        each."""
-        cache = self.layers[layer]
-        cache.k.index_copy_(2, input_pos, k.to(cache.k.dtype))
-        cache.v.index_copy_(2, input_pos, v.to(cache.v.dtype))
-        return cache.k, cache.v
-
-    def prefill(self, idx: torch.Tensor) -> None:
-        """A prompt idx (B, T) is written from position 0: where its rows' last documents start."""
-        if self.doc_start is not None:
-            self.doc_start.copy_(masks.doc_starts_after_prefill(idx, self.mask.eot_token))
-
-    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
-        """A decode step writes idx (B, 1) at input_pos (1,): the interval of cache positions it sees."""
-        if self.doc_start is not None:
-            self.doc_start.copy_(masks.doc_starts_after_step(self.doc_start, idx, input_pos, self.mask.eot_token))
-        return masks.decode_span(self.doc_start, self.mask.window, input_pos)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
-
-
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, layer: int, attention: Attention):
@@ -149,7 +101,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
         self.attention = attention  # resolved once by GPT (set_attention), shared by every layer
 
-    def forward(self, x: torch.Tensor, mask=None, cache: Optional[KVCache] = None,
+    def forward(self, x: torch.Tensor, mask=None, cache: Optional["KVCache"] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, T, C). Without a cache: causal attention over x itself (narrowed by `mask`, documents or a window
         in the form the implementation takes). With one, k and v are also written to it at input_pos: T > 1 is a
@@ -191,7 +143,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask=None, cache: Optional[KVCache] = None, input_pos: Optional[torch.Tensor] = None):
+    def forward(self, x, mask=None, cache: Optional["KVCache"] = None, input_pos: Optional[torch.Tensor] = None):
         x = x + self.attn(self.ln_1(x), mask, cache, input_pos)
         return x + self.mlp(self.ln_2(x))
 
@@ -217,7 +169,7 @@ class GPT(nn.Module):
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
-        self.cache: Optional[KVCache] = None  # decode state, made by setup_cache for generation
+        self.cache: Optional["KVCache"] = None  # decode state (core.generate.KVCache), made by setup_cache
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -266,7 +218,7 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def _attention_mask(self, idx: torch.Tensor, cache: Optional[KVCache], input_pos: Optional[torch.Tensor]):
+    def _attention_mask(self, idx: torch.Tensor, cache: Optional["KVCache"], input_pos: Optional[torch.Tensor]):
         """What the layers' attention takes beyond causality, from the one mask value (config.mask): for training
         and a prefill, None (causal) or the documents' and window's mask in the implementation's form; for a decode
         step, the interval of cache positions it sees (masks.Span), which the cache works out."""
@@ -276,7 +228,7 @@ class GPT(nn.Module):
             cache.prefill(idx)
         return mask_for(self.attention.name, self.config.mask, idx)
 
-    def _cache_for(self, T: int, input_pos: Optional[torch.Tensor]) -> Optional[KVCache]:
+    def _cache_for(self, T: int, input_pos: Optional[torch.Tensor]) -> Optional["KVCache"]:
         """The KV cache a call with input_pos writes to (None without input_pos), checked."""
         if input_pos is None:
             return None
@@ -291,7 +243,8 @@ class GPT(nn.Module):
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
         """A KV cache of block_size positions for batch_size sequences, in `dtype` (that of the keys: the
-        weights', or autocast's): all the state decoding keeps (KVCache)."""
+        weights', or autocast's): all the state decoding keeps (core.generate.KVCache)."""
+        from core.generate import KVCache  # generation's own state: training never makes one
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
@@ -340,24 +293,6 @@ class GPT(nn.Module):
         ]
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
-
-    def muon_parameters(self) -> list[nn.Parameter]:
-        """The 2-D weight matrices inside the transformer blocks: what Muon orthogonalizes. The embeddings (and the
-        lm_head tied to one), biases and norms are not matrices of a hidden-to-hidden map; AdamW keeps them."""
-        return [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]
-
-    def configure_muon(self, weight_decay: float, learning_rate: float, muon_lr: float, momentum: float, betas,
-                       device_type: str, orthogonalize_dtype: torch.dtype) -> list[torch.optim.Optimizer]:
-        """Muon (muon.py) for muon_parameters() at muon_lr, AdamW for every other parameter at learning_rate.
-        Muon's update is scaled to AdamW's RMS ("match_rms_adamw", Moonshot's recipe), so AdamW's learning rates
-        and weight decay carry over as starting points; its Newton-Schulz runs in orthogonalize_dtype."""
-        from core.muon import Muon
-        matrices = self.muon_parameters()
-        chosen = {id(p) for p in matrices}
-        rest = [p for p in self.parameters() if id(p) not in chosen]
-        muon = Muon(matrices, lr=muon_lr, momentum=momentum, weight_decay=weight_decay,
-                    adjust_lr_fn="match_rms_adamw", orthogonalize_dtype=orthogonalize_dtype)
-        return [muon, self.configure_optimizers(weight_decay, learning_rate, betas, device_type, params=rest)]
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> float:
         """Training FLOPs (forward + backward) per token, PaLM appendix B: 6N for the matmuls with weights

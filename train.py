@@ -169,8 +169,9 @@ def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoi
     if cfg.optimizer == "adamw":
         optimizers = [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
     else:
-        optimizers = model.configure_muon(cfg.weight_decay, cfg.learning_rate, cfg.muon_lr or cfg.learning_rate,
-                                          cfg.muon_momentum, betas, rt.device_type, rt.orthogonalize_dtype)
+        from core.muon import muon_optimizers  # only a Muon run reads the optimizer's code
+        optimizers = muon_optimizers(model, cfg.weight_decay, cfg.learning_rate, cfg.muon_lr or cfg.learning_rate,
+                                     cfg.muon_momentum, betas, rt.device_type, rt.orthogonalize_dtype)
     for group in (g for optimizer in optimizers for g in optimizer.param_groups):
         group["initial_lr"] = group["lr"]
     return optimizers

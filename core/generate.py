@@ -19,15 +19,65 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
 from attention import decodes_with_mask
 from core.errors import UserError
-from model import GPT
+import masks
+from model import GPT, GPTConfig
 
 QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only
+
+
+class LayerCache(nn.Module):
+    """One layer's keys and values, (B, nh, block_size, hs) each: a buffer of its own, not a view into one for all
+    layers (torch 2.13's CPU flex template refuses a key tensor that starts inside another's storage)."""
+
+    def __init__(self, shape: tuple, device, dtype):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+
+class KVCache(nn.Module):
+    """Everything decoding keeps between steps, in one place: every layer's keys and values for positions
+    [0, block_size), written in place (fixed buffers, so a decode step has one shape at every position and compiles
+    once), how many positions hold the text (`length`, the generator's bookkeeping), and with documents where each
+    row's current document starts (its decode steps see keys from there on)."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
+        super().__init__()
+        self.mask, self.batch_size, self.dtype = config.mask, batch_size, dtype
+        shape = (batch_size, config.n_head, config.block_size, config.head_size)
+        self.layers = nn.ModuleList([LayerCache(shape, device, dtype) for _ in range(config.n_layer)])
+        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
+        self.register_buffer("doc_start", starts, persistent=False)
+        self.length = 0
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write layer's k, v (B, nh, T, hs) at positions input_pos (T,); return its whole cache, (B, nh, block, hs)
+        each."""
+        cache = self.layers[layer]
+        cache.k.index_copy_(2, input_pos, k.to(cache.k.dtype))
+        cache.v.index_copy_(2, input_pos, v.to(cache.v.dtype))
+        return cache.k, cache.v
+
+    def prefill(self, idx: torch.Tensor) -> None:
+        """A prompt idx (B, T) is written from position 0: where its rows' last documents start."""
+        if self.doc_start is not None:
+            self.doc_start.copy_(masks.doc_starts_after_prefill(idx, self.mask.eot_token))
+
+    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
+        """A decode step writes idx (B, 1) at input_pos (1,): the interval of cache positions it sees."""
+        if self.doc_start is not None:
+            self.doc_start.copy_(masks.doc_starts_after_step(self.doc_start, idx, input_pos, self.mask.eot_token))
+        return masks.decode_span(self.doc_start, self.mask.window, input_pos)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],

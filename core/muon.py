@@ -8,7 +8,7 @@ decides the dtype once (Runtime.orthogonalize_dtype: bf16 where the hardware has
 Everything else is torch.optim.Muon's algorithm with its hyperparameters and its state (one momentum buffer per
 matrix): in bf16 it takes exactly torch's steps, and a checkpoint of either optimizer resumes in the other.
 
-    muon = Muon(model.muon_parameters(), lr=2e-2, orthogonalize_dtype=torch.float32)
+    muon, adamw = muon_optimizers(model, 0.1, 6e-4, 2e-2, 0.95, (0.9, 0.95), "cpu", torch.float32)
 """
 
 import math
@@ -85,3 +85,22 @@ class Muon(torch.optim.Optimizer):
                 p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
                 p.add_(update, alpha=-adjusted_lr(lr, p.shape, group["adjust_lr_fn"]))
         return loss
+
+
+def muon_parameters(model) -> list[torch.nn.Parameter]:
+    """A GPT's 2-D weight matrices inside the transformer blocks: what Muon orthogonalizes. The embeddings (and the
+    lm_head tied to one), biases and norms are not matrices of a hidden-to-hidden map; AdamW keeps them."""
+    return [p for p in model.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]
+
+
+def muon_optimizers(model, weight_decay: float, learning_rate: float, muon_lr: float, momentum: float, betas,
+                    device_type: str, orthogonalize_dtype: torch.dtype) -> list[torch.optim.Optimizer]:
+    """Muon for muon_parameters(model) at muon_lr, AdamW (model.configure_optimizers) for every other parameter at
+    learning_rate. Muon's update is scaled to AdamW's RMS ("match_rms_adamw", Moonshot's recipe), so AdamW's
+    learning rates and weight decay carry over as starting points; its Newton-Schulz runs in orthogonalize_dtype."""
+    matrices = muon_parameters(model)
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    muon = Muon(matrices, lr=muon_lr, momentum=momentum, weight_decay=weight_decay,
+                adjust_lr_fn="match_rms_adamw", orthogonalize_dtype=orthogonalize_dtype)
+    return [muon, model.configure_optimizers(weight_decay, learning_rate, betas, device_type, params=rest)]

@@ -5,16 +5,16 @@ import torch
 
 from core import runtime
 import train
-from conftest import TINY, TWO_RANKS, metrics, run_train, straight_and_resumed
+from conftest import TINY, TWO_RANKS, metrics, straight_and_resumed
 from model import GPT, GPTConfig, UserError
-from core.muon import Muon, orthogonalize
+from core.muon import Muon, muon_optimizers, muon_parameters, orthogonalize
 
 BLOCK_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def test_every_parameter_is_in_exactly_one_group_and_muon_gets_the_block_matrices():
     model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=2, n_head=2, n_embd=32, pad_vocab=True))
-    muon, adamw = model.configure_muon(0.1, 1e-3, 2e-2, 0.95, (0.9, 0.95), "cpu", torch.float32)
+    muon, adamw = muon_optimizers(model, 0.1, 1e-3, 2e-2, 0.95, (0.9, 0.95), "cpu", torch.float32)
     assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     assert muon.orthogonalize_dtype == torch.float32
     grouped = [id(p) for optimizer in (muon, adamw) for g in optimizer.param_groups for p in g["params"]]
@@ -60,11 +60,9 @@ def test_resume_with_muon_continues_bit_for_bit(char_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_with_muon_match_one_rank_with_the_same_global_batch(char_data, tmp_path):
-    args = TWO_RANKS + [f"--data_dir={char_data}", "--optimizer=muon"]
-    train.main(args + [f"--out_dir={tmp_path / 'one'}"])
-    run_train(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
-    one, two = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
+def test_two_ranks_with_muon_match_one_rank_with_the_same_global_batch(char_data, tmp_path, two_rank_runs):
+    train.main(TWO_RANKS + [f"--data_dir={char_data}", "--optimizer=muon", f"--out_dir={tmp_path}"])
+    one, two = metrics(tmp_path, "train/loss"), two_rank_runs.losses("muon")
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for it, loss in one.items():  # DDP averages the same gradients in another order
         assert two[it] == pytest.approx(loss, abs=1e-4), it
@@ -118,8 +116,8 @@ def test_muon_in_bf16_takes_exactly_torch_optim_muons_steps():
     """torch.optim.Muon is the independent reference: it always iterates in bf16."""
     models = [GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=32)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    ours = Muon(models[0].muon_parameters(), lr=0.02, adjust_lr_fn="match_rms_adamw", orthogonalize_dtype=torch.bfloat16)
-    theirs = torch.optim.Muon(models[1].muon_parameters(), lr=0.02, adjust_lr_fn="match_rms_adamw")
+    ours = Muon(muon_parameters(models[0]), lr=0.02, adjust_lr_fn="match_rms_adamw", orthogonalize_dtype=torch.bfloat16)
+    theirs = torch.optim.Muon(muon_parameters(models[1]), lr=0.02, adjust_lr_fn="match_rms_adamw")
     x = torch.randint(61, (4, 16), generator=torch.Generator().manual_seed(2))
     for _ in range(3):
         for model, optimizer in zip(models, (ours, theirs)):
