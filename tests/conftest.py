@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny character dataset and a way to run train.py (alone or under torchrun)."""
+"""Shared fixtures: a tiny character dataset, tiny training runs, and every 2-rank run from one torchrun launch."""
 
 import dataclasses
 import json
@@ -60,7 +60,7 @@ def strict_recompile_limit():
 
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: bool = True,
               script: Path = REPO / "train.py"):
-    """train.py as a user runs it, alone or under torchrun; `script=RANK_PROBE` also reports per-rank facts."""
+    """train.py as a user runs it, alone or under torchrun; `script=RANK_PROBE` runs a plan of runs instead."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [sys.executable])
     result = subprocess.run(launcher + [str(script)] + args, capture_output=True, text=True,
@@ -84,19 +84,36 @@ def metrics(out_dir: Path, key: str) -> dict[int, float]:
     return {r["iter"]: r[key] for r in rows if key in r}
 
 
-
-
-# two ranks, each taking one of the two micro-steps of every step: the runs tests/test_train.py and test_fsdp.py
-# hold to a single process and to each other
+# two ranks, each taking one of the two micro-steps of every step: the runs the distributed tests hold to a single
+# process and to each other
 TWO_RANKS = TINY + ["--gradient_accumulation_steps=2", "--eval_interval=3", "--max_iters=6"]
 
 
+@dataclasses.dataclass
+class TwoRankRuns:
+    out: Path             # each run's out_dir is out / its name
+    report: dict          # tests/rank_probe.py's: per run, digests and elements per rank; rank_0_fails
+
+    def losses(self, name: str) -> dict[int, float]:
+        return metrics(self.out / name, "train/loss")
+
+
 @pytest.fixture(scope="session")
-def ddp_two_ranks(char_data_session, tmp_path_factory):
-    """Six steps of 2-rank DDP (gloo): its losses, and what tests/rank_probe.py printed."""
-    out = tmp_path_factory.mktemp("ddp_two_ranks")
-    result = run_train(TWO_RANKS + [f"--data_dir={char_data_session}", f"--out_dir={out}"], nproc=2, script=RANK_PROBE)
-    return metrics(out, "train/loss"), result.stdout
+def two_rank_runs(char_data_session, tmp_path_factory) -> TwoRankRuns:
+    """Every 2-rank check of the suite from one torchrun launch (tests/rank_probe.py): six steps of DDP, of DDP with
+    Muon, of FSDP; FSDP stopped at step 3 (its out_dir also kept as fsdp_at_3) then resumed to 6; three steps of FSDP
+    compiled per block; and rank 0 failing inside runtime.on_master. About a minute, most of it the compile."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    data = TWO_RANKS + [f"--data_dir={char_data_session}"]
+    fsdp = data + ["--parallel=fsdp"]
+    runs = [("ddp", data, {}), ("muon", data + ["--optimizer=muon"], {}), ("fsdp", fsdp, {}),
+            ("fsdp_resumed", fsdp + ["--max_iters=3"], {"keep": str(out / "fsdp_at_3")}),
+            ("fsdp_resumed", fsdp + ["--init_from=resume"], {}),
+            ("fsdp_compiled", fsdp + ["--max_iters=3", "--compile=True"], {})]
+    plan = {"runs": [{"name": name, "args": args, "out_dir": str(out / name), **extra} for name, args, extra in runs]}
+    (out / "plan.json").write_text(json.dumps(plan))
+    run_train([str(out / "plan.json"), str(out / "report.json")], nproc=2, script=RANK_PROBE)
+    return TwoRankRuns(out, json.loads((out / "report.json").read_text()))
 
 
 def checkpoint_of(model, **fields):

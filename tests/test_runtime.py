@@ -4,8 +4,6 @@ reached here by standing in for torch.cuda's answers; tests/test_gpu.py runs the
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ from benchmarks import compare
 from core import runtime
 import sample
 import train
-from conftest import REPO
 from model import GPT, GPTConfig, UserError
 
 # -- peak FLOP/s ----------------------------------------------------------------------------------------
@@ -141,30 +138,39 @@ def test_other_errors_are_not_taken_for_out_of_memory():
 
 # -- rank 0 failing -------------------------------------------------------------------------------------------
 
-def test_when_rank_0_fails_to_prepare_every_rank_stops_with_it(tmp_path):
-    script = tmp_path / "two_ranks.py"
-    script.write_text(f"""
-import sys
-sys.path.insert(0, {str(REPO)!r})
-from core import runtime
-from model import UserError
+@pytest.mark.slow
+def test_when_rank_0_fails_to_prepare_every_rank_stops_with_it(two_rank_runs):
+    """Two real ranks (gloo, under torchrun): tests/rank_probe.py gathers what each raised."""
+    assert two_rank_runs.report["rank_0_fails"] == [
+        "preparing dataset 'x' failed", "rank 0 stopped with an error (printed above); the other ranks stop with it."]
 
-def work():
-    raise UserError("preparing dataset 'x' failed")
 
-rank, _, _, device = runtime.init_distributed("cpu")
-try:
-    runtime.on_master(work, device)
-except UserError as e:
-    print(f"rank {{rank}}: {{e}}")
-runtime.destroy_distributed()
-""")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "rank 0: preparing dataset 'x' failed" in result.stdout
-    assert "rank 1: rank 0 stopped with an error (printed above); the other ranks stop with it." in result.stdout
+@pytest.mark.parametrize("rank", [0, 1])
+def test_on_master_runs_the_work_on_rank_0_alone_and_a_failure_there_stops_every_rank(monkeypatch, rank):
+    """on_master's two sides in one process: the process group answers as it would for `rank` of two, rank 0 telling
+    the others (through the mean of 'failed') whether its work raised. The slow test above runs two real ranks."""
+    ran = []
+
+    def work(fails: bool):
+        def run():
+            ran.append(rank)
+            if fails:
+                raise UserError("preparing dataset 'x' failed")
+        return run
+    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda: rank)
+    for rank_0_fails in (False, True):
+        other = float(rank_0_fails) if rank == 1 else 0.0  # the other rank's 'my work failed': rank 0's, rank 1's
+        monkeypatch.setattr(runtime, "mean_across_ranks", lambda mine, device: (mine + other) / 2)
+        if not rank_0_fails:
+            runtime.on_master(work(fails=False), "cpu")
+            continue
+        expected = ("preparing dataset 'x' failed" if rank == 0 else
+                    "rank 0 stopped with an error (printed above); the other ranks stop with it.")
+        with pytest.raises(UserError) as stopped:
+            runtime.on_master(work(fails=True), "cpu")
+        assert str(stopped.value) == expected
+    assert ran == ([0, 0] if rank == 0 else [])  # the work runs on rank 0 only
 
 
 def test_ddp_does_not_broadcast_the_derived_buffers_before_every_forward(tmp_path):

@@ -17,14 +17,13 @@ from model import UserError
 # -- distributed --------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(char_data, tmp_path, ddp_two_ranks):
+def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(char_data, tmp_path, two_rank_runs):
     train.main(TWO_RANKS + [f"--data_dir={char_data}", f"--out_dir={tmp_path}"])
-    one, (two, printed) = metrics(tmp_path, "train/loss"), ddp_two_ranks
+    one, two = metrics(tmp_path, "train/loss"), two_rank_runs.losses("ddp")
     assert sorted(one) == list(range(1, 7))
     for it, loss in one.items():
         assert abs(two[it] - loss) <= 1e-5, (it, loss, two[it])
-    digests = next(line for line in printed.splitlines() if line.startswith("parameter digest per rank"))
-    rank0, rank1 = digests.split(":")[1].split()
+    rank0, rank1 = two_rank_runs.report["runs"]["ddp"]["digests"]
     assert rank0 == rank1
 
 
