@@ -155,6 +155,7 @@ def test_max_batch_size_doubles_then_bisects_to_the_largest_that_fits():
     assert measure.max_batch_size(fits_up_to(0), limit=48) == 0
 
 
+@pytest.mark.slow  # a real search: a dozen training steps at T=256 (the search itself is unit-tested above)
 def test_sdpa_fits_a_larger_batch_than_manual_at_a_long_sequence_under_a_cpu_memory_budget(tmp_path):
     # At T=256 manual attention holds several (B, nh, T, T) score tensors per layer; the flash kernel holds
     # O(T) per head. The vocabulary is tiny so attention dominates memory.

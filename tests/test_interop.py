@@ -37,8 +37,33 @@ def bpe_data(tmp_path_factory) -> Path:
     return d
 
 
-def trained(data: Path, out: Path, *extra: str) -> Path:
-    train.main(TINY + [f"--data_dir={data}", "--max_iters=20", "--eval_interval=20", f"--out_dir={out}", *extra])
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """trained(data, *settings): the out_dir of 20 steps of train.py on `data`, trained once per module for each
+    (data, settings); the tests read it and write elsewhere."""
+    runs = {}
+
+    def run(data: Path, *extra: str) -> Path:
+        if (str(data), extra) not in runs:
+            out = tmp_path_factory.mktemp("run")
+            train.main(TINY + [f"--data_dir={data}", "--max_iters=20", "--eval_interval=20", f"--out_dir={out}",
+                               *extra])
+            runs[str(data), extra] = out
+        return runs[str(data), extra]
+    return run
+
+
+def fresh_out_dir(out: Path, data: Path, **config) -> Path:
+    """An out_dir holding what train.py would save for a model of TINY's shape on `data` (its meta.json) before any
+    step, with trained-size weights (x5: GELU inputs of order 1, where the exact and tanh GELUs differ): for checks
+    that compare two computations of the same weights, without seconds of training a 50257-row embedding."""
+    meta = json.loads((data / "meta.json").read_text())
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=meta["vocab_size"], **config))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0 if p.dim() >= 2 else 1.0)
+    checkpoint_of(model, meta=meta).save(out / "ckpt.pt")
     return out
 
 
@@ -84,8 +109,8 @@ def test_the_readmes_export_and_pipeline_snippet_run_as_written_on_the_quickstar
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the_same_weights(
         kind, padded, char_data, bpe_data, tmp_path):
-    out = trained(char_data if kind == "char" else bpe_data, tmp_path / "run", f"--pad_vocab={padded}",
-                  "--gelu=none" if kind == "char" else "--gelu=tanh")
+    out = fresh_out_dir(tmp_path / "run", char_data if kind == "char" else bpe_data, pad_vocab=padded,
+                        gelu="none" if kind == "char" else "tanh")
     hf_dir = tmp_path / "hf"
     assert export_hf.main([f"--out_dir={out}", f"--hf_dir={hf_dir}"]) == 0
     ours = Checkpoint.load(out / "ckpt.pt").build_model().eval()
@@ -103,15 +128,16 @@ def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the
     torch.testing.assert_close(our_logits(back, ids), our_logits(ours, ids), rtol=0, atol=0)
 
 
-def test_sampling_a_character_export_by_directory_is_refused_rather_than_decoded_as_bpe(char_data, tmp_path):
-    hf_dir = export_hf.export(Checkpoint.load(trained(char_data, tmp_path / "run") / "ckpt.pt"), tmp_path / "hf")
+def test_sampling_a_character_export_by_directory_is_refused_rather_than_decoded_as_bpe(char_data, trained, tmp_path):
+    hf_dir = export_hf.export(Checkpoint.load(trained(char_data) / "ckpt.pt"), tmp_path / "hf")
     with pytest.raises(UserError, match="vocabulary, not GPT-2's; sample.py reads Hugging Face directories with GPT-2"):
         sample.main([f"--init_from={hf_dir}", "--device=cpu"])
 
 
 @pytest.mark.parametrize("kind, prompt", [("char", "To be, or"), ("bpe", "The king said")])
-def test_pipeline_greedy_text_equals_sample_py_greedy_text(kind, prompt, char_data, bpe_data, tmp_path):
-    out = trained(char_data if kind == "char" else bpe_data, tmp_path / "run")
+def test_pipeline_greedy_text_equals_sample_py_greedy_text(kind, prompt, char_data, bpe_data, trained, tmp_path):
+    # char: a train.py run's out_dir, exported as a user exports it; bpe: the same for a fresh model
+    out = trained(char_data) if kind == "char" else fresh_out_dir(tmp_path / "run", bpe_data)
     hf_dir = export_hf.export(Checkpoint.load(out / "ckpt.pt"), tmp_path / "hf")
     sample.main([f"--out_dir={out}", f"--start={prompt}", "--temperature=0", "--max_new_tokens=12",
                  "--num_samples=1", "--device=cpu", "--dtype=float32", f"--json={tmp_path / 'sample.json'}"])
@@ -134,8 +160,8 @@ def test_the_exported_tokenizer_encodes_and_decodes_as_this_repos(kind, char_dat
     assert loaded.decode(ours.encode(text)) == text
 
 
-def test_a_model_without_biases_exports_with_zero_biases_and_the_same_logits(char_data, tmp_path):
-    out = trained(char_data, tmp_path / "run", "--bias=False")  # nanoGPT's default
+def test_a_model_without_biases_exports_with_zero_biases_and_the_same_logits(char_data, trained, tmp_path):
+    out = trained(char_data, "--bias=False")  # nanoGPT's default
     hf_dir = export_hf.export(Checkpoint.load(out / "ckpt.pt"), tmp_path / "hf")
     ours = Checkpoint.load(out / "ckpt.pt").build_model().eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
@@ -144,8 +170,8 @@ def test_a_model_without_biases_exports_with_zero_biases_and_the_same_logits(cha
     torch.testing.assert_close(theirs, our_logits(ours, ids), rtol=0, atol=1e-5)
 
 
-def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, tmp_path):
-    out = trained(char_data, tmp_path / "run")
+def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, trained, tmp_path):
+    out = trained(char_data)
     checkpoint = Checkpoint.load(out / "ckpt.pt")
     checkpoint.meta = {"tokenizer": "sentencepiece", "vocab_size": checkpoint.meta["vocab_size"]}
     with pytest.raises(UserError, match=r"names tokenizer 'sentencepiece'; only GPT-2 BPE and character "):
@@ -157,8 +183,8 @@ def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, 
     assert not (tmp_path / "hf").exists()
 
 
-def test_an_existing_folder_is_never_written_over(char_data, tmp_path):
-    out = trained(char_data, tmp_path / "run")
+def test_an_existing_folder_is_never_written_over(char_data, trained, tmp_path):
+    out = trained(char_data)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="already exists and is not empty"):
@@ -334,9 +360,9 @@ def test_a_nanogpt_run_resumes_from_its_out_dir_and_its_data_folder(char_data, t
                                                      "chars": chars_of(char_data)}
 
 
-def test_a_new_run_on_a_nanogpt_data_folder_takes_its_vocabulary_and_samples_with_it(char_data, tmp_path):
+def test_a_new_run_on_a_nanogpt_data_folder_takes_its_vocabulary_and_samples_with_it(char_data, trained, tmp_path):
     data = nanogpt_data_dir(tmp_path / "data", char_data)
-    out = trained(data, tmp_path / "run")
+    out = trained(data)
     checkpoint = Checkpoint.load(out / "ckpt.pt")
     assert checkpoint.model_config["vocab_size"] == len(chars_of(char_data))  # not GPT-2's 50257
     assert checkpoint.meta["chars"] == chars_of(char_data)
