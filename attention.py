@@ -156,13 +156,16 @@ def varlen_attention(q, k, v, mask, dropout_p):
     # the window as flash's window_size (left, right), which counts the query itself apart.
     if isinstance(mask, torch.Tensor):  # a decode step, one query over the cache: nothing to pack, SDPA runs it
         return sdpa_attention(q, k, v, mask, dropout_p)
-    B, nh, T, hs = q.shape
-    packing = mask if mask is not None else masks.packed(None, 0, B, T, q.device)
-    window_size = (packing.window - 1 if packing.window else -1, 0)
-    q, k, v = (t.transpose(1, 2).reshape(B * T, nh, hs) for t in (q, k, v))  # (B*T, nh, hs): rows end to end
-    y = varlen_attn(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_len, packing.max_len,
-                    window_size=window_size)  # (B*T, nh, hs)
-    return y.reshape(B, T, nh, hs).transpose(1, 2)
+    B, nh, Tq, hs = q.shape
+    Tk = k.size(-2)  # more keys than queries: a one-query step over the written keys, causal aligned to the end
+    packing = mask if mask is not None else masks.packed(None, 0, B, Tq, q.device)  # Tq == Tk with documents
+    keys = packing if Tk == Tq else masks.packed(None, 0, B, Tk, q.device)
+    window_size = (packing.window - 1 if packing.window else -1, 0)  # (-1, 0): causal, bottom-right aligned
+    q = q.transpose(1, 2).reshape(B * Tq, nh, hs)  # (B*Tq, nh, hs): rows end to end
+    k, v = (t.transpose(1, 2).reshape(B * Tk, nh, hs) for t in (k, v))  # (B*Tk, nh, hs)
+    y = varlen_attn(q, k, v, packing.cu_seqlens, keys.cu_seqlens, packing.max_len, keys.max_len,
+                    window_size=window_size)  # (B*Tq, nh, hs)
+    return y.reshape(B, Tq, nh, hs).transpose(1, 2)
 
 
 ATTENTION: dict[str, AttentionFn] = {

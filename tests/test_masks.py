@@ -196,19 +196,37 @@ def test_a_flash_like_kernel_without_a_mask_is_refused_for_masked_training(monke
 
 
 def fake_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, -1)):
-    """varlen_attn as torch 2.13 documents it, in plain tensor code: q, k, v (total, H, D); each sequence of
-    cu_seq_q attends within itself, key j visible to query i when i - left <= j <= i + right (-1: unlimited)."""
-    assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
-    assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    """varlen_attn as torch 2.13 documents it, in plain tensor code: q (total_q, H, D), k and v (total_k, H, D);
+    sequence n's queries attend within its keys, key j visible to query i when i - left <= j <= i + right (-1:
+    unlimited), positions aligned to the sequence's end where it has fewer queries than keys (FlashAttention's
+    bottom-right causal)."""
+    assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32 and len(cu_seq_q) == len(cu_seq_k)
+    assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) and max_k == int((cu_seq_k[1:] - cu_seq_k[:-1]).max())
     left, right = window_size
     out = torch.empty_like(q)
-    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
-        i, j = torch.arange(end - start)[:, None], torch.arange(end - start)[None, :]
+    for (q0, q1), (k0, k1) in zip(zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()),
+                                  zip(cu_seq_k[:-1].tolist(), cu_seq_k[1:].tolist())):
+        i = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)  # each query's position among the keys
+        j = torch.arange(k1 - k0)[None, :]
         visible = (j <= i + right) & ((j >= i - left) if left >= 0 else True)
-        att = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) / q.size(-1) ** 0.5  # (H, len, len)
+        att = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) / q.size(-1) ** 0.5  # (H, len_q, len_k)
         att = att.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", att, v[start:end])
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", att, v[k0:k1])
     return out
+
+
+def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys(monkeypatch):
+    """What CUDA would meet for every forward without gradients: the probe's one-query call against T keys."""
+    monkeypatch.setattr(attention, "varlen_attn", fake_varlen_attn)
+    attention.attention_problem.cache_clear()
+    try:
+        assert attention._probe("varlen", "cpu", torch.float32, 0.0, 16, needs_grad=False, seq_len=32) is None
+    finally:
+        attention.attention_problem.cache_clear()
+    q, k, v = torch.randn(3, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1))  # (B, nh, T, hs) each
+    one = attention.varlen_attention(q[:, :, -1:], k, v, None, 0.0)  # the last query over all 20 keys
+    assert torch.allclose(one, attention.manual_attention(q[:, :, -1:], k, v, None, 0.0), atol=1e-6)
+    assert torch.allclose(one, attention.varlen_attention(q, k, v, None, 0.0)[:, :, -1:], atol=1e-6)
 
 
 @pytest.mark.parametrize("mask", [*MASKS, "causal"])
