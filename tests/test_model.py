@@ -187,18 +187,7 @@ def test_padded_ids_are_never_sampled_even_when_their_logits_would_win():
 
 # -- generation ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("attn", CPU_ALL)
-def test_kv_cache_generation_returns_the_cache_free_tokens(attn):
-    model = tiny_model(attn).eval()
-    prompt, _ = batch(B=2, T=5)
-    # 45 new tokens from 5 run past block_size=32, so the crop-and-refill path is exercised too.
-    for top_k in (None, 10):
-        cached = generate(model, prompt, 45, temperature=0.9, top_k=top_k,
-                                generator=torch.Generator().manual_seed(7), use_cache=True)
-        plain = generate(model, prompt, 45, temperature=0.9, top_k=top_k,
-                               generator=torch.Generator().manual_seed(7), use_cache=False)
-        assert torch.equal(cached, plain)
-        assert cached.shape == (2, 50)
+# the KV cache against cache-free decoding, for every implementation, is test_generate.py's and test_masks.py's
 
 
 def test_the_same_seed_gives_the_same_tokens_and_prompts_longer_than_block_size_are_cropped():
