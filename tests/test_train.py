@@ -2,6 +2,7 @@
 
 import glob
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,49 @@ def test_init_from_a_local_hf_directory_crops_to_a_shorter_block_size(char_data,
 
 # -- measurement and logging --------------------------------------------------------------------------
 
+class FakeWandb:
+    """The part of wandb's API MetricsLog uses (init, then the run's log and finish), recording every call."""
+
+    def __init__(self):
+        self.configs, self.logged, self.finished = [], {}, 0
+
+    def init(self, project, name, config):
+        self.configs.append(config)
+        return self
+
+    def log(self, metrics, step):
+        self.logged.setdefault(step, {}).update(metrics)
+
+    def finish(self):
+        self.finished += 1
+
+
+def json_rows_at(out_dir: Path, it: int) -> dict:
+    """Every metrics.jsonl row of one iteration, merged."""
+    merged = {}
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["iter"] == it:
+            merged.update(row)
+    return merged
+
+
+def test_metrics_reach_wandb_keyed_by_iteration(char_data, tmp_path, monkeypatch):
+    """What train.py hands wandb, in process; the slow test below checks what a real offline wandb run records."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    train.main(TINY + [f"--data_dir={char_data}", "--max_iters=4", "--eval_interval=2", "--wandb_log=True",
+                       f"--out_dir={tmp_path}"])
+    assert wandb.finished == 1 and len(wandb.configs) == 1
+    assert wandb.configs[0]["resolved_attn"] == "sdpa" and wandb.configs[0]["world_size"] == 1
+    assert {step for step, m in wandb.logged.items() if "ms_per_iter" in m} == {1, 2, 3, 4}
+    assert {step for step, m in wandb.logged.items() if "val/loss" in m} == {0, 2, 4}
+    for step, logged in wandb.logged.items():  # what metrics.jsonl holds, the iteration as wandb's step
+        assert logged == {k: v for k, v in json_rows_at(tmp_path, step).items() if k != "iter"}, step
+    assert all("tokens_per_s" in wandb.logged[i] and "mfu" in wandb.logged[i] for i in (1, 2, 3, 4))
+
+
+@pytest.mark.slow  # wandb starts its own service process
 def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
