@@ -79,6 +79,18 @@ def run_train(args: list[str], nproc: int = 1, env: dict | None = None, check: b
     return result
 
 
+@pytest.fixture(scope="session")
+def trained_char_run(char_data_session, tmp_path_factory) -> Path:
+    """The out_dir of a tiny char model trained for 150 steps on char_data (its checkpoint names that data): logits
+    with real structure, so greedy tokens mean something. Trained once for test_generate.py and test_sample.py; read
+    only."""
+    import train
+    out = tmp_path_factory.mktemp("trained_char_run")
+    train.main(TINY + [f"--data_dir={char_data_session}", f"--out_dir={out}", "--max_iters=150",
+                       "--eval_interval=150", "--n_embd=64", "--n_head=4"])
+    return out
+
+
 def straight_and_resumed(args: list[str], out: Path) -> tuple[Path, Path]:
     """Six steps in one run, and three steps then a resume to six: the two out_dirs, to compare their metrics."""
     import train

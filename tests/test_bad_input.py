@@ -3,6 +3,7 @@ is one sentence that says what was wrong and what to do. Run in process through 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,12 +26,18 @@ def train_tiny(*args: str) -> int:
     return train.main(TINY + list(args))
 
 
-@pytest.fixture()
-def trained(char_data, tmp_path):
-    """out_dir holding the checkpoint and metrics of two steps of a tiny model (evaluated and saved at step 2)."""
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def trained_once(char_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "out"
     train_tiny(f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={out}")
     return out
+
+
+@pytest.fixture()
+def trained(trained_once, tmp_path):
+    """out_dir holding the checkpoint and metrics of two steps of a tiny model (evaluated and saved at step 2): a
+    copy of one run per module, this test's own to change."""
+    return shutil.copytree(trained_once, tmp_path / "out")
 
 
 def token_folder(path, train_ids, val_ids=None, vocab_size=None):

@@ -12,10 +12,9 @@ from torch._dynamo.utils import counters
 
 import attention
 from core import runtime
-import train
 from core.generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
 from model import GPT, GPTConfig, UserError
-from conftest import TINY as TINY_ARGS, runnable_on_cpu
+from conftest import runnable_on_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_INFERENCE = runnable_on_cpu(training=False)  # every attn that runs inference on CPU
@@ -168,13 +167,10 @@ def test_the_cache_holds_block_size_positions_per_layer_in_the_keys_dtype():
 # -- int8 weights ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def trained(char_data, tmp_path_factory) -> GPT:
-    """A tiny char model trained for 150 steps: logits with real structure, so greedy tokens mean something."""
-    out = tmp_path_factory.mktemp("trained")
-    train.main(TINY_ARGS + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150", "--eval_interval=150",
-                            "--n_embd=64", "--n_head=4"])
+def trained(trained_char_run) -> GPT:
+    """conftest's tiny char model trained for 150 steps: logits with real structure, so greedy tokens mean something."""
     from core.checkpoint import Checkpoint
-    return Checkpoint.load(out / "ckpt.pt").build_model().eval()
+    return Checkpoint.load(trained_char_run / "ckpt.pt").build_model().eval()
 
 
 def test_int8_logits_are_within_2_percent_of_fp32_and_greedy_tokens_agree(trained, char_data):

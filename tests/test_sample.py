@@ -294,14 +294,9 @@ def test_compare_skips_an_implementation_that_refuses_at_run_time_and_finishes(c
 # -- int8 weights --------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def trained_ckpt(char_data, tmp_path_factory) -> Path:
-    """A tiny char model trained for 150 steps on char_data, whose checkpoint names that data (held-out val.bin)."""
-    import train
-    from tests.conftest import TINY as TRAIN_TINY
-    out = tmp_path_factory.mktemp("trained")
-    train.main(TRAIN_TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150", "--eval_interval=150",
-                             "--n_embd=64", "--n_head=4"])
-    return out
+def trained_ckpt(trained_char_run) -> Path:
+    """conftest's tiny char model trained for 150 steps on char_data, whose checkpoint names that data (val.bin)."""
+    return trained_char_run
 
 
 def test_int8_sampling_draws_the_fp32_greedy_tokens_of_a_trained_model(trained_ckpt, tmp_path, capsys):
