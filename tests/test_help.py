@@ -153,6 +153,7 @@ def test_help_anywhere_in_argv_wins_over_config_files_and_bad_settings(tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: the command line's wiring (help in process is above)
 def test_python_train_py_help_prints_help_and_exits_0():
     existed = (REPO / "out").exists()  # train.py's default out_dir, from the repository root
     result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
