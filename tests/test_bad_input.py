@@ -111,6 +111,27 @@ def test_a_mistyped_data_dir_is_refused_and_the_custom_corpus_in_the_default_fol
     assert {p.name: p.read_bytes() for p in corpus.iterdir()} == before
 
 
+def test_an_empty_default_folder_of_an_embedded_dataset_is_prepared_there_by_its_prepare_script(tmp_path,
+                                                                                                   monkeypatch):
+    """train.py runs the folder's own prepare.py with --out_dir= the folder, then trains on what it wrote: here a
+    stand-in that writes a small dataset; the packaged script preparing the plays is the slow test below."""
+    folder = tmp_path / "data" / "shakespeare_char"
+    folder.mkdir(parents=True)
+    (folder / "prepare.py").write_text(
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "import numpy as np\n"
+        f"assert sys.argv[1:] == ['--out_dir={folder}'], sys.argv\n"
+        "out = Path(sys.argv[1].split('=', 1)[1])\n"
+        "(np.arange(3000) % 7).astype(np.uint16).tofile(out / 'train.bin')\n"
+        "(np.arange(300) % 7).astype(np.uint16).tofile(out / 'val.bin')\n"
+        "(out / 'meta.json').write_text(json.dumps({'tokenizer': 'char', 'vocab_size': 7, 'chars': list('abcdefg')}))\n")
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
+    train_tiny("--dataset=shakespeare_char", "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path / 'out'}")
+    assert Checkpoint.load(tmp_path / "out" / "ckpt.pt").meta["chars"] == list("abcdefg")
+
+
+@pytest.mark.slow  # the packaged script, in its own interpreter, reads every play
 def test_an_empty_default_folder_of_an_embedded_dataset_is_prepared_there(tmp_path, monkeypatch):
     folder = tmp_path / "data" / "shakespeare_char"
     folder.mkdir(parents=True)

@@ -222,6 +222,7 @@ def check_owt_outputs(out_dir: Path, report: dict, docs: list[str]) -> None:
     assert sorted(decoded) == sorted(docs)
 
 
+@pytest.mark.slow  # two worker processes (the text corpus below runs the same pipeline in one)
 def test_openwebtext_pipeline_on_a_local_jsonl_corpus(tmp_path):
     docs = [f"Doc {i}: the quick brown fox 🦊 jumps, café {'na' * i}\n\nsecond paragraph." for i in range(40)]
     with open(tmp_path / "corpus.jsonl", "w", encoding="utf-8") as f:

@@ -136,7 +136,7 @@ def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path,
 
 def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
     train.main(TINY + [f"--data_dir={char_data}", "--max_iters=100000", "--eval_interval=100000",
-                       "--max_seconds=1.0", f"--out_dir={tmp_path}"])
+                       "--max_seconds=0.25", f"--out_dir={tmp_path}"])
     last = max(metrics(tmp_path, "val/loss"))
     assert 0 < last < 100000 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == last
 
