@@ -207,17 +207,6 @@ def decode_form(attn: str, span: masks.Span, kv_len: int):
     return span if attn == "flex" else masks.span_rows(span, kv_len)
 
 
-def attention_names(spec) -> list[str]:
-    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked ATTENTION keys, each once."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = list(ATTENTION) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
-    unknown = [n for n in names if n not in ATTENTION]
-    if unknown or not names:
-        raise UserError(f"unknown attn {', '.join(map(repr, unknown)) or '(none given)'}; "
-                        f"use all or a comma-separated list of {', '.join(ATTENTION)}.")
-    return list(dict.fromkeys(names))
-
-
 # -----------------------------------------------------------------------------
 # what can run here: we ask PyTorch by running each implementation once, because which kernel accepts which
 # device/dtype/dropout/head size/layout changes from release to release.

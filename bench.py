@@ -35,10 +35,11 @@ from benchmarks.measure import (audited_row, free_memory, max_batch_size, measur
                      profiled_run)
 from core.configurator import Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
-from attention import ATTENTION, attention_names, attention_problem
+from attention import ATTENTION, attention_problem
 from benchmarks.bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import (MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask,
                          tokens_with_documents)
+from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from model import GPT, GPTConfig
 from core.runtime import Runtime

@@ -8,8 +8,9 @@ every layer:
     block_mask   a FlexAttention BlockMask: blocks where nothing is allowed are skipped, not computed
     packed       the documents as varlen_attn's cu_seqlens (and the window as its window_size)
 
-A decode step sees one interval of the KV cache per row, a Span [start, end), from the cache to the kernel: flex's
-score mod reads it, a kernel that takes no mask reads the keys in it, the others take it as a dense row.
+A decode step sees one interval of the KV cache per row, a Span [start, end), made by the cache (KVCache.step in
+core/generate.py, beside each row's document start) and passed to the kernel: flex's score mod
+reads it, a kernel that takes no mask reads the keys in it, the others take it as a dense row.
 
 Documents are separated by the dataset's end-of-text token. End-of-text opens the next document, as a
 beginning-of-sequence token would: it is that document's first token, so the prediction after it sees nothing of
@@ -107,40 +108,6 @@ def packed(docs: Optional[torch.Tensor], window: int, B: int, T: int, device) ->
     offsets = starts.flatten().nonzero().flatten()  # (N,): a host sync, once per forward
     cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)  # (N + 1,)
     return Packed(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), window)
-
-
-def mask_fraction(mask: torch.Tensor) -> float:
-    """The fraction of the (T, T) score matrix a dense mask lets through: what an implementation that skips the
-    rest would compute."""
-    return mask.float().mean().item()
-
-
-def block_fraction(mask: BlockMask) -> float:
-    """The fraction of the score matrix a BlockMask computes (whole blocks: partly masked ones count in full)."""
-    return 1.0 - mask.sparsity() / 100
-
-
-# -- decoding over a KV cache ---------------------------------------------------------------------------
-
-def doc_starts_after_prefill(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
-    """(B, T) a prompt from position 0 -> (B,) where each row's last document starts (0 without end-of-text)."""
-    pos = torch.arange(idx.size(1), device=idx.device)
-    return torch.where(idx == eot_token, pos, 0).amax(dim=1)
-
-
-def doc_starts_after_step(doc_start: torch.Tensor, idx: torch.Tensor, input_pos: torch.Tensor,
-                          eot_token: int) -> torch.Tensor:
-    """(B,) document starts after one decode step writes idx (B, 1) at input_pos (1,): end-of-text opens one."""
-    return torch.where(idx[:, 0] == eot_token, input_pos, doc_start)
-
-
-def decode_span(doc_start: Optional[torch.Tensor], window: int, input_pos: torch.Tensor) -> Span:
-    """The interval a decode step at input_pos (1,) sees: [max(document start, pos - window + 1), pos]."""
-    end = input_pos + 1  # (1,)
-    start = (end - window).clamp(min=0) if window else torch.zeros_like(end)  # (1,)
-    if doc_start is not None:
-        start = torch.maximum(start, doc_start)  # (B,): each row's own document
-    return Span(start, end)
 
 
 def span_rows(span: Span, kv_len: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ Every setting below can be set in a config file or overridden with --key=value.
 """
 
 import dataclasses
-import inspect
 import math
 import sys
 from contextlib import nullcontext
@@ -19,8 +18,6 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import flops
 from core import files
@@ -192,33 +189,19 @@ def set_learning_rates(optimizers: list, multiplier: float) -> None:
 
 
 def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
-    """Compile and wrap for the world we run in. FSDP2: each block is a unit (gathered for its forward and
-    backward, then freed), then the root holds the embeddings, final norm and tied lm_head."""
-    if rt.is_distributed and cfg.parallel == "fsdp":
-        mp = MixedPrecisionPolicy(param_dtype=rt.torch_dtype, reduce_dtype=torch.float32)
-        for block in model.transformer.h:
-            if cfg.compile:
-                block.compile()  # per block: whole-model compile would trace through FSDP's hooks
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
-    compiled = torch.compile(model) if cfg.compile else model
-    return wrap_ddp(compiled, rt, rt.local_rank) if rt.is_distributed else compiled
-
-
-def wrap_ddp(model: torch.nn.Module, rt: Runtime, local_rank: int) -> DDP:
-    # the only buffers (causal masks, the padded-vocab bias) are derived and alike on every rank: DDP's default
-    # would broadcast them from rank 0 before every forward (~13 MB at GPT-2 size). torch 2.13 renamed the switch.
-    new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
-    no_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
-    return DDP(model, device_ids=[local_rank] if rt.is_cuda else None, **no_sync)
+    """The model compiled, and under torchrun wrapped so the ranks train it together (DDP, or FSDP2 per block)."""
+    if not rt.is_distributed:
+        return torch.compile(model) if cfg.compile else model
+    from core import parallel  # only a run of several ranks wraps its model
+    return parallel.wrap(model, cfg.parallel, cfg.compile, rt)
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool):
     """Gradient accumulation: reduce gradients across ranks only on the last micro-step."""
-    if isinstance(model, DDP):
-        return nullcontext() if sync else model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
+    elif hasattr(model, "no_sync") and not sync:  # DDP
+        return model.no_sync()
     return nullcontext()
 
 

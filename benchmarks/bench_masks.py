@@ -14,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from core import files
 import masks
@@ -68,9 +69,9 @@ def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int) -> d
     (its BlockMask's exact count); the kernels that skip by causality or packing compute about what is visible
     (at tile granularity, slightly more) - for flash, sdpa and the CUDA kernels only without a mask."""
     causal = docs is None and window == 0
-    visible = masks.mask_fraction(masks.dense_mask(docs, window, T, "cpu"))
+    visible = mask_fraction(masks.dense_mask(docs, window, T, "cpu"))
     if attn == "flex":
-        computed = masks.block_fraction(masks.block_mask(docs, window, T, "cpu"))
+        computed = block_fraction(masks.block_mask(docs, window, T, "cpu"))
     elif attn == "varlen" or (attn in SKIPPING and causal):
         computed = visible
     else:
@@ -88,3 +89,14 @@ def row_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: in
 def boundaries_per_block(docs: torch.Tensor) -> float:
     """Mean number of document boundaries inside a block."""
     return (docs[:, -1] - docs[:, 0]).float().mean().item()
+
+
+def mask_fraction(mask: torch.Tensor) -> float:
+    """The fraction of the (T, T) score matrix a dense mask lets through: what an implementation that skips the
+    rest would compute."""
+    return mask.float().mean().item()
+
+
+def block_fraction(mask: BlockMask) -> float:
+    """The fraction of the score matrix a BlockMask computes (whole blocks: partly masked ones count in full)."""
+    return 1.0 - mask.sparsity() / 100

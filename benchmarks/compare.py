@@ -24,7 +24,7 @@ from torch.nn import functional as F
 import numpy as np
 
 from core import runtime
-from attention import ATTENTION, attention_names, attention_problem
+from attention import ATTENTION, attention_problem
 from core.dataset import TOKEN_BYTES, read_windows
 from core.errors import UserError
 from core.generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
@@ -32,6 +32,18 @@ from core.generate import (Decoder, Sampling, draw_samples, for_inference, full_
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 from core.tokenizer import CharTokenizer, Tokenizer
+
+
+def attention_names(spec) -> list[str]:
+    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked ATTENTION keys, each once."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = list(ATTENTION) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
+    unknown = [n for n in names if n not in ATTENTION]
+    if unknown or not names:
+        raise UserError(f"unknown attn {', '.join(map(repr, unknown)) or '(none given)'}; "
+                        f"use all or a comma-separated list of {', '.join(ATTENTION)}.")
+    return list(dict.fromkeys(names))
+
 
 _MIN_NUMERICS_TOKENS = 16  # a shorter prompt is too little text for the teacher-forced comparison
 _DEFAULT_TEXT = """To be, or not to be, that is the question:

@@ -106,11 +106,6 @@ def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | Non
     if is_nanogpt(contents):
         from interop import nanogpt  # the conversion is read only for nanoGPT's files
         contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
-        if for_training and contents["optimizer"] is None:
-            raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only one with "
-                            f"its optimizer resumes.")
-        if for_training:
-            nanogpt.keep_original(path)
     version = contents.get("version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise UserError(f"{path} is checkpoint format {version}, newer than this code reads ({FORMAT_VERSION}); "

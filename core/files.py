@@ -53,27 +53,6 @@ def eot_token_of(meta: dict | None) -> int:
     return int(meta.get("eot_token", GPT2_EOT_TOKEN if meta.get("tokenizer") == "gpt2" else -1))
 
 
-def write_meta(path: Path, meta: dict) -> None:
-    Path(path).write_text(json.dumps(meta, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def check_vocab_fits(vocab_size: int) -> None:
-    limit = np.iinfo(TOKEN_DTYPE).max + 1
-    if vocab_size > limit:
-        raise UserError(f"vocabulary of {vocab_size:,} tokens does not fit in uint16 .bin files (at most {limit:,}); "
-                        f"use a smaller vocabulary, e.g. GPT-2 BPE (data/shakespeare) instead of characters")
-
-
-def write_tokens(path: Path, ids) -> int:
-    """Write token ids (a sequence or an array) as TOKEN_DTYPE; returns the number of tokens written."""
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.size:
-        assert arr.min() >= 0, "token ids are never negative"
-        check_vocab_fits(int(arr.max()) + 1)  # rather than let astype wrap ids around silently
-    arr.astype(TOKEN_DTYPE).tofile(path)
-    return int(arr.size)
-
-
 # -- writing safely -----------------------------------------------------------------------------------
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """
-Peak FLOP/s, the denominator of MFU: a vendor's datasheet for a known GPU, else the best matmul rate measured on
-the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only emulate it).
+Peak FLOP/s, the denominator of MFU: a vendor's datasheet for a known GPU (core/gpu_peaks.py), else the best matmul
+rate measured on the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only emulate it).
 
     mfu = model.model_flops_utilization(tokens_per_s, peak_flops(rt), seq_len)
 """
@@ -8,7 +8,6 @@ the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only emulate it).
 import functools
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,42 +17,11 @@ from core.runtime import Runtime, time_call
 
 def peak_flops(rt: Runtime) -> float:
     """Peak FLOP/s in rt's dtype: the datasheet for a known GPU, else measured."""
-    listed = datasheet_peak_flops(rt.name, rt.dtype) if rt.is_cuda else None
+    listed = None
+    if rt.is_cuda:
+        from core.gpu_peaks import datasheet_peak_flops  # the vendors' table: read only on a GPU
+        listed = datasheet_peak_flops(rt.name, rt.dtype)
     return listed or measured_matmul_flops(rt)
-
-
-@dataclass(frozen=True)
-class GpuPeak:
-    words: tuple[str, ...]  # all must be words of the upper-cased device name, '-' read as a space
-    half: float             # dense bf16/fp16 tensor-core TFLOP/s (sparsity figures halved)
-    fp32: float             # dense TF32 tensor-core TFLOP/s (TF32 is on, see resolve_runtime); plain FP32 without
-    bf16: bool = True       # False: bf16 would be emulated, so it has no datasheet peak
-
-
-# Vendors' datasheets, matched against torch.cuda.get_device_name() strings such as "NVIDIA H100 80GB HBM3"
-# (the SXM part), "NVIDIA A100-SXM4-40GB", "Tesla V100-PCIE-32GB". Most specific first.
-GPU_PEAKS = [
-    GpuPeak(("B200",), 2250, 1100), GpuPeak(("GH200",), 989.4, 494.7),
-    GpuPeak(("H200", "NVL"), 835.5, 417.5), GpuPeak(("H200",), 989.4, 494.7),
-    GpuPeak(("H100", "NVL"), 835.5, 417.5), GpuPeak(("H100", "PCIE"), 756.5, 378.0), GpuPeak(("H100",), 989.4, 494.7),
-    GpuPeak(("H800", "PCIE"), 756.5, 378.0), GpuPeak(("H800",), 989.4, 494.7),
-    GpuPeak(("A100",), 312, 156),  # SXM4 and PCIe, 40 and 80 GB alike
-    GpuPeak(("L40S",), 362, 183), GpuPeak(("L40",), 181, 90.5), GpuPeak(("L4",), 121, 60), GpuPeak(("A10",), 125, 62.5),
-    GpuPeak(("RTX", "4090"), 165.2, 82.6), GpuPeak(("RTX", "3090", "TI"), 80, 40), GpuPeak(("RTX", "3090"), 71, 35.6),
-    GpuPeak(("V100S",), 130, 16.4, bf16=False), GpuPeak(("V100", "PCIE"), 112, 14, bf16=False),
-    GpuPeak(("V100",), 125, 15.7, bf16=False), GpuPeak(("T4",), 65, 8.1, bf16=False),
-]
-
-
-def datasheet_peak_flops(name: str, dtype: str) -> float | None:
-    """The datasheet peak of a GPU by its device name, in FLOP/s; None for a GPU (or dtype) not listed."""
-    words = set(name.upper().replace("-", " ").split())
-    for peak in GPU_PEAKS:
-        if words.issuperset(peak.words):
-            if dtype == "bfloat16" and not peak.bf16:
-                return None
-            return 1e12 * (peak.fp32 if dtype == "float32" else peak.half)
-    return None
 
 
 @functools.lru_cache(maxsize=None)

