@@ -11,7 +11,7 @@ Every function in ATTENTION computes the same causal attention; they differ only
         window in training and prefill, the form the implementation takes (mask_form: a dense mask, a BlockMask,
         or varlen's packing). A decode step over a fixed-size KV cache (one shape, so it compiles once) sees one
         interval of it per row, a masks.Span: flex reads it as such, the others as a dense (1 or B, 1, 1, Tk) row
-        (decode_form).
+        (core/decode_step.py, read only by generation).
 
 GPT resolves its implementation once (resolve: an Attention, called by every layer) and checks it where it will
 run (check_attention, from GPT.set_attention); a kernel that still refuses a call is reported in the same words.
@@ -20,6 +20,7 @@ run (check_attention, from GPT.set_attention); a kernel that still refuses a cal
 import functools
 import math
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -76,6 +77,25 @@ def _forced_backend(backend: SDPBackend) -> AttentionFn:
     return attention
 
 
+# The FlashAttention build behind SDPA's flash backend, by attn: PyTorch's own (FA2), or one that torch 2.13 plugs into
+# the dispatcher in its place (FA3, FA4; core/kernels.py switches). The choice is process-wide, so an eager call makes
+# sure its own build is active (one function call unless another row switched it); compiled code calls the aten op,
+# which runs the build active then (set_attention and bench choose it first).
+FLASH_BUILDS = {"flash": None, "flash3": "FA3", "flash4": "FA4"}
+
+
+def _flash_with(build: Optional[str]) -> AttentionFn:
+    forced = _forced_backend(SDPBackend.FLASH_ATTENTION)
+
+    def attention(q, k, v, mask, dropout_p):
+        if not torch.compiler.is_compiling() and torch.nn.attention.current_flash_attention_impl() != build:
+            from core.kernels import use_flash_build
+            use_flash_build(build)
+        return forced(q, k, v, mask, dropout_p)
+    attention.__name__ = f"flash_{build or 'fa2'}_attention".lower()
+    return attention
+
+
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
@@ -84,29 +104,12 @@ _block_masks: dict = {}
 
 
 def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
-    # Building a block mask costs milliseconds; one per shape and device is enough.
+    # Building a block mask costs milliseconds; one per shape and device is enough (a dict, not lru_cache: dynamo
+    # traces through a cache wrapper, and warns that it does)
     key = (q_len, kv_len, str(device))
     if key not in _block_masks:
         _block_masks[key] = create_block_mask(_causal, None, None, q_len, kv_len, device=device)
     return _block_masks[key]
-
-
-def _span_score_mod(span: masks.Span, kv_len: int, on_cpu: bool):
-    # A decode step's one query row has no blocks worth skipping: the score mod keeps the keys of the row's span,
-    # read as its first key and its length, (1 or B,) each.
-    first, length = span.start, span.end - span.start
-    if on_cpu and torch.compiler.is_compiling():
-        # torch 2.13's CPU flex template reads only tensors inductor materialises, and it inlines pointwise ones
-        # (then "No choices to select"); reductions over more than a few elements are materialised, so the bounds
-        # are taken as two over the span's row of the cache
-        rows = masks.span_rows(span, kv_len)[:, 0, 0]  # (1 or B, kv_len)
-        first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
-    per_row = first.size(0) > 1
-
-    def masked(score, b, h, q_idx, kv_idx):
-        r = b if per_row else 0
-        return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
-    return masked
 
 
 FLEX_REGION = "attention.flex_attention"  # the profiler region every flex call runs in
@@ -114,12 +117,20 @@ FLEX_RECOMPILE_LIMIT = 16  # per use: fp32/bf16 x grad/no-grad x a static then a
 
 
 @functools.cache
-def _compiled_flex_attention(use: str):
+def _compiled_flex_attention(use: str, backend: Optional[str] = None):
     """flex_attention compiled for one use ('causal': training and prefill, with a block mask; 'decode': one query
-    and a score mod), each with a recompile count of its own: one shared callable would meet fp32 and bf16, grad
-    and no-grad, every length and the probes, and past dynamo's shared limit (8) run eagerly without a word.
-    FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in memory)."""
+    and a score mod) and backend, each with a recompile count of its own: one shared callable would meet fp32 and
+    bf16, grad and no-grad, every length and the probes, and past dynamo's shared limit (8) run eagerly without a
+    word. FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in
+    memory). A sweep over many shapes and masks calls reset_compiled_flex between its rows."""
     return runtime.compile_isolated(flex_attention, recompile_limit=FLEX_RECOMPILE_LIMIT)
+
+
+def reset_compiled_flex() -> None:
+    """Forget the compiled flex callables: the next call compiles afresh with a full recompile budget (bench.py
+    does this before each row, so a sweep of many shapes and masks never exhausts one budget and falls back to
+    eager flex)."""
+    _compiled_flex_attention.cache_clear()
 
 
 def _compile_flex_here(q: torch.Tensor) -> bool:
@@ -128,27 +139,37 @@ def _compile_flex_here(q: torch.Tensor) -> bool:
     return q.is_cuda and not torch.compiler.is_compiling()
 
 
-def flex_causal_attention(q, k, v, mask, dropout_p):
-    if dropout_p > 0:
-        raise UserError("attn='flex' has no attention dropout; set dropout=0.0 or pick another attn.")
-    if q.size(-2) == 1 and torch.compiler.is_compiling():
-        # inductor's flex lowering (torch 2.13, CPU) fails on a one-query view whose size-1 dimension keeps an odd
-        # stride ("not enough values to unpack"); a copy with plain strides compiles. One query: a tiny copy.
-        q = q.clone(memory_format=torch.contiguous_format)
-    compile_here = _compile_flex_here(q)
-    # a decode step's span is read by a score mod; training and prefill take a block mask, causal or the documents'
-    # and window's (built once per forward by the model)
-    score_mod = _span_score_mod(mask, k.size(-2), not q.is_cuda) if isinstance(mask, masks.Span) else None
-    block_mask = mask if isinstance(mask, BlockMask) else None
-    if mask is None and q.size(-2) > 1:
-        block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device)
-    flex = _compiled_flex_attention("causal" if score_mod is None else "decode") if compile_here else flex_attention
-    if torch.compiler.is_compiling():  # inside a compiled model: bench audits it through an eager twin
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    # a compiled call shows the profiler no FlexAttention op of its own, only a compiled region: name it, so the
-    # kernel audit (measure.py) sees flex in both cases
-    with torch.profiler.record_function(FLEX_REGION):
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+def _flex(backend: Optional[str]) -> AttentionFn:
+    """FlexAttention with inductor's own kernels (backend None), or another of its backends ('FLASH': the cute-dsl
+    FlashAttention-4 kernel, CUDA with the flash-attn-4 package)."""
+    options = {"BACKEND": backend} if backend else None
+
+    def flex_causal_attention(q, k, v, mask, dropout_p):
+        if dropout_p > 0:
+            raise UserError("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
+        if q.size(-2) == 1 and torch.compiler.is_compiling():
+            # inductor's flex lowering (torch 2.13, CPU) fails on a one-query view whose size-1 dimension keeps an
+            # odd stride ("not enough values to unpack"); a copy with plain strides compiles. One query: tiny.
+            q = q.clone(memory_format=torch.contiguous_format)
+        compile_here = _compile_flex_here(q)
+        # a decode step's span is read by a score mod; training and prefill take a block mask, causal or the
+        # documents' and window's (built once per forward by the model)
+        score_mod = None
+        if isinstance(mask, masks.Span):
+            from core.decode_step import span_score_mod
+            score_mod = span_score_mod(mask, k.size(-2), not q.is_cuda)
+        block_mask = mask if isinstance(mask, BlockMask) else None
+        if mask is None and q.size(-2) > 1:
+            block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device)
+        use = "causal" if score_mod is None else "decode"
+        flex = _compiled_flex_attention(use, backend) if compile_here else flex_attention
+        if torch.compiler.is_compiling():  # inside a compiled model: bench audits it through an eager twin
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+        # a compiled call shows the profiler no FlexAttention op of its own, only a compiled region: name it, so the
+        # kernel audit (measure.py) sees flex in both cases
+        with torch.profiler.record_function(FLEX_REGION):
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+    return flex_causal_attention
 
 
 def varlen_attention(q, k, v, mask, dropout_p):
@@ -172,17 +193,22 @@ ATTENTION: dict[str, AttentionFn] = {
     "manual": manual_attention,
     "sdpa_mask": sdpa_mask_attention,
     "sdpa": sdpa_attention,
-    "flash": _forced_backend(SDPBackend.FLASH_ATTENTION),
+    "flash": _flash_with(None),
     "efficient": _forced_backend(SDPBackend.EFFICIENT_ATTENTION),
     "cudnn": _forced_backend(SDPBackend.CUDNN_ATTENTION),
     "math": _forced_backend(SDPBackend.MATH),
-    "flex": flex_causal_attention,
+    "flex": _flex(None),
     "varlen": varlen_attention,
+    # optional kernels (core/kernels.py says what each needs, and refuses in one sentence where it is absent)
+    "flash3": _flash_with("FA3"),
+    "flash4": _flash_with("FA4"),
+    "flex_flash": _flex("FLASH"),
 }
+FLEX = {"flex", "flex_flash"}  # FlexAttention, whatever its backend: block masks, score mods, compiled
 
 # The form a document or window mask takes for each implementation (the others take masks.dense_mask).
 MASK_FORMS: dict[str, Callable] = {
-    "flex": lambda docs, window, B, T, device: masks.block_mask(docs, window, T, device),
+    **{name: lambda docs, window, B, T, device: masks.block_mask(docs, window, T, device) for name in FLEX},
     "varlen": masks.packed,
 }
 
@@ -202,11 +228,6 @@ def mask_for(attn: str, spec: masks.MaskSpec, idx: torch.Tensor):
     return mask_form(attn, docs, spec.window, idx.size(0), idx.size(1), idx.device)
 
 
-def decode_form(attn: str, span: masks.Span, kv_len: int):
-    """A decode step's span in `attn`'s form: flex's score mod reads the interval itself, the others a dense row."""
-    return span if attn == "flex" else masks.span_rows(span, kv_len)
-
-
 # -----------------------------------------------------------------------------
 # what can run here: we ask PyTorch by running each implementation once, because which kernel accepts which
 # device/dtype/dropout/head size/layout changes from release to release.
@@ -216,28 +237,30 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
                       needs_grad: bool, seq_len: int = 64, masked: bool = False) -> Optional[str]:
     """None if `attn` runs here (`masked`: with a document or window mask), else why not."""
     cpu = device_type == "cpu"
+    if attn in ("flash3", "flash4", "flex_flash"):  # what to install, or which GPU it needs
+        from core.kernels import build_problem
+        problem = build_problem(attn, device_type)
+        if problem is not None:
+            return problem
     if attn in ("efficient", "cudnn") and device_type != "cuda":
         return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
     if attn == "varlen" and device_type != "cuda":
         return "varlen_attn is CUDA-only (FlashAttention's variable-length kernel)"
-    if attn in ("flex", "varlen") and dropout_p > 0:
-        return f"{'FlexAttention' if attn == 'flex' else 'varlen_attn'} has no attention dropout"
-    if attn == "flex" and cpu and needs_grad:
+    if (attn in FLEX or attn == "varlen") and dropout_p > 0:
+        return f"{'varlen_attn' if attn == 'varlen' else 'FlexAttention'} has no attention dropout"
+    if attn in FLEX and cpu and needs_grad:
         return "FlexAttention has no backward pass on CPU"
     if attn == "flash" and cpu and dropout_p > 0:
         return "the CPU flash kernel does not support dropout"
-    return _probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked)
+    if attn == "cudnn" and device_type == "cuda":
+        from core.kernels import cuda_facts, cudnn_mask_hazard  # a CUDA run's
+        hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *cuda_facts())
+        if hazard is not None:
+            return hazard
+    return probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked)
 
 
-@functools.lru_cache(maxsize=None)
-def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether `attn` takes an explicit mask for a decode step over a fixed-size KV cache. CUDA's flash kernel
-    takes none: eager decoding then reads exactly the positions written so far, and compiled decoding (one shape
-    for every position) cannot use it."""
-    return _probe(attn, device_type, dtype, 0.0, head_size, False, 16, masked_decode=True) is None
-
-
-def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
+def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
            needs_grad: bool, seq_len: int, masked_decode: bool = False, masked: bool = False) -> Optional[str]:
     """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
     sequence length (with backward when training; with `masked`, two documents and a window in the form `attn`
@@ -256,6 +279,7 @@ def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, he
                 if masked_decode:
                     written = masks.Span(torch.zeros(1, dtype=torch.long, device=device_type),
                                          torch.full((1,), T, device=device_type))  # the last 8 unwritten
+                    from core.decode_step import decode_form
                     ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], decode_form(attn, written, T + 8), 0.0)
                     return None
                 mask = None
@@ -268,36 +292,10 @@ def _probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, he
                 else:
                     ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
         except (RuntimeError, NotImplementedError) as e:
+            from core.kernels import refusal_reason  # read only when a kernel refuses
             reason = refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
             return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
     return None
-
-
-# The headers SDPA warns before each kernel's reasons ("Flash attention kernel not used because:"), by the attn
-# that forces that kernel. CUDA checks them in the order efficient, flash, cuDNN whatever is forced, so a forced
-# flash also explains that the efficient kernel "has been runtime disabled": only the forced kernel's lines count.
-KERNEL_HEADERS = {"flash": "Flash attention", "efficient": "Memory efficient", "cudnn": "CuDNN attention"}
-_TRIGGERED = re.compile(r"\s*\(Triggered internally at .*\)\s*$")  # what a warning from C++ carries at its end
-
-
-def refusal_reason(messages: list[str], attn: str) -> Optional[str]:
-    """The first reason SDPA's warnings give for refusing the kernel `attn` forces (any kernel's for the others),
-    without the C++ source location; None if they give none."""
-    sections: dict[Optional[str], list[str]] = {}
-    current = None
-    for message in messages:
-        for line in message.splitlines():
-            line = _TRIGGERED.sub("", line).strip()
-            kernel = next((k for k, h in KERNEL_HEADERS.items() if line.startswith(h) and line.endswith("because:")),
-                          None)
-            if kernel is not None:
-                current = kernel
-            elif line:
-                sections.setdefault(current, []).append(line)
-    if attn in KERNEL_HEADERS:
-        return next(iter(sections.get(attn, [])), None)
-    reasons = [line for lines in sections.values() for line in lines if "has been runtime disabled" not in line]
-    return next(iter(reasons), None)
 
 
 @dataclass(frozen=True)
@@ -308,8 +306,9 @@ class Attention:
     fn: AttentionFn = field(repr=False)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> torch.Tensor:
-        if isinstance(mask, masks.Span):
-            k, v, mask = self._decode_form(q, k, v, mask)
+        if isinstance(mask, masks.Span):  # a decode step: only generation makes one
+            from core.decode_step import decode_inputs
+            k, v, mask = decode_inputs(self.name, q, k, v, mask)
         if torch.compiler.is_compiling():  # compiled code was checked before it was traced
             return self.fn(q, k, v, mask, dropout_p)
         try:
@@ -326,26 +325,13 @@ class Attention:
                             masked=masked, problem=problem or f"PyTorch refused q of shape {tuple(q.shape)} at run time")
             raise
 
-    def _decode_form(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: masks.Span):
-        """Eager, where the whole-cache mask does not suit the kernel (reads_written_keys) and every row sees the
-        same interval, the keys in it and no mask; else the span in the implementation's form."""
-        if not torch.compiler.is_compiling() and reads_written_keys(self.name, q):
-            first, last, end = torch.stack([*span.start.aminmax(), span.end[0]]).tolist()  # one sync
-            if first == last:
-                return k[:, :, first:end], v[:, :, first:end], None
-        return k, v, decode_form(self.name, span, k.size(-2))
-
-
 def resolve(attn: str) -> Attention:
-    """The implementation named `attn` (a key of ATTENTION)."""
+    """The implementation named `attn` (a key of ATTENTION); a flash row's FlashAttention build made active, for
+    compiled code too."""
+    if attn in FLASH_BUILDS and torch.nn.attention.current_flash_attention_impl() != FLASH_BUILDS[attn]:
+        from core.kernels import use_flash_build
+        use_flash_build(FLASH_BUILDS[attn])
     return Attention(attn, ATTENTION[attn])
-
-
-def reads_written_keys(attn: str, q: torch.Tensor) -> bool:
-    """Whether an eager decode step reads exactly the keys written so far rather than the whole cache and a mask: a
-    kernel that takes no mask (CUDA's flash), or eager flex off CUDA, PyTorch's unfused reference, where a score
-    mod costs more than the whole step."""
-    return not decodes_with_mask(attn, q.device.type, q.dtype, q.size(-1)) or (attn == "flex" and not q.is_cuda)
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
@@ -355,6 +341,11 @@ def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: 
     problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len,
                                            masked)
     if problem is None:
+        if device_type == "cuda" and attn in ("sdpa", "sdpa_mask"):  # SDPA may pick cuDNN: it runs, with a warning
+            from core.kernels import cuda_facts, cudnn_mask_hazard
+            hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *cuda_facts())
+            if hazard is not None:
+                print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
         return
     runnable = [a for a in ATTENTION if a != attn and attention_problem(
         a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked) is None]

@@ -21,7 +21,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -35,12 +35,13 @@ from benchmarks.measure import (audited_row, free_memory, max_batch_size, measur
                      profiled_run)
 from core.configurator import Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
-from attention import ATTENTION, attention_problem
-from benchmarks.bench_generate import CACHES, GENERATE_COLUMNS, WEIGHTS, generate_sweep
+from attention import ATTENTION, FLASH_BUILDS, FLEX, attention_problem, reset_compiled_flex
+from core.kernels import use_flash_build
+from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import (MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask,
                          tokens_with_documents)
 from benchmarks.compare import attention_names
-from benchmarks.bench_report import ATTENTION_COLUMNS, TRAIN_COLUMNS, chart, format_table
+from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
@@ -178,7 +179,7 @@ def compiled(fn, cfg: Settings):
 def eager_reference(attn: str, problem: Optional[str], cfg: Settings, rt: Runtime) -> bool:
     """True for a flex row that runs (no `problem`) PyTorch's unfused eager reference: not compiled, and not on
     CUDA (where model.py always compiles it)."""
-    return attn == "flex" and problem is None and not cfg.compile and not rt.is_cuda
+    return attn in FLEX and problem is None and not cfg.compile and not rt.is_cuda
 
 
 # -- train mode ------------------------------------------------------------------------------------------
@@ -188,22 +189,33 @@ class Trainer:
     """One model, optimizer and batch, shared by every attn row of one vocab setting: a row switches the
     attention and takes real training steps. Rows sharing weights keep one model's memory, not one per row."""
     model: GPT
-    forward: Callable                    # the model, or its compiled twin
+    compile: bool                        # each attn's forward compiled apart (compiled_forward)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     batch: torch.Tensor                  # (2, B, T): inputs and targets
     rt: Runtime
     docs: Optional[torch.Tensor] = None  # (B, T) the inputs' document ids, with doc_mask
+    forwards: dict = field(default_factory=dict)  # attn -> its compiled forward
 
     def step(self, attn: str) -> None:
         """One training step through `attn`: forward, backward, optimizer step."""
         self.model.set_attention(attn, check=False)  # the sweep asked attention_problem, row by row
         with self.rt.autocast():
-            _, loss = self.forward(*self.batch)
+            _, loss = self.compiled_forward(attn)(*self.batch)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)  # gradients die with the step, so they count as step memory
+
+    def compiled_forward(self, attn: str) -> Callable:
+        """The model's forward for `attn`'s row: compiled apart for each attn, with a recompile budget of its own
+        (one compiled forward shared by every row would recompile per attn and, past its limit, run the later
+        rows eagerly), or the model itself."""
+        if not self.compile:
+            return self.model
+        if attn not in self.forwards:
+            self.forwards[attn] = runtime.compile_isolated(self.model.forward)
+        return self.forwards[attn]
 
     def eager_pass(self, attn: str) -> None:
         """Forward and backward through the uncompiled model, no update: what the kernel audit profiles."""
@@ -233,7 +245,7 @@ def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_
     docs = document_ids(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
     if doc_mask:  # the inputs carry end-of-text where the documents of real blocks begin
         batch[0] = tokens_with_documents(docs, cfg.vocab_size, cfg.vocab_size - 1, cfg.seed)
-    return Trainer(model, compiled(model.forward, cfg), optimizer, rt.grad_scaler(), batch.to(rt.device), rt, docs)
+    return Trainer(model, cfg.compile, optimizer, rt.grad_scaler(), batch.to(rt.device), rt, docs)
 
 
 def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal") -> bool:
@@ -265,7 +277,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     """One row per attn x padding x mask: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the share of
     the score matrix computed, skip reason."""
     head_size, tokens = cfg.n_embd // cfg.n_head, cfg.batch_size * cfg.seq_len
-    rows, trainers, calls, audits = {}, {}, {}, {}
+    rows, trainers, calls, audits, before = {}, {}, {}, {}, {}
     for a, m, pad in ((a, m, pad) for a in cfg.attn for m in cfg.mask for pad in cfg.padding):
         problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
                                     cfg.seq_len, masked=m != "causal")
@@ -277,15 +289,16 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                 trainers[pad, m] = build_trainer(cfg, rt, a, pad, cfg.batch_size, m)
             trainer = trainers[pad, m]
             rows[key].update(vocab=trainer.model.config.padded_vocab_size,
-                             **fractions(a, trainer.docs, trainer.model.config.window, cfg.seq_len))
+                             **fractions(a, trainer.docs, trainer.model.config.window, cfg.seq_len, rt.device))
             if trainer.docs is not None:
                 rows[key]["boundaries_per_block"] = boundaries_per_block(trainer.docs)
             calls[key] = functools.partial(trainer.step, a)
             audits[key] = functools.partial(trainer.eager_pass, a)
+            before[key] = functools.partial(use_flash_build, FLASH_BUILDS.get(a))
     peak = flops.peak_flops(rt)
     with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr) as bar:
         measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),
-                                 audits if cfg.compile else None)
+                                 audits if cfg.compile else None, before)
     for key, m in measured.items():
         row = audited_row(rows[key], m, rows[key]["attn"], rt)
         if row["status"] == "ok":
@@ -322,7 +335,6 @@ def attention_call(fn, q, k, v, mask, dropout_p: float, backward: bool) -> Calla
 def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     """One row per head size x sequence length x pass (fwd, fwd+bwd) x mask x attn: time, added memory, kernel, the
     share of the score matrix computed. Each row's mask is built before it is timed: this times the kernel."""
-    functions = {a: compiled(ATTENTION[a], cfg) for a in cfg.attn}
     cases = [(hs, T, bwd, m) for hs in cfg.attn_head_sizes for T in cfg.attn_seq_lens for bwd in (False, True)
              for m in cfg.mask]
     rows = []
@@ -334,7 +346,11 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                        for _ in range(3))
             doc_mask, window = mask_settings(mask, cfg.window)
             docs = document_ids(cfg.doc_data, cfg.doc_len, cfg.attn_batch, T, cfg.seed) if doc_mask else None
-            here, calls, audits = {}, {}, {}
+            here, calls, audits, before = {}, {}, {}, {}
+            # every case compiles afresh, each attn apart, with a full recompile budget: one compiled callable over
+            # every head size, length, pass and mask would pass its limit and run the later rows eagerly
+            reset_compiled_flex()
+            functions = {a: compiled(ATTENTION[a], cfg) for a in cfg.attn}
             for a in cfg.attn:
                 problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward, T,
                                             masked=mask != "causal")
@@ -342,17 +358,18 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                                eager_reference=eager_reference(a, problem, cfg, rt),
                                status="skipped" if problem else "ok", reason=problem)
                 if problem is None:
-                    here[a].update(fractions(a, docs, window, T))
+                    here[a].update(fractions(a, docs, window, T, rt.device))
                     if docs is not None:
                         here[a]["boundaries_per_block"] = boundaries_per_block(docs)
                     masking = row_mask(a, docs, window, cfg.attn_batch, T, rt.device)  # None: causal
                     calls[a] = attention_call(functions[a], q, k, v, masking, cfg.dropout, backward)
                     audits[a] = attention_call(ATTENTION[a], q, k, v, masking, cfg.dropout, backward)
+                    before[a] = functools.partial(use_flash_build, FLASH_BUILDS.get(a))
                 else:
                     bar.update(cfg.warmup + 1 + cfg.iters)
             name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}" + ("" if mask == "causal" else f"_{mask}")
             measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, name),
-                                     audits if cfg.compile else None)
+                                     audits if cfg.compile else None, before)
             for a, m in measured.items():
                 audited_row(here[a], m, a, rt)
                 if here[a]["status"] == "ok":

@@ -17,6 +17,7 @@ beginning-of-sequence token would: it is that document's first token, so the pre
 the document before. Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,7 +80,7 @@ def block_mask(docs: Optional[torch.Tensor], window: int, T: int, device) -> Blo
     # flex would see another window as a dynamic int, which torch 2.13's CPU flex template fails to compile (C++
     # "cur_qSplitSize0 was not declared"). Built inside a compiled model it stays the model's int: a tensor made
     # there is a constant the CPU template cannot read ("No choices to select").
-    span = window if torch.compiler.is_compiling() else torch.tensor(window or T, device=device)
+    span = window if torch.compiler.is_compiling() else _window_tensor(window or T, str(device))
     if docs is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return allowed(q_idx, kv_idx, None, None, span)
@@ -88,6 +89,13 @@ def block_mask(docs: Optional[torch.Tensor], window: int, T: int, device) -> Blo
     def doc_mask_mod(b, h, q_idx, kv_idx):
         return allowed(q_idx, kv_idx, docs[b, q_idx], docs[b, kv_idx], span)
     return create_block_mask(doc_mask_mod, docs.size(0), None, T, T, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_tensor(window: int, device: str) -> torch.Tensor:
+    # made once per window and device: a tensor made from a number is a host-to-device copy, on CUDA a sync, which
+    # every eager forward would otherwise pay
+    return torch.tensor(window, device=device)
 
 
 @dataclass(frozen=True)
@@ -105,9 +113,14 @@ def packed(docs: Optional[torch.Tensor], window: int, B: int, T: int, device) ->
     starts = torch.zeros(B, T, dtype=torch.bool, device=device)
     starts[:, 0] = True
     starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    offsets = starts.flatten().nonzero().flatten()  # (N,): a host sync, once per forward
-    cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)  # (N + 1,)
-    return Packed(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), window)
+    # One host sync per forward, and only one: the kernel's grid is sized on the host by the number of documents
+    # and the longest, which only the data knows. The boundaries come over once; the rest is host arithmetic.
+    offsets = starts.flatten().cpu().nonzero().flatten()  # (N,): every sequence's first token
+    cu_seqlens = torch.cat([offsets, torch.tensor([B * T])]).to(torch.int32)  # (N + 1,)
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if str(device).startswith("cuda"):  # back without a second sync: a pinned copy queued on the stream
+        cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
+    return Packed(cu_seqlens.to(device), max_len, window)
 
 
 def span_rows(span: Span, kv_len: int) -> torch.Tensor:

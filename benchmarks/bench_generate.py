@@ -13,17 +13,20 @@ fp32 weights, no cache, and "vs nanoGPT" is every row's speed over it, paired wi
 import copy
 import functools
 import sys
+from collections import Counter
 from typing import Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import attention_problem
+from core.kernels import use_flash_build
+from attention import FLASH_BUILDS, FLEX, attention_problem
 from core.errors import UserError
 from core.generate import Decoder, for_inference, weight_bytes
-from benchmarks.measure import (expected_kernels, kernel_of, out_of_memory, paired_speedup, profiled_run, ran_as_expected,
-                     summarize, time_round_robin)
+from benchmarks.measure import (compile_health, counted, expected_kernels, kernel_context, kernel_of, out_of_memory,
+                                paired_speedup, profiled_run, ran_as_expected, ran_eager_flex, summarize,
+                                time_round_robin, with_eager_flex)
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 from core import runtime
@@ -49,6 +52,10 @@ class Row:
 
     def generation(self, tokens: int) -> Callable[[], torch.Tensor]:
         return functools.partial(self.decoder.generate, self.prompt, tokens, 0.0, None, None, self.cache != "none")
+
+    def make_active(self) -> None:
+        """This row's FlashAttention build behind SDPA (process-wide; compiled code does not switch it itself)."""
+        use_flash_build(FLASH_BUILDS.get(self.model.config.attn))
 
 
 def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, Row]]:
@@ -78,14 +85,17 @@ def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, 
     return described, runnable
 
 
-def first_calls(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar, save) -> dict[str, float]:
-    """Each row's first full generation (it compiles the compiled rows): its tokens and seconds, recorded and saved
-    as each row finishes."""
+def first_calls(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar, save,
+                tallies: dict[str, Counter]) -> dict[str, float]:
+    """Each row's first full generation (it compiles the compiled rows): its tokens and seconds, and what dynamo did
+    (graphs, breaks, recompile-limit hits), recorded and saved as each row finishes."""
     seconds = {}
     for key, row in rows.items():
         try:
-            tokens, seconds[key] = runtime.time_call(row.generation(row.new_tokens), rt)
-            described[key].update(tokens=tokens[:, row.prompt.size(1):].tolist(), first_call_s=seconds[key])
+            row.make_active()
+            tokens, seconds[key] = runtime.time_call(counted(row.generation(row.new_tokens), tallies[key]), rt)
+            described[key].update(tokens=tokens[:, row.prompt.size(1):].tolist(), first_call_s=seconds[key],
+                                  **compile_health(tallies[key]))
         except Exception as e:
             described[key].update(status="oom", reason=out_of_memory(e, rt))
         bar.update()
@@ -99,16 +109,22 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
     for key, row in rows.items():
         if described[key]["status"] != "ok":
             continue
-        _, added = profiled_run(row.generation(row.new_tokens), rt)
+        row.make_active()
+        ran_ops, added = profiled_run(row.generation(row.new_tokens), rt)
         twin = Row(row.model, "cache", row.prompt, row.new_tokens) if row.cache == "compiled" else row
         ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
         kernel, names = kernel_of(ops)
-        expected = expected_kernels(described[key]["attn"], rt.device_type, generation=True)
+        if ran_eager_flex(ran_ops):
+            kernel = with_eager_flex(kernel)
         d = described[key]
+        # eager flex off CUDA is PyTorch's unfused reference, run as such; compiled or on CUDA it is a fallback
+        d["eager_reference"] = d["attn"] in FLEX and not rt.is_cuda and row.cache != "compiled"
+        expected = ({"flex_eager"} if d["eager_reference"]
+                    else expected_kernels(d["attn"], rt.device_type, generation=True))
         d.update(kernel=kernel, kernel_ops=names, kernel_expected=sorted(expected),
-                 kernel_ok=ran_as_expected(kernel, expected),
+                 kernel_ok=ran_as_expected(kernel, expected) and not d.get("recompile_limit_hits"),
                  weight_bytes=weight_bytes(row.model), kv_cache_bytes=row.model.cache_bytes() if row.cache != "none"
-                 else 0, kernel_audit="eager twin" if row.cache == "compiled" else "this run")
+                 else 0, kernel_audit="eager twin" if row.cache == "compiled" else "this run", **kernel_context(rt))
         d["mem/peak_gb"] = (d["weight_bytes"] + d["kv_cache_bytes"] + added) / 1e9
         bar.update()
 
@@ -122,12 +138,13 @@ def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
     for pad in cfg.padding:
         described, rows = build_rows(cfg, rt, pad)
         progress = lambda: save(out + list(described.values()))  # noqa: E731
-        calls = {}
-        for key, row in rows.items():
-            calls[key] = row.generation(row.new_tokens)
-            calls[key + "#prefill"] = row.generation(1)  # the prompt through the model, and one token drawn
+        calls, before, tallies = {}, {}, {key: Counter() for key in rows}
+        for key, row in rows.items():  # what dynamo does during a row's calls is counted: a fallback shows
+            calls[key] = counted(row.generation(row.new_tokens), tallies[key])
+            calls[key + "#prefill"] = counted(row.generation(1), tallies[key])  # the prompt, and one token drawn
+            before[key] = before[key + "#prefill"] = row.make_active
         with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr) as bar:
-            first = first_calls(rows, described, rt, bar, progress)
+            first = first_calls(rows, described, rt, bar, progress, tallies)
             audit(rows, described, rt, bar)
             progress()
             failed = {k: d["reason"] for k, d in described.items() if d["status"] == "oom"}
@@ -135,9 +152,11 @@ def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
 
             def timed_round(ms: dict[str, list[float]]) -> None:
                 add_timings(described, rows, ms, first, cfg)
+                for key in rows:
+                    described[key].update(compile_health(tallies[key]))
                 mark_against_baselines(described, cfg, pad)
                 progress()
-            time_round_robin(calls, cfg.iters, rt, bar, failed, timed_round)
+            time_round_robin(calls, cfg.iters, rt, bar, failed, timed_round, before)
         out += list(described.values())
     return out
 
@@ -171,21 +190,6 @@ def mark_against_baselines(described: dict[str, dict], cfg, pad: bool) -> None:
         d["same_tokens_as_no_cache"] = plain.get("tokens") == d["tokens"] if "tokens" in plain else None
 
 
-GENERATE_COLUMNS = {
-    "attn": lambda r: r["attn"],
-    "weights": lambda r: r["weights"],
-    "cache": lambda r: CACHES[r["cache"]],
-    "tokens/s": lambda r: f"{r['tokens_per_s']:,.1f}",
-    "prefill ms": lambda r: f"{r['prefill_ms']:.1f}",
-    "ms/token": lambda r: f"{r['ms_per_token']:.2f}",
-    "vs nanoGPT": lambda r: f"{r.get('speedup_vs_nanogpt', float('nan')):.1f}x",
-    "= no cache": lambda r: {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_no_cache"]],
-    "compile s": lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.0f}",
-    "weights MB": lambda r: f"{r['weight_bytes'] / 1e6:.1f}",
-    "KV MB": lambda r: f"{r['kv_cache_bytes'] / 1e6:.2f}",
-    "peak MB": lambda r: f"{r['mem/peak_gb'] * 1e3:.1f}",
-    "kernel": lambda r: r["kernel"] + ("" if r["kernel_ok"] else f"  ! expected {'/'.join(r['kernel_expected'])}"),
-}
 
 
 def generate_chart(ax, rows: list[dict], cfg) -> str:

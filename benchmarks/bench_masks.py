@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from core import files
 import masks
-from attention import mask_form
+from attention import FLEX, mask_form
 from core.dataset import dataset_dir, prepare_if_missing
 from core.errors import UserError
 
@@ -63,15 +63,16 @@ def tokens_with_documents(docs: torch.Tensor, vocab_size: int, eot_token: int, s
     return idx.masked_fill(opens, eot_token).clamp(max=vocab_size - 1)
 
 
-def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int) -> dict[str, float]:
+def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int, device="cpu") -> dict[str, float]:
     """`visible`: the share of the T x T score matrix the mask allows (its exact work); `computed`: the share the
     kernel computes. A dense mask is applied to every score (1.0); flex skips whole blocks with nothing visible
-    (its BlockMask's exact count); the kernels that skip by causality or packing compute about what is visible
-    (at tile granularity, slightly more) - for flash, sdpa and the CUDA kernels only without a mask."""
+    (the exact count of a BlockMask built on `device`, where the row runs: CUDA's block size is not the CPU's);
+    the kernels that skip by causality or packing compute about what is visible (at tile granularity, slightly
+    more) - for flash, sdpa and the CUDA kernels only without a mask."""
     causal = docs is None and window == 0
     visible = mask_fraction(masks.dense_mask(docs, window, T, "cpu"))
-    if attn == "flex":
-        computed = block_fraction(masks.block_mask(docs, window, T, "cpu"))
+    if attn in FLEX:
+        computed = block_fraction(masks.block_mask(None if docs is None else docs.to(device), window, T, device))
     elif attn == "varlen" or (attn in SKIPPING and causal):
         computed = visible
     else:

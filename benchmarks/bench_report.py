@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from benchmarks.bench_generate import generate_chart
+from benchmarks.bench_generate import CACHES, generate_chart
 from core.configurator import Settings
 
 
@@ -25,7 +25,19 @@ def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) ->
 
 
 def kernel_cell(row: dict) -> str:
-    return row["kernel"] + ("" if row["kernel_ok"] else f"  ! expected {'/'.join(row['kernel_expected'])}")
+    """The kernel that ran (with the FlashAttention build behind SDPA's flash, when not PyTorch's own), and what was
+    expected when it differs: a silent fallback shows."""
+    build = f" ({row['flash_build']})" if row.get("flash_build") and "flash" in row["kernel"].split("+") else ""
+    return row["kernel"] + build + ("" if row["kernel_ok"] else f"  ! expected {'/'.join(row['kernel_expected'])}")
+
+
+def compile_cell(row: dict) -> str:
+    """What dynamo did during the row: graphs compiled, graph breaks, and a recompile limit hit (the row then ran
+    eagerly). '-' for a row dynamo never saw."""
+    graphs, breaks, hits = (row.get(k, 0) for k in ("graphs_compiled", "graph_breaks", "recompile_limit_hits"))
+    if not (graphs or breaks or hits):
+        return "-"
+    return f"{graphs} graphs" + (f", {breaks} breaks" if breaks else "") + (", LIMIT HIT: eager" if hits else "")
 
 
 def speedup_cell(row: dict) -> str:
@@ -54,6 +66,7 @@ TRAIN_COLUMNS = {
     "max batch": lambda r: str(r.get("max_batch", "-")),
     "computed": computed_cell,
     "kernel": kernel_cell,
+    "compile": compile_cell,
 }
 ATTENTION_COLUMNS = {
     "attn": attn_cell,
@@ -65,6 +78,25 @@ ATTENTION_COLUMNS = {
     "speedup": speedup_cell,
     "computed": computed_cell,
     "kernel": kernel_cell,
+    "compile": compile_cell,
+}
+
+
+GENERATE_COLUMNS = {
+    "attn": lambda r: r["attn"],
+    "weights": lambda r: r["weights"],
+    "cache": lambda r: CACHES[r["cache"]],
+    "tokens/s": lambda r: f"{r['tokens_per_s']:,.1f}",
+    "prefill ms": lambda r: f"{r['prefill_ms']:.1f}",
+    "ms/token": lambda r: f"{r['ms_per_token']:.2f}",
+    "vs nanoGPT": lambda r: f"{r.get('speedup_vs_nanogpt', float('nan')):.1f}x",
+    "= no cache": lambda r: {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_no_cache"]],
+    "compile s": lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.0f}",
+    "weights MB": lambda r: f"{r['weight_bytes'] / 1e6:.1f}",
+    "KV MB": lambda r: f"{r['kv_cache_bytes'] / 1e6:.2f}",
+    "peak MB": lambda r: f"{r['mem/peak_gb'] * 1e3:.1f}",
+    "kernel": kernel_cell,
+    "compile": compile_cell,
 }
 
 

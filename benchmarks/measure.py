@@ -13,8 +13,9 @@ import gc
 import os
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from torch import profiler
 from torch.autograd import DeviceType
 
 from core import runtime
-from attention import FLEX_REGION
+from attention import FLASH_BUILDS, FLEX, FLEX_REGION
 from core.runtime import Runtime
 
 # The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and flex's autograd op.
@@ -40,6 +41,7 @@ KERNEL_OPS = {
     FLEX_REGION: "flex",  # every flex call, compiled ones too (CUDA always compiles flex)
 }
 FUSED = {"flash", "efficient", "cudnn"}
+T = TypeVar("T")
 
 
 # How running out of device memory reads when it is not a torch.OutOfMemoryError: cuBLAS and cuDNN failing to
@@ -76,7 +78,11 @@ def expected_kernels(attn: str, device_type: str, generation: bool = False) -> s
         return FUSED if device_type == "cuda" else {"flash"}
     if attn == "varlen" and generation:
         return {"varlen"} | expected_kernels("sdpa", device_type)
-    return {attn}  # flash, efficient, cudnn, math, flex, varlen: forced
+    if attn in FLASH_BUILDS:
+        return {"flash"}  # FA3 and FA4 run behind the same aten op: the row's flash_build says which
+    if attn in FLEX:
+        return {"flex"}
+    return {attn}  # efficient, cudnn, math, varlen: forced
 
 
 def ran_as_expected(kernel: str, expected: set[str]) -> bool:
@@ -89,6 +95,56 @@ def kernel_of(op_names: set[str]) -> tuple[str, list[str]]:
     """The attention kernel among the ops that ran: a label ('none' if no SDPA/flex op ran) and the op names."""
     ops = sorted(name for name in op_names if name in KERNEL_OPS)
     return "+".join(sorted({KERNEL_OPS[op] for op in ops})) or "none", ops
+
+
+def ran_eager_flex(op_names: set[str]) -> bool:
+    """Whether a call ran FlexAttention's unfused reference (the whole T x T scores) rather than a generated
+    kernel: the reference's softmax is an aten op, which compiled flex never calls (the math SDPA kernel, which calls
+    it too, is told apart by its own op). A compiled flex past its recompile limit runs this reference."""
+    return "aten::_safe_softmax" in op_names and not op_names & {
+        op for op, kernel in KERNEL_OPS.items() if kernel == "math"}
+
+
+def with_eager_flex(kernel: str) -> str:
+    """The label with flex written flex_eager: what the row really ran."""
+    return "+".join("flex_eager" if k == "flex" else k for k in kernel.split("+"))
+
+
+# -- what decided the kernel, and how compiling went -------------------------------------------------------------
+
+def kernel_context(rt: Runtime) -> dict:
+    """What decides which kernel a row runs besides its attn: the FlashAttention build behind SDPA's flash backend
+    (None: PyTorch's own), cuDNN's version and the GPU's compute capability (None on a CPU)."""
+    capability = torch.cuda.get_device_capability(rt.device) if rt.is_cuda else None
+    return dict(flash_build=torch.nn.attention.current_flash_attention_impl(),
+                cudnn_version=torch.backends.cudnn.version() if rt.is_cuda else None,
+                compute_capability=f"{capability[0]}.{capability[1]}" if capability else None)
+
+
+def dynamo_counts() -> Counter:
+    """What dynamo has done in this process so far: graphs compiled, graph breaks, and frames that hit their
+    recompile limit (each then runs eagerly, without a word but a log line)."""
+    from torch._dynamo.utils import counters
+    return Counter(graphs_compiled=counters["stats"]["unique_graphs"],
+                   graph_breaks=sum(counters["graph_break"].values()),
+                   recompile_limit_hits=sum(n for msg, n in counters["unimplemented"].items()
+                                            if "recompile limit" in msg))
+
+
+def compile_health(tally: Counter) -> dict[str, int]:
+    """A row's compile-health columns from its tally (zeros for a row dynamo never saw)."""
+    return {name: tally[name] for name in ("graphs_compiled", "graph_breaks", "recompile_limit_hits")}
+
+
+def counted(call: Callable[[], T], tally: Counter) -> Callable[[], T]:
+    """`call`, adding what dynamo did during it to `tally` (a recompile storm or a fallback shows in the row)."""
+    def run() -> T:
+        before = dynamo_counts()
+        try:
+            return call()
+        finally:
+            tally.update(dynamo_counts() - before)
+    return run
 
 
 def cpu_peak_bytes(prof: profiler.profile) -> int:
@@ -146,15 +202,18 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
 
 
 def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,
-                     after_round: Optional[Callable[[dict], None]] = None) -> dict[str, list[float]]:
+                     after_round: Optional[Callable[[dict], None]] = None,
+                     before: Optional[dict] = None) -> dict[str, list[float]]:
     """Milliseconds of each call, `iters` times: every iteration runs all calls in turn (starting one further
     along each time), so drift and neighbours' load hit them alike. The device is synchronized around each.
-    A call that runs out of memory is dropped, its reason put in `failed`. `after_round` sees the times so far."""
+    A call that runs out of memory is dropped, its reason put in `failed`. `after_round` sees the times so far;
+    `before[key]`, if given, runs untimed before each call of key (say, making its FlashAttention build active)."""
     ms = {key: [] for key in calls if key not in failed}
     for i in range(iters):
         keys = [k for k in ms if k not in failed]
         for key in keys[i % len(keys):] + keys[:i % len(keys)] if keys else []:
             try:
+                (before or {}).get(key, lambda: None)()
                 ms[key].append(runtime.time_call(calls[key], rt)[1] * 1e3)
             except Exception as e:
                 failed[key] = out_of_memory(e, rt)
@@ -173,30 +232,36 @@ def out_of_memory(e: Exception, rt: Runtime) -> str:
 
 
 def measure_calls(calls: dict, rt: Runtime, bar, warmup: int, iters: int, trace_prefix: Optional[str] = None,
-                  audits: Optional[dict] = None) -> dict:
+                  audits: Optional[dict] = None, before: Optional[dict] = None) -> dict:
     """Warm each call up, profile one run of each (ops, memory, and a chrome trace at trace_prefix_<key>.json if
     asked), then time them round-robin; `bar` (tqdm) counts the runs.
     `audits` (compiled runs): eager twins of the calls, profiled for the kernel audit instead of the compiled
-    code, in which inductor decomposes the math kernel and generates flex's. A call that runs out of memory
-    comes back as {"status": "oom", "reason": ...}; the others still run."""
-    out, failed = {}, {}
+    code, in which inductor decomposes the math kernel and generates flex's; the call's own ops still show
+    whether flex ran its eager reference. `before[key]` runs untimed before each call of key. Every call is
+    counted (dynamo_counts) and each result carries its kernel_context. A call that runs out of memory comes back
+    as {"status": "oom", "reason": ...}; the others still run."""
+    out, failed, tallies = {}, {}, {key: Counter() for key in calls}
+    calls = {key: counted(call, tallies[key]) for key, call in calls.items()}
+    prepare = before or {}
     for key, call in calls.items():
         trace = Path(f"{trace_prefix}_{key}.json") if trace_prefix else None
         try:
+            prepare.get(key, lambda: None)()
             for _ in range(warmup):
                 call()
-            ops, added = profiled_run(call, rt, trace)
-            if audits is not None:
-                ops, _ = profiled_run(audits[key], rt)
-            out[key] = dict(ops=ops, added_bytes=added, trace=str(trace) if trace else None,
-                            kernel_audit="eager twin" if audits is not None else "this run")
+            ran_ops, added = profiled_run(call, rt, trace)
+            ops = profiled_run(audits[key], rt)[0] if audits is not None else ran_ops
+            out[key] = dict(ops=ops, ran_ops=ran_ops, added_bytes=added, trace=str(trace) if trace else None,
+                            kernel_audit="eager twin" if audits is not None else "this run", **kernel_context(rt))
         except Exception as e:
             failed[key] = out_of_memory(e, rt)
         bar.update(warmup + 1)
-    for key, ms in time_round_robin(calls, iters, rt, bar, failed).items():
+    for key, ms in time_round_robin(calls, iters, rt, bar, failed, before=prepare).items():
         stats = summarize(ms)
         out[key].update(ms_per_iter=stats["median"], ms_p25=stats["p25"], ms_p75=stats["p75"], ms_min=stats["min"],
                         ms_max=stats["max"], ms_all=ms)
+    for key in out:
+        out[key].update(compile_health(tallies[key]))
     out.update({key: dict(status="oom", reason=reason) for key, reason in failed.items()})
     return out
 
@@ -214,9 +279,12 @@ def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
         row.update(measured)
         return row
     kernel, ops = kernel_of(measured.pop("ops"))
-    expected = expected_kernels(attn, rt.device_type)
+    if ran_eager_flex(measured.pop("ran_ops")):
+        kernel = with_eager_flex(kernel)
+    # a row bench runs eagerly on purpose (flex uncompiled on a CPU) is expected to; any other is a fallback
+    expected = {"flex_eager"} if row.get("eager_reference") else expected_kernels(attn, rt.device_type)
     row.update(measured, kernel=kernel, kernel_ops=ops, kernel_expected=sorted(expected),
-               kernel_ok=ran_as_expected(kernel, expected))
+               kernel_ok=ran_as_expected(kernel, expected) and not measured.get("recompile_limit_hits"))
     return row
 
 

@@ -247,7 +247,7 @@ def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys
     monkeypatch.setattr(attention, "varlen_attn", fake_varlen_attn)
     attention.attention_problem.cache_clear()
     try:
-        assert attention._probe("varlen", "cpu", torch.float32, 0.0, 16, needs_grad=False, seq_len=32) is None
+        assert attention.probe("varlen", "cpu", torch.float32, 0.0, 16, needs_grad=False, seq_len=32) is None
     finally:
         attention.attention_problem.cache_clear()
     q, k, v = torch.randn(3, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1))  # (B, nh, T, hs) each
