@@ -1,0 +1,216 @@
+"""What the kernels need and say, tested on a CPU by standing in for what CUDA would report: the optional kernels'
+refusals (flash3, flash4, flex_flash), switching the FlashAttention build behind SDPA, cuDNN's masked-backward
+hazard, the kernel audit telling flex's eager reference from a generated kernel, dynamo's counters in a row, and
+varlen's packing."""
+from collections import Counter
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, _registry
+from torch.nn.attention.flex_attention import flex_attention
+
+import attention
+import masks
+from attention import ATTENTION, attention_problem, check_attention
+from benchmarks import bench_masks, measure
+from benchmarks.bench_report import compile_cell
+from core import kernels, runtime
+from core.runtime import Runtime
+from model import GPT, GPTConfig, UserError
+
+OPTIONAL = ("flash3", "flash4", "flex_flash")
+
+
+def qkv(T=32, hs=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, T, hs, generator=g) for _ in range(3)]
+
+
+# -- optional kernels: refused in one sentence where absent ------------------------------------------------
+
+@pytest.mark.parametrize("attn", OPTIONAL)
+def test_an_optional_kernel_on_a_cpu_is_refused_naming_the_gpu_and_the_package(attn):
+    problem = attention_problem(attn, "cpu", torch.float32, 0.0, 16, False)
+    assert "is CUDA-only: compute capability 9.x (Hopper: H100, H200)" in problem
+    assert ("flash_attn_interface" if attn == "flash3" else "pip install --pre flash-attn-4") in problem
+    with pytest.raises(UserError) as refused:
+        GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8)).set_attention(attn)
+    assert problem in str(refused.value) and str(refused.value).count("\n") == 0
+
+
+def test_on_a_gpu_an_optional_kernel_names_what_is_missing(monkeypatch):
+    """What a GPU would answer, injected: its compute capability, which modules import, torch's flash registry."""
+    monkeypatch.setattr(kernels, "has_module", lambda name: False)
+    assert kernels.build_problem("flash4", "cuda", (9, 0)) == (
+        "FlashAttention 4 needs the flash-attn-4 package (pip install --pre flash-attn-4)")
+    assert kernels.build_problem("flex_flash", "cuda", (10, 0)).endswith("(pip install --pre flash-attn-4)")
+    assert kernels.build_problem("flash3", "cuda", (10, 0)) == (
+        "FlashAttention 3 needs compute capability 9.x (Hopper: H100, H200); this GPU is 10.0")
+    assert "this GPU is 8.0" in kernels.build_problem("flash4", "cuda", (8, 0))  # an A100: no FA4
+    monkeypatch.setattr(kernels, "has_module", lambda name: name in ("flash_attn.cute", "flash_attn_interface"))
+    assert all(kernels.build_problem(a, "cuda", (9, 0)) is None for a in OPTIONAL)  # then the probe decides
+    monkeypatch.setattr(torch.nn.attention, "list_flash_attention_impls", lambda: [])  # a torch before 2.13
+    assert "cannot put FA4 behind SDPA" in kernels.build_problem("flash4", "cuda", (9, 0))
+
+
+def test_a_missing_parent_package_counts_as_missing():
+    assert not kernels.has_module("surely_not_installed_pkg.cute")  # find_spec raises for the parent: no crash
+    assert kernels.has_module("torch.nn")
+
+
+@pytest.fixture()
+def fake_fa4(monkeypatch):
+    """torch's flash registry with an 'FA4' whose activation and removal are recorded (the real one imports
+    flash_attn.cute and replaces CUDA kernels, neither of which a CPU has)."""
+    events = []
+
+    class Handle:
+        def remove(self):
+            events.append("removed")
+
+    def register():
+        events.append("activated")
+        return Handle()
+    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", register)
+    monkeypatch.setattr(_registry, "_FLASH_ATTENTION_ACTIVE", None)
+    yield events
+    torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
+
+
+def test_a_flash_row_makes_its_own_build_active_and_plain_flash_restores_pytorchs(fake_fa4):
+    q, k, v = qkv()
+    fa4 = ATTENTION["flash4"](q, k, v, None, 0.0)
+    assert fake_fa4 == ["activated"] and torch.nn.attention.current_flash_attention_impl() == "FA4"
+    ATTENTION["flash4"](q, k, v, None, 0.0)
+    assert fake_fa4 == ["activated"]  # already active: nothing switched
+    fa2 = ATTENTION["flash"](q, k, v, None, 0.0)
+    assert fake_fa4 == ["activated", "removed"] and torch.nn.attention.current_flash_attention_impl() is None
+    torch.testing.assert_close(fa4, fa2)  # on a CPU the fake build leaves the same kernel in place
+    attention.resolve("flash4")  # set_attention's resolve switches too, for compiled code that cannot
+    assert torch.nn.attention.current_flash_attention_impl() == "FA4"
+
+
+def test_bench_switches_builds_outside_the_timed_call_and_records_each_rows(fake_fa4):
+    q, k, v = qkv()
+    flash = attention._forced_backend(SDPBackend.FLASH_ATTENTION)  # the kernel alone: it switches no build itself
+    seen = {"flash": [], "flash4": []}  # the build active during each call of each row
+
+    def call(key):
+        seen[key].append(torch.nn.attention.current_flash_attention_impl())
+        flash(q, k, v, None, 0.0)
+    calls = {key: (lambda key=key: call(key)) for key in seen}
+    before = {key: (lambda key=key: kernels.use_flash_build(attention.FLASH_BUILDS[key])) for key in seen}
+    out = measure.measure_calls(calls, Runtime("cpu", "float32"), NoBar(), warmup=1, iters=3, before=before)
+    assert seen == {"flash": [None] * 5, "flash4": ["FA4"] * 5}  # warm-up, profile, three timed rounds
+    assert out["flash4"]["flash_build"] == "FA4" and out["flash"]["flash_build"] is None
+
+
+class NoBar:
+    def update(self, n=1):
+        pass
+
+
+def test_kernel_context_records_what_cuda_reports(monkeypatch, fake_fa4):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91600)
+    kernels.use_flash_build("FA4")
+    assert measure.kernel_context(Runtime("cuda:0", "bfloat16")) == dict(
+        flash_build="FA4", cudnn_version=91600, compute_capability="9.0")
+    assert measure.kernel_context(Runtime("cpu", "float32")) == dict(
+        flash_build="FA4", cudnn_version=None, compute_capability=None)
+
+
+# -- cuDNN's masked backward -----------------------------------------------------------------------------
+
+def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_may_pick_cudnn(monkeypatch, capsys):
+    hazard = kernels.cudnn_mask_hazard
+    h100, new_cudnn, old_cudnn = (9, 0), 91600, 91000
+    assert "NaN gradients" in hazard("cudnn", True, True, 192, h100, old_cudnn)  # 192 = 128 + 64
+    assert hazard("cudnn", True, True, 256, h100, new_cudnn) is None  # a multiple of 128
+    assert hazard("cudnn", False, True, 192, h100, new_cudnn) is None  # no backward
+    assert hazard("cudnn", True, False, 192, h100, new_cudnn) is None  # causal: no explicit mask
+    assert "NaN gradients" in hazard("sdpa_mask", True, False, 64, h100, new_cudnn)  # its mask is explicit
+    assert hazard("sdpa", True, True, 192, h100, old_cudnn) is None  # SDPA prefers cuDNN only past 9.15
+    assert hazard("sdpa", True, True, 192, (8, 0), new_cudnn) is None  # nor on an A100
+    assert hazard("flash", True, True, 192, h100, new_cudnn) is None
+
+    monkeypatch.setattr(kernels, "cuda_facts", lambda: (h100, new_cudnn))
+    monkeypatch.setattr(attention, "attention_problem", lambda *args, **kw: None)  # the probe: runs
+    check_attention("sdpa", "cuda", torch.bfloat16, 0.0, 64, True, 192, masked=True)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("warning: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err
+    assert err.count("\n") == 0
+
+
+# -- the audit: flex's eager reference is named -------------------------------------------------------------
+
+def profiled_ops(call) -> set[str]:
+    return measure.profiled_run(call, Runtime("cpu", "float32"))[0]
+
+
+def test_the_audit_tells_flexs_eager_reference_from_the_other_kernels():
+    q, k, v = qkv()
+    eager_flex = profiled_ops(lambda: flex_attention(q, k, v))
+    assert measure.kernel_of(eager_flex)[0] == "flex" and measure.ran_eager_flex(eager_flex)
+    assert not measure.ran_eager_flex(profiled_ops(lambda: ATTENTION["math"](q, k, v, None, 0.0)))  # softmax too
+    assert not measure.ran_eager_flex(profiled_ops(lambda: ATTENTION["manual"](q, k, v, None, 0.0)))
+    assert measure.with_eager_flex("flex") == "flex_eager" and measure.with_eager_flex("flash+none") == "flash+none"
+    row = measure.audited_row(dict(attn="flex"), dict(ops=eager_flex, ran_ops=eager_flex), "flex",
+                              Runtime("cpu", "float32"))
+    assert row["kernel"] == "flex_eager" and not row["kernel_ok"]  # compiled flex expected: a fallback
+    reference = measure.audited_row(dict(attn="flex", eager_reference=True), dict(ops=eager_flex, ran_ops=eager_flex),
+                                    "flex", Runtime("cpu", "float32"))
+    assert reference["kernel_ok"]  # uncompiled on purpose: what the row expects
+
+
+# -- dynamo's counters in a row ----------------------------------------------------------------------------
+
+def test_a_rows_counters_catch_a_forced_recompile_past_its_limit_and_a_graph_break():
+    torch._dynamo.reset()
+    square = runtime.compile_isolated(lambda x: x * x, recompile_limit=1, backend="eager", dynamic=False)
+    tally = Counter()
+    for n in (4, 5, 6):  # static shapes: every new length is a recompile, and the limit is one graph
+        measure.counted(lambda: square(torch.ones(n)), tally)()
+    health = measure.compile_health(tally)
+    assert health["graphs_compiled"] == 1 and health["recompile_limit_hits"] == 1 and health["graph_breaks"] == 0
+    assert compile_cell(health) == "1 graphs, LIMIT HIT: eager"
+
+    def breaks(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+    broken, tally = torch.compile(breaks, backend="eager"), Counter()
+    measure.counted(lambda: broken(torch.ones(3)), tally)()
+    assert tally["graph_breaks"] >= 1 and tally["graphs_compiled"] == 2
+    row = measure.audited_row(dict(attn="sdpa"), dict(ops={"aten::_scaled_dot_product_flash_attention_for_cpu"},
+                                                      ran_ops=set(), recompile_limit_hits=1), "sdpa",
+                              Runtime("cpu", "float32"))
+    assert row["kernel"] == "flash" and not row["kernel_ok"]  # the right kernel, but a row that fell back
+    assert compile_cell({}) == "-"
+    torch._dynamo.reset()
+
+
+# -- where the numbers come from -------------------------------------------------------------------------
+
+def test_a_masked_rows_computed_share_comes_from_a_block_mask_built_where_the_row_runs(monkeypatch):
+    docs = torch.arange(256).div(64, rounding_mode="floor")[None]  # (1, 256): four documents
+    built_on, real = [], masks.block_mask
+
+    def recording(row_docs, window, T, device):
+        built_on.append((str(device), str(row_docs.device)))
+        return real(docs, window, T, "cpu")  # the same mask, where this machine can build it
+    monkeypatch.setattr(masks, "block_mask", recording)
+    shares = bench_masks.fractions("flex", docs, 0, 256, device="meta")  # meta stands in for cuda:0
+    assert built_on == [("meta", "meta")]  # the row's device, its documents moved there
+    assert shares["computed"] == 0.5  # 128-blocks: of 2 x 2, the two diagonal ones hold visible scores
+
+
+def test_varlen_packing_gives_every_document_its_own_sequence():
+    g = torch.Generator().manual_seed(0)
+    docs = torch.randint(0, 2, (3, 40), generator=g).cumsum(1)  # (3, 40): documents of random lengths
+    packing = masks.packed(docs, 5, 3, 40, "cpu")
+    starts = [r * 40 + t for r in range(3) for t in range(40) if t == 0 or docs[r, t] != docs[r, t - 1]]
+    expected = starts + [120]
+    assert packing.cu_seqlens.tolist() == expected and packing.cu_seqlens.dtype == torch.int32
+    assert packing.max_len == max(b - a for a, b in zip(expected, expected[1:])) and packing.window == 5
+    assert masks.packed(None, 0, 3, 40, "cpu").cu_seqlens.tolist() == [0, 40, 80, 120]
