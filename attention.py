@@ -29,7 +29,6 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.nn.attention.varlen import varlen_attn
 
 import masks
 from core import runtime
@@ -174,7 +173,9 @@ def _flex(backend: Optional[str]) -> AttentionFn:
 
 def varlen_attention(q, k, v, mask, dropout_p):
     # varlen_attn (FlashAttention, CUDA) takes the batch as one packed sequence of documents: no dense mask, and
-    # the window as flash's window_size (left, right), which counts the query itself apart.
+    # the window as flash's window_size (left, right), which counts the query itself apart. Imported here: its
+    # module imports dynamo (1.4 s at every start of every script), which only a varlen run needs.
+    from torch.nn.attention.varlen import varlen_attn
     if isinstance(mask, torch.Tensor):  # a decode step, one query over the cache: nothing to pack, SDPA runs it
         return sdpa_attention(q, k, v, mask, dropout_p)
     B, nh, Tq, hs = q.shape

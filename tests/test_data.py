@@ -272,6 +272,7 @@ def test_openwebtext_skips_records_without_text_counts_them_and_refuses_when_too
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.slow  # the whole pipeline through main, datasets and all (~1.5 s)
 def test_openwebtext_refuses_a_split_smaller_than_one_training_block_and_writes_nothing(tmp_path, capsys):
     owt = load_script("openwebtext")
     (tmp_path / "c.txt").write_text("\n\n".join(f"paragraph {i} of a short corpus" for i in range(40)))

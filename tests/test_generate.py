@@ -33,8 +33,10 @@ def prompts(B=2, T=5, seed=1) -> torch.Tensor:
 
 # -- the static KV cache -------------------------------------------------------------------------------------
 
-# the padded vocabulary changes lm_head alone, apart from attention: every implementation unpadded, and one padded
-@pytest.mark.parametrize("attn, pad_vocab", [(a, False) for a in CPU_INFERENCE] + [("sdpa", True)],
+# the padded vocabulary changes lm_head alone, apart from attention: every implementation unpadded, and one padded;
+# eager flex (PyTorch's unfused reference, ~3 s here) in the slow tier
+@pytest.mark.parametrize("attn, pad_vocab", [pytest.param(a, False, marks=pytest.mark.slow) if a == "flex" else (a, False)
+                                             for a in CPU_INFERENCE] + [("sdpa", True)],
                          ids=[f"unpadded-{a}" for a in CPU_INFERENCE] + ["padded-sdpa"])
 def test_eager_cached_tokens_equal_cache_free_tokens_across_block_size(attn, pad_vocab):
     model = small_model(attn, pad_vocab)

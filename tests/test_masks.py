@@ -244,7 +244,7 @@ def fake_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1,
 
 def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys(monkeypatch):
     """What CUDA would meet for every forward without gradients: the probe's one-query call against T keys."""
-    monkeypatch.setattr(attention, "varlen_attn", fake_varlen_attn)
+    monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", fake_varlen_attn)
     attention.attention_problem.cache_clear()
     try:
         assert attention.probe("varlen", "cpu", torch.float32, 0.0, 16, needs_grad=False, seq_len=32) is None
@@ -260,7 +260,7 @@ def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys
 def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatch):
     """The CUDA-only varlen row, its packing and window convention checked on CPU against the dense reference, with
     varlen_attn replaced by what its documentation says it computes."""
-    monkeypatch.setattr(attention, "varlen_attn", fake_varlen_attn)
+    monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", fake_varlen_attn)
     settings = MASKS.get(mask, {})
     idx = documents()
     q, k, v = torch.randn(3, 2, 2, 48, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each

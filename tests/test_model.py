@@ -202,7 +202,10 @@ def test_the_same_seed_gives_the_same_tokens_and_prompts_longer_than_block_size_
 
 # -- torch.compile ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("attn", CPU_ALL)
+# manual and flex in the fast tier (the plain math, and the one that builds block masks); the SDPA rows, which differ
+# only in the backend they force, in the slow one (~0.6 s each)
+@pytest.mark.parametrize("attn", [a if a in ("manual", "flex") else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in CPU_ALL])
 def test_dynamo_finds_no_graph_break(attn):
     torch._dynamo.reset()
     model = tiny_model(attn)
