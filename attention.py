@@ -327,12 +327,16 @@ class Attention:
             raise
 
 def resolve(attn: str) -> Attention:
-    """The implementation named `attn` (a key of ATTENTION); a flash row's FlashAttention build made active, for
-    compiled code too."""
+    """The implementation named `attn` (a key of ATTENTION)."""
+    return Attention(attn, ATTENTION[attn])
+
+
+def activate_build(attn: str) -> None:
+    """For a flash row, its FlashAttention build made active now (process-wide), so compiled code, which does not
+    switch builds itself, runs it too. set_attention calls this once `attn` is known to run."""
     if attn in FLASH_BUILDS and torch.nn.attention.current_flash_attention_impl() != FLASH_BUILDS[attn]:
         from core.kernels import use_flash_build
         use_flash_build(FLASH_BUILDS[attn])
-    return Attention(attn, ATTENTION[attn])
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import masks
-from attention import ATTENTION, Attention, check_attention, mask_for, resolve
+from attention import ATTENTION, Attention, activate_build, check_attention, mask_for, resolve
 from core.errors import UserError
 
 
@@ -267,6 +267,7 @@ class GPT(nn.Module):
             check_attention(attn, weight.device.type, dtype or weight.dtype, config.dropout if training else 0.0,
                             config.head_size, training, config.block_size, masked=config.mask.restricted)
         self.config, self.attention = config, resolve(attn)
+        activate_build(attn)
         for block in self.transformer.h:
             block.attn.attention = self.attention
         return self

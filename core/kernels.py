@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from core.errors import UserError
+
 # attn -> (the kernel, the module that must import, how to get it, the compute capability majors it is built for,
 # its name in torch's flash registry (None: not behind SDPA))
 NEEDS = {
@@ -114,5 +116,11 @@ def use_flash_build(build: Optional[str]) -> None:
         return
     if build is None:
         torch.nn.attention.restore_flash_attention_impl()
-    else:
+        return
+    try:
         torch.nn.attention.activate_flash_attention_impl(build)
+    except (ImportError, RuntimeError, ValueError) as e:  # its package is missing or not the one torch expects
+        attn = next(a for a, needs in NEEDS.items() if needs[4] == build)
+        raise UserError(f"{build} cannot be put behind SDPA's flash backend ({type(e).__name__}: {e}); attn="
+                        f"'{attn}' needs {NEEDS[attn][2]} and a GPU of compute capability "
+                        f"{' or '.join(GENERATIONS[m] for m in NEEDS[attn][3])}.") from None

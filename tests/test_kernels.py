@@ -86,8 +86,22 @@ def test_a_flash_row_makes_its_own_build_active_and_plain_flash_restores_pytorch
     fa2 = ATTENTION["flash"](q, k, v, None, 0.0)
     assert fake_fa4 == ["activated", "removed"] and torch.nn.attention.current_flash_attention_impl() is None
     torch.testing.assert_close(fa4, fa2)  # on a CPU the fake build leaves the same kernel in place
-    attention.resolve("flash4")  # set_attention's resolve switches too, for compiled code that cannot
+    model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8, attn="flash4"))
+    assert torch.nn.attention.current_flash_attention_impl() is None  # built, not yet known to run: nothing switched
+    model.set_attention("flash4", check=False)  # set_attention switches, for compiled code, which cannot
     assert torch.nn.attention.current_flash_attention_impl() == "FA4"
+
+
+def test_a_build_that_cannot_be_activated_is_one_sentence(monkeypatch):
+    def missing():
+        raise ModuleNotFoundError("No module named 'flash_attn'")
+    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", missing)
+    monkeypatch.setattr(_registry, "_FLASH_ATTENTION_ACTIVE", None)
+    q, k, v = qkv()
+    with pytest.raises(UserError) as refused:
+        ATTENTION["flash4"](q, k, v, None, 0.0)  # an eager call on a model never checked
+    assert str(refused.value).startswith("FA4 cannot be put behind SDPA's flash backend (ModuleNotFoundError: ")
+    assert "pip install --pre flash-attn-4" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_bench_switches_builds_outside_the_timed_call_and_records_each_rows(fake_fa4):
