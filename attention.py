@@ -331,14 +331,6 @@ def resolve(attn: str) -> Attention:
     return Attention(attn, ATTENTION[attn])
 
 
-def activate_build(attn: str) -> None:
-    """For a flash row, its FlashAttention build made active now (process-wide), so compiled code, which does not
-    switch builds itself, runs it too. set_attention calls this once `attn` is known to run."""
-    if attn in FLASH_BUILDS and torch.nn.attention.current_flash_attention_impl() != FLASH_BUILDS[attn]:
-        from core.kernels import use_flash_build
-        use_flash_build(FLASH_BUILDS[attn])
-
-
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
                     needs_grad: bool, seq_len: int = 64, masked: bool = False, problem: Optional[str] = None) -> None:
     """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (`masked`: with a

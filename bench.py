@@ -21,7 +21,6 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -31,18 +30,16 @@ from tqdm import tqdm
 from core import flops
 from core import files
 from core import runtime
-from benchmarks.measure import (audited_row, free_memory, max_batch_size, measure_calls, out_of_memory, paired_speedup,
-                     profiled_run)
+from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
 from core.configurator import Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
 from attention import ATTENTION, FLASH_BUILDS, FLEX, attention_problem, reset_compiled_flex
 from core.kernels import use_flash_build
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
-from benchmarks.bench_masks import (MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask,
-                         tokens_with_documents)
+from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
+from benchmarks.bench_train import Trainer, build_trainer, fits  # noqa: F401 - Trainer: bench.Trainer for tests
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
-from model import GPT, GPTConfig
 from core.runtime import Runtime
 
 # mode
@@ -70,6 +67,9 @@ seq_len = None            # tokens per sequence, also the model's block_size
 warmup = 2                # untimed steps per row first: allocator, lazy optimizer state, compilation
 iters = None              # timed steps per row, taken round-robin across rows
 compile = False           # torch.compile each model (compilation happens in the warm-up, untimed)
+auto = True               # train mode: an 'auto' row per padding and mask, what attn=auto picks (core/attn_auto.py)
+attn_auto_budget = 10.0   # seconds attn=auto may spend measuring a workload (a cached decision takes none)
+attn_auto_refresh = False # measure again even when an earlier run decided the same workload
 # max batch size search (train mode)
 max_batch = False         # also find the largest batch that fits, per row: slow
 mem_budget_gb = 2.0       # CPU only: the bound on one step's peak tensor memory; CUDA's bound is the GPU itself
@@ -104,7 +104,7 @@ LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vo
           "new_tokens": "[1, inf)", "gen_batch": "[1, inf)", "mode": one_of("train", "attention", "generate"),
           "padding": comma_list_of("off", "on"), "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
           "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",
-          "doc_len": "[0, inf)", "attn": comma_list_of("all", *ATTENTION)}
+          "doc_len": "[0, inf)", "attn": comma_list_of("all", *ATTENTION), "attn_auto_budget": "(0, inf)"}
 
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
@@ -184,90 +184,6 @@ def eager_reference(attn: str, problem: Optional[str], cfg: Settings, rt: Runtim
 
 # -- train mode ------------------------------------------------------------------------------------------
 
-@dataclass
-class Trainer:
-    """One model, optimizer and batch, shared by every attn row of one vocab setting: a row switches the
-    attention and takes real training steps. Rows sharing weights keep one model's memory, not one per row."""
-    model: GPT
-    compile: bool                        # each attn's forward compiled apart (compiled_forward)
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    batch: torch.Tensor                  # (2, B, T): inputs and targets
-    rt: Runtime
-    docs: Optional[torch.Tensor] = None  # (B, T) the inputs' document ids, with doc_mask
-    forwards: dict = field(default_factory=dict)  # attn -> its compiled forward
-
-    def step(self, attn: str) -> None:
-        """One training step through `attn`: forward, backward, optimizer step."""
-        self.model.set_attention(attn, check=False)  # the sweep asked attention_problem, row by row
-        with self.rt.autocast():
-            _, loss = self.compiled_forward(attn)(*self.batch)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)  # gradients die with the step, so they count as step memory
-
-    def compiled_forward(self, attn: str) -> Callable:
-        """The model's forward for `attn`'s row: compiled apart for each attn, with a recompile budget of its own
-        (one compiled forward shared by every row would recompile per attn and, past its limit, run the later
-        rows eagerly), or the model itself."""
-        if not self.compile:
-            return self.model
-        if attn not in self.forwards:
-            self.forwards[attn] = runtime.compile_isolated(self.model.forward)
-        return self.forwards[attn]
-
-    def eager_pass(self, attn: str) -> None:
-        """Forward and backward through the uncompiled model, no update: what the kernel audit profiles."""
-        self.model.set_attention(attn, check=False)
-        with self.rt.autocast():
-            _, loss = self.model(*self.batch)
-        loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def resident_bytes(self) -> int:
-        """Tensors that live across steps: weights, buffers, optimizer state, the batch."""
-        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        tensors = [*self.model.parameters(), *self.model.buffers(), *state, self.batch]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int,
-                  mask: str = "causal") -> Trainer:
-    torch.manual_seed(cfg.seed)  # the same weights whatever the row
-    doc_mask, window = mask_settings(mask, cfg.window)
-    config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab},
-                             dict(attn=attn, doc_mask=doc_mask, window=window, eot_token=cfg.vocab_size - 1))
-    model = GPT(config).to(rt.device)
-    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
-    batch = torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len),
-                          generator=torch.Generator().manual_seed(cfg.seed))  # random ids cost as text
-    docs = document_ids(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
-    if doc_mask:  # the inputs carry end-of-text where the documents of real blocks begin
-        batch[0] = tokens_with_documents(docs, cfg.vocab_size, cfg.vocab_size - 1, cfg.seed)
-    return Trainer(model, cfg.compile, optimizer, rt.grad_scaler(), batch.to(rt.device), rt, docs)
-
-
-def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal") -> bool:
-    """Whether training at this batch size fits: two full steps (the second carries AdamW's state) without
-    running out of memory of any kind; on CPU also resident plus peak step memory within mem_budget_gb."""
-    trainer = None
-    try:
-        trainer = build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask)
-        trainer.step(attn)
-        if rt.is_cuda:
-            trainer.step(attn)
-            return True
-        _, added = profiled_run(functools.partial(trainer.step, attn), rt)
-        return trainer.resident_bytes() + added <= cfg.mem_budget_gb * 1e9
-    except Exception as e:
-        out_of_memory(e, rt)  # raises anything else
-        return False
-    finally:
-        del trainer  # the model and its memory go before the next probe
-        free_memory(rt)
-
-
 def row_key(attn: str, pad_vocab: bool, mask: str) -> str:
     """A training row's name (its trace file's too): manual_unpadded, flex_padded_doc+window, ..."""
     return f"{attn}_{'padded' if pad_vocab else 'unpadded'}" + ("" if mask == "causal" else f"_{mask}")
@@ -310,10 +226,14 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
         base = rows.get(row_key("manual", row["pad_vocab"], row["mask"]), {})
         if row["status"] == "ok" and base.get("status") == "ok":
             row["speedup_vs_manual"] = paired_speedup(base, row)
+    if cfg.auto:  # what attn=auto would pick, beside the fastest row measured here
+        from benchmarks.bench_auto import auto_rows
+        rows.update({f"auto_{r['pad_vocab']}_{r['mask']}": r for r in auto_rows(rows, trainers, cfg, rt)})
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
     free_memory(rt)
     if cfg.max_batch:
-        for row in tqdm([r for r in rows.values() if r["status"] == "ok"], desc="max batch", file=sys.stderr):
+        for row in tqdm([r for r in rows.values() if r["status"] == "ok" and r["attn"] != "auto"], desc="max batch",
+                        file=sys.stderr):
             row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"]),
                                               cfg.max_batch_limit)
     return list(rows.values())

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import masks
-from attention import ATTENTION, Attention, activate_build, check_attention, mask_for, resolve
+from attention import ATTENTION, FLASH_BUILDS, Attention, check_attention, mask_for, resolve
 from core.errors import UserError
 
 
@@ -267,7 +267,9 @@ class GPT(nn.Module):
             check_attention(attn, weight.device.type, dtype or weight.dtype, config.dropout if training else 0.0,
                             config.head_size, training, config.block_size, masked=config.mask.restricted)
         self.config, self.attention = config, resolve(attn)
-        activate_build(attn)
+        if attn in FLASH_BUILDS:  # its FlashAttention build behind SDPA, process-wide: now, for compiled code too
+            from core.kernels import use_flash_build
+            use_flash_build(FLASH_BUILDS[attn])
         for block in self.transformer.h:
             block.attn.attention = self.attention
         return self

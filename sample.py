@@ -41,7 +41,9 @@ temperature = 0.8                 # 1.0 samples the model's distribution, lower 
 top_k = 200                       # sample among the top_k most likely tokens only; None for all
 seed = 1337                       # seed of the sampling generator: the same seed gives the same text
 # model and precision
-attn = None                       # an attention.ATTENTION key; None: the checkpoint's ('sdpa' for GPT-2 weights)
+attn = None                       # an attention.ATTENTION key, or 'auto' (measured here); None: the checkpoint's
+attn_auto_budget = 20.0           # attn='auto': seconds to spend measuring (a cached decision takes none)
+attn_auto_refresh = False         # attn='auto': measure again even when an earlier run decided this workload
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
 dtype = "auto"                    # the weights' dtype: auto (bf16 where supported, fp16 on older GPUs, else fp32), ...
 quantize = ""                     # "int8": int8 weight-only weights (torchao), a quarter of fp32's bytes per token
@@ -52,8 +54,8 @@ json = ""                         # write every number (settings, tokens, timing
 # -----------------------------------------------------------------------------
 # the allowed range of every numeric setting (top_k may also be None) and the words of every choice
 LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_k": "[1, inf)",
-          "seed": "[0, inf)", "attn": one_of(*ATTENTION), "dtype": one_of("auto", *runtime.DTYPES),
-          "quantize": one_of(*QUANTIZE)}
+          "seed": "[0, inf)", "attn": one_of("auto", *ATTENTION), "dtype": one_of("auto", *runtime.DTYPES),
+          "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)"}
 
 
 
@@ -76,7 +78,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
         if model.config.vocab_size != tok.vocab_size:  # e.g. a character model exported by export_hf.py
             raise UserError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not GPT-2's; sample.py "
                             f"reads Hugging Face directories with GPT-2 BPE only - sample from the training out_dir.")
-    if attn is not None:
+    if attn not in (None, "auto"):  # auto is decided in main, on the sampling's own shapes
         model.set_attention(attn, check=False)  # checked where it runs: sample() or compare
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
@@ -126,6 +128,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
               "source": source, "prompt_tokens": len(prompt)}
     print(f"{source}: {model.get_num_params() / 1e6:.2f}M parameters, {rt.dtype} on {rt.name}")
+    if cfg.attn == "auto" and not cfg.compare:  # --compare runs every implementation anyway
+        report["attn_auto"] = choose_attention(model, rt, cfg, len(prompt))
     if cfg.compare:
         from benchmarks import compare  # the comparison harness imports this module: only now, when it is asked for
         report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile,
@@ -135,6 +139,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.json:
         write_json(Path(cfg.json), report)
     return 0
+
+
+def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> dict:
+    """attn='auto': the fastest implementation for this sampling (its batch, prompt, dtype, mask, compile), measured
+    or read from the cache of earlier decisions (core/attn_auto.py), set on the model; returns the table."""
+    from core.attn_auto import Workload, choose
+    workload = Workload.of(model.config, rt, cfg.num_samples, min(prompt_len, model.config.block_size),
+                           training=False, compiled=cfg.compile)
+    decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
+    print(decision.line())
+    model.set_attention(decision.pick, check=False)  # checked in sample(), where it runs
+    return decision.metrics()
 
 
 def sample(model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int], compile: bool,

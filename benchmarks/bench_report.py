@@ -50,6 +50,9 @@ def computed_cell(row: dict) -> str:
 
 
 def attn_cell(row: dict) -> str:
+    if row.get("auto_pick"):  # attn=auto's row: what it picked, and how that compares with the fastest row
+        verdict = "" if row.get("within_noise", True) else f", {row['pick_vs_fastest']:.2f}x {row['fastest']}'s time"
+        return f"auto -> {row['auto_pick']}{verdict}"
     return row["attn"] + (" (eager reference)" if row.get("eager_reference") else "")
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bench
-from benchmarks import measure
+from benchmarks import bench_train, measure
 from core import runtime
 from core.configurator import Settings
 from attention import ATTENTION
@@ -23,7 +23,7 @@ from core.runtime import Runtime
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny model that still runs a real training step of every CPU-trainable implementation in well under a second.
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--seq_len=64", "--batch_size=2", "--vocab_size=101",
-        "--iters=2", "--warmup=1", "--dtype=float32", "--threads=1"]
+        "--iters=2", "--warmup=1", "--dtype=float32", "--threads=1", "--auto=False"]  # auto's row: its own test
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -243,6 +243,17 @@ def test_the_command_line_prints_a_bad_setting_as_one_line_on_stderr_and_exit_co
                                                 "'flash'?"]
 
 
+def test_the_auto_row_shows_what_attn_auto_picks_beside_the_fastest_row_of_the_same_run(tmp_path, capsys):
+    result = run_bench(tmp_path, "--attn=manual,sdpa,math", "--padding=off", "--auto=True", "--attn_auto_budget=1")
+    auto = rows_by(result, "attn")[("auto",)]
+    ran = {row["attn"]: row for row in result["rows"] if row["status"] == "ok" and row["attn"] != "auto"}
+    assert auto["auto_pick"] in ran and auto["fastest"] == min(ran, key=lambda a: ran[a]["ms_per_iter"])
+    assert auto["ms_per_iter"] == ran[auto["auto_pick"]]["ms_per_iter"]  # the pick's own row, measured here
+    assert isinstance(auto["within_noise"], bool) and auto["pick_vs_fastest"] > 0
+    assert auto["auto_line"].startswith("attn=auto: ") and ", training; " in auto["auto_line"]
+    assert f"auto -> {auto['auto_pick']}" in capsys.readouterr().out  # the table's row
+
+
 def test_speedup_pairs_iterations_so_drift_that_hits_every_row_cancels():
     manual = {"ms_all": [100.0, 1000.0, 100.0]}   # the machine got 10x slower during iteration 2
     fused = {"ms_all": [50.0, 500.0, 60.0]}
@@ -336,7 +347,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
         trainer = Trainer(batch_size)
         probes.append(weakref.ref(trainer))
         return trainer
-    monkeypatch.setattr(bench, "build_trainer", build_trainer)
+    monkeypatch.setattr(bench_train, "build_trainer", build_trainer)  # what fits() builds each probe with
     cfg = Settings(mem_budget_gb=1.0)
     rt = bench.Runtime(device, "float32")
     assert measure.max_batch_size(lambda b: bench.fits(cfg, rt, "manual", False, b), limit=16) == 5
@@ -346,7 +357,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
 def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatch):
     def build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask="causal"):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
-    monkeypatch.setattr(bench, "build_trainer", build_trainer)
+    monkeypatch.setattr(bench_train, "build_trainer", build_trainer)  # what fits() builds each probe with
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         bench.fits(Settings(mem_budget_gb=1.0), bench.Runtime("cpu", "float32"), "manual", False, 4)
 

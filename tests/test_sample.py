@@ -217,7 +217,7 @@ def test_first_divergence_names_the_sample_and_the_token():
 # -- clear errors --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--attn=fast"], "attn must be one of 'manual', 'sdpa_mask'"),
+    (["--attn=fast"], "attn must be one of 'auto', 'manual', 'sdpa_mask'"),
     (["--attn=efficient"], "attn='efficient' cannot run for inference on cpu"),
     (["--compare=manual,fast"], "unknown attn 'fast'; use all or a comma-separated list"),
     (["--start=FILE:no/such/prompt.txt"], "prompt file no/such/prompt.txt does not exist"),
@@ -244,7 +244,8 @@ def test_the_command_line_prints_bad_input_as_one_line_and_exit_code_2(char_ckpt
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: attn must be one of {', '.join(map(repr, attention.ATTENTION))}, got 'fast'; did you mean 'flash'?"]
+        f"error: attn must be one of {', '.join(map(repr, ['auto', *attention.ATTENTION]))}, got 'fast'; did you mean "
+        f"'flash'?"]
 
 
 # -- compiled comparisons and kernels that refuse at run time ---------------------------------------------------

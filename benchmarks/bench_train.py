@@ -1,0 +1,102 @@
+"""
+bench.py's train mode, the machinery of one row: a model, its optimizer and batch shared by the rows of one vocab
+setting and mask (each row switching the attention and taking real training steps, compiled apart per attn), and
+whether a batch size fits.
+"""
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from benchmarks.bench_masks import document_ids, mask_settings, tokens_with_documents
+from benchmarks.measure import free_memory, out_of_memory, profiled_run
+from core import runtime
+from core.configurator import Settings
+from core.runtime import Runtime
+from model import GPT, GPTConfig
+
+
+@dataclass
+class Trainer:
+    """One model, optimizer and batch, shared by every attn row of one vocab setting: a row switches the
+    attention and takes real training steps. Rows sharing weights keep one model's memory, not one per row."""
+    model: GPT
+    compile: bool                        # each attn's forward compiled apart (compiled_forward)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    batch: torch.Tensor                  # (2, B, T): inputs and targets
+    rt: Runtime
+    docs: Optional[torch.Tensor] = None  # (B, T) the inputs' document ids, with doc_mask
+    forwards: dict = field(default_factory=dict)  # attn -> its compiled forward
+
+    def step(self, attn: str) -> None:
+        """One training step through `attn`: forward, backward, optimizer step."""
+        self.model.set_attention(attn, check=False)  # the sweep asked attention_problem, row by row
+        with self.rt.autocast():
+            _, loss = self.compiled_forward(attn)(*self.batch)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)  # gradients die with the step, so they count as step memory
+
+    def compiled_forward(self, attn: str) -> Callable:
+        """The model's forward for `attn`'s row: compiled apart for each attn, with a recompile budget of its own
+        (one compiled forward shared by every row would recompile per attn and, past its limit, run the later
+        rows eagerly), or the model itself."""
+        if not self.compile:
+            return self.model
+        if attn not in self.forwards:
+            self.forwards[attn] = runtime.compile_isolated(self.model.forward)
+        return self.forwards[attn]
+
+    def eager_pass(self, attn: str) -> None:
+        """Forward and backward through the uncompiled model, no update: what the kernel audit profiles."""
+        self.model.set_attention(attn, check=False)
+        with self.rt.autocast():
+            _, loss = self.model(*self.batch)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def resident_bytes(self) -> int:
+        """Tensors that live across steps: weights, buffers, optimizer state, the batch."""
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        tensors = [*self.model.parameters(), *self.model.buffers(), *state, self.batch]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int,
+                  mask: str = "causal") -> Trainer:
+    torch.manual_seed(cfg.seed)  # the same weights whatever the row
+    doc_mask, window = mask_settings(mask, cfg.window)
+    config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab},
+                             dict(attn=attn, doc_mask=doc_mask, window=window, eot_token=cfg.vocab_size - 1))
+    model = GPT(config).to(rt.device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
+    batch = torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len),
+                          generator=torch.Generator().manual_seed(cfg.seed))  # random ids cost as text
+    docs = document_ids(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
+    if doc_mask:  # the inputs carry end-of-text where the documents of real blocks begin
+        batch[0] = tokens_with_documents(docs, cfg.vocab_size, cfg.vocab_size - 1, cfg.seed)
+    return Trainer(model, cfg.compile, optimizer, rt.grad_scaler(), batch.to(rt.device), rt, docs)
+
+
+def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal") -> bool:
+    """Whether training at this batch size fits: two full steps (the second carries AdamW's state) without
+    running out of memory of any kind; on CPU also resident plus peak step memory within mem_budget_gb."""
+    trainer = None
+    try:
+        trainer = build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask)
+        trainer.step(attn)
+        if rt.is_cuda:
+            trainer.step(attn)
+            return True
+        _, added = profiled_run(functools.partial(trainer.step, attn), rt)
+        return trainer.resident_bytes() + added <= cfg.mem_budget_gb * 1e9
+    except Exception as e:
+        out_of_memory(e, rt)  # raises anything else
+        return False
+    finally:
+        del trainer  # the model and its memory go before the next probe
+        free_memory(rt)

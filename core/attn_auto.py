@@ -1,0 +1,260 @@
+"""
+attn='auto': time every attention implementation that can run this run's own attention (its batch, length, heads,
+head size, dtype, mask, dropout, compiled or not; forward and backward for training, a prefill and a decode step for
+sampling), drop any whose output is not the reference's within the dtype's tolerance, and pick the fastest. No
+anchor decides this way: transformers' attn_implementation and SDPA's own choice follow fixed priority lists.
+
+    workload = Workload.of(model.config, rt, batch_size=12, seq_len=1024, training=True, compiled=True)
+    decision = choose(workload, rt)               # measured, or read from the cache of earlier decisions
+    print(decision.line())  # attn=auto: flex (1.00) < sdpa (2.41) < manual (6.8); B=12 T=1024 hs=64 bf16, ...
+    model.set_attention(decision.pick, training=True, dtype=rt.torch_dtype)
+
+Timing is bench.py's: every round runs each candidate once, starting one further along each time, so the
+machine's drift hits them alike; the pick is the lowest median. Decisions are kept in the user's cache folder
+(attn_auto.json beside peak_flops.json), keyed by everything measured, so a second run decides in milliseconds.
+"""
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import attention
+import masks
+from core.errors import UserError
+from core.flops import peak_flops_cache
+from core.runtime import Runtime, time_call
+
+FALLBACK = "sdpa"  # what runs when measuring fails: PyTorch's own choice
+TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |y - ref| / max |ref| (fp32: TF32 on CUDA)
+MAX_ROUNDS = 25
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything that decides which implementation is fastest, as measured: the decision cache's key."""
+    device_name: str      # the CPU with its capability, or the GPU (Runtime.name)
+    torch_version: str
+    batch_size: int
+    seq_len: int          # training: block_size; sampling: the prompt's length (the cache holds block_size)
+    block_size: int
+    n_head: int
+    head_size: int
+    dtype: str            # what attention computes in (autocast's dtype, or the weights')
+    documents: bool
+    window: int
+    dropout: float
+    compiled: bool
+    training: bool        # forward and backward; else a prefill and one decode step
+
+    @classmethod
+    def of(cls, config, rt: Runtime, batch_size: int, seq_len: int, training: bool, compiled: bool) -> "Workload":
+        return cls(rt.name, torch.__version__, batch_size, seq_len, config.block_size, config.n_head,
+                   config.head_size, rt.dtype, config.doc_mask, config.window,
+                   config.dropout if training else 0.0, compiled, training)
+
+    def key(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def describe(self) -> str:
+        mask = " and ".join(["documents"] * self.documents + [f"window {self.window}"] * bool(self.window))
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+        return (f"B={self.batch_size} T={self.seq_len} hs={self.head_size} {dtype}, {mask or 'causal'}"
+                f"{', compiled' if self.compiled else ''}, {'training' if self.training else 'sampling'}")
+
+
+@dataclass
+class Decision:
+    pick: str
+    rows: list[dict]      # per implementation: attn, status (ok, refused, wrong, failed), ms, ratio, reason
+    workload: Workload
+    cached: bool = False
+    seconds: float = 0.0  # spent measuring
+
+    def line(self) -> str:
+        """One console line: the ranking as ratios to the fastest, the workload, and where the answer came from."""
+        ranked = sorted((r for r in self.rows if r["status"] == "ok"), key=lambda r: r["ms"])
+        order = " < ".join(f"{r['attn']} ({r['ratio']:.2f})" for r in ranked) or f"nothing ran: {self.pick}"
+        source = "cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        return f"attn=auto: {order}; {self.workload.describe()}; {source}"
+
+    def metrics(self) -> dict:
+        """The whole table, flat, for metrics.jsonl and wandb."""
+        out = {"attn_auto/pick": self.pick, "attn_auto/cached": self.cached}
+        for r in self.rows:
+            out[f"attn_auto/{r['attn']}"] = r["ms"] if r["status"] == "ok" else r["status"]
+        return out
+
+
+def check_budget(budget_s) -> float:
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        raise UserError(f"attn_auto_budget must be a number of seconds greater than 0, got {budget_s!r}; "
+                        f"for example --attn_auto_budget=20.")
+    return float(budget_s)
+
+
+# -- what is timed --------------------------------------------------------------------------------------------
+
+def inputs(w: Workload, device: str, seed: int = 0) -> dict:
+    """q, k, v at the run's shapes, (B, nh, T, hs), and its documents (B, T) when it has them: documents of the
+    lengths a block of the run's data would hold are not known here, so they are cut every block_size / 8 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (w.batch_size, w.n_head, w.seq_len, w.head_size)
+    q, k, v = (torch.randn(shape, generator=g).to(device, getattr(torch, w.dtype)) for _ in range(3))
+    docs = (torch.arange(w.seq_len) // max(1, w.block_size // 8)).expand(w.batch_size, -1).to(device) \
+        if w.documents else None
+    return dict(q=q, k=k, v=v, docs=docs)
+
+
+def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Callable[[], torch.Tensor]:
+    """One timed call of `attn`: forward and backward for training; for sampling a prefill of the prompt and a
+    decode step over a cache of block_size positions. Returns the prefill's or the forward's output."""
+    q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
+    mask = attention.mask_form(attn, docs, w.window, w.batch_size, w.seq_len, q.device) \
+        if w.documents or w.window else None
+    fn = compiled(attention.ATTENTION[attn])
+    if w.training:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def train_step() -> torch.Tensor:
+            y = fn(q, k, v, mask, w.dropout)
+            y.backward(q.detach())  # any incoming gradient costs the same
+            return y.detach()
+        return train_step
+    from core.decode_step import decode_form
+    cache = torch.cat([k, k.new_zeros(k.size(0), k.size(1), w.block_size - w.seq_len, k.size(-1))], dim=2)
+    span = masks.Span(torch.zeros(1, dtype=torch.long, device=q.device),
+                      torch.full((1,), w.seq_len, device=q.device))  # the prompt written, the step reads it
+
+    @torch.no_grad()
+    def sample_step() -> torch.Tensor:
+        y = fn(q, k, v, mask, 0.0)
+        fn(q[:, :, -1:], cache, cache, decode_form(attn, span, w.block_size), 0.0)
+        return y
+    return sample_step
+
+
+def numerics_problem(output: torch.Tensor, data: dict, w: Workload) -> Optional[str]:
+    """None if `output` is causal attention under the run's mask within the dtype's tolerance (against the plain
+    math in float64), else why not."""
+    q, k, v, docs = (data[n] for n in ("q", "k", "v", "docs"))
+    dense = masks.dense_mask(docs, w.window, w.seq_len, q.device)  # (1 or B, 1, T, T)
+    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(w.head_size)
+    reference = torch.softmax(scores.masked_fill(~dense, -math.inf), dim=-1) @ v.double()
+    error = ((output.double() - reference).abs().max() / reference.abs().max()).item()
+    if not error <= TOLERANCE[w.dtype]:  # NaN fails too
+        return f"output differs from the reference by {error:.2g} of its largest value (tolerance {TOLERANCE[w.dtype]})"
+    return None
+
+
+# -- measuring and choosing -----------------------------------------------------------------------------------
+
+def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable] = None,
+            compiled: Optional[Callable] = None) -> Decision:
+    """Time every implementation that can run `w` (attention.attention_problem), round-robin, within about
+    budget_s seconds; drop the numerically wrong ones; pick the lowest median. `timer(attn, call)` -> seconds (a
+    test's stand-in; by default the runtime's clock, device synchronized); `compiled(fn)` compiles when the run does."""
+    started = time.perf_counter()
+    timer = timer or (lambda attn, call: time_call(call, rt)[1])
+    if compiled is None:
+        from core.runtime import compile_isolated
+        compiled = compile_isolated if w.compiled else (lambda fn: fn)
+    data, rows, calls = inputs(w, rt.device), {}, {}
+    for attn in attention.ATTENTION:
+        problem = attention.attention_problem(attn, rt.device_type, getattr(torch, w.dtype), w.dropout,
+                                              w.head_size, w.training, w.seq_len, masked=w.documents or bool(w.window))
+        rows[attn] = dict(attn=attn, status="refused" if problem else "ok", ms=None, ratio=None, reason=problem)
+        if problem is None:
+            calls[attn] = attention_call(attn, w, data, compiled)
+    spent = {}
+    for attn, call in list(calls.items()):  # warm-up (compiles) and the numerics check, untimed by the rounds
+        try:
+            t0 = time.perf_counter()
+            output = call()
+            spent[attn] = time.perf_counter() - t0
+            wrong = numerics_problem(output, data, w) if w.dropout == 0 else None
+        except Exception as e:  # a kernel refusing at these shapes: not a candidate
+            wrong = f"failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        if wrong is not None:
+            rows[attn].update(status="wrong" if "differs" in wrong else "failed", reason=wrong)
+            del calls[attn]
+    times = round_robin(calls, w, budget_s - (time.perf_counter() - started), timer, spent)
+    for attn, ms in times.items():
+        rows[attn]["ms"] = sorted(ms)[len(ms) // 2]
+    ran = [r for r in rows.values() if r["status"] == "ok"]
+    if not ran:
+        raise UserError(f"no attention implementation runs {w.describe()}: "
+                        + "; ".join(f"{r['attn']}: {r['reason']}" for r in rows.values()))
+    best = min(ran, key=lambda r: r["ms"])
+    for r in ran:
+        r["ratio"] = r["ms"] / best["ms"]
+    return Decision(best["attn"], list(rows.values()), w, seconds=time.perf_counter() - started)
+
+
+def round_robin(calls: dict, w: Workload, budget_s: float, timer: Callable, estimate: dict) -> dict[str, list[float]]:
+    """Milliseconds of each call per round: as many rounds as the budget left holds (by the warm-up's times), at
+    least one and at most MAX_ROUNDS; each round starts one candidate further along."""
+    per_round = sum(estimate.get(a, 0.0) for a in calls) or 1e-3
+    rounds = max(1, min(MAX_ROUNDS, int(budget_s / per_round)))
+    names, ms = list(calls), {a: [] for a in calls}
+    for i in range(rounds):
+        for attn in names[i % len(names):] + names[:i % len(names)] if names else []:
+            ms[attn].append(1e3 * timer(attn, calls[attn]))
+    return ms
+
+
+def cache_file() -> Path:
+    return peak_flops_cache().with_name("attn_auto.json")
+
+
+def choose(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = False, path: Optional[Path] = None,
+           measure_fn: Callable = measure) -> Decision:
+    """The decision for `w`: from the cache when an earlier run measured this very workload (unless refresh), else
+    measured now and added to the cache."""
+    budget_s = check_budget(budget_s)
+    path = path or cache_file()
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    if not refresh and w.key() in known:
+        hit = known[w.key()]
+        return Decision(hit["pick"], hit["rows"], w, cached=True)
+    decision = measure_fn(w, rt, budget_s)
+    known[w.key()] = {"pick": decision.pick, "rows": decision.rows}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1))
+    except OSError:
+        pass  # a read-only home: this run's decision stands, the next run measures again
+    return decision
+
+
+def choose_across_ranks(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = False,
+                        path: Optional[Path] = None, measure_fn: Callable = measure) -> Decision:
+    """choose() on rank 0 and the same answer on every rank (the others wait for it: every rank must run the same
+    kernel). If measuring fails, one line says so and every rank runs FALLBACK; a UserError (nothing can run)
+    stops every rank with the same sentence."""
+    budget_s = check_budget(budget_s)
+    decision, problem = None, None
+    if rt.is_master:
+        try:
+            decision = choose(w, rt, budget_s, refresh, path, measure_fn)
+        except UserError as e:
+            problem = str(e)
+        except Exception as e:
+            print(f"attn=auto: measuring failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                  f"running {FALLBACK}")
+            decision = Decision(FALLBACK, [], w)
+    if rt.is_distributed:
+        box = [decision, problem]
+        torch.distributed.broadcast_object_list(box, src=0)
+        decision, problem = box
+    if problem is not None:
+        raise UserError(problem)
+    return decision

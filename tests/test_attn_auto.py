@@ -1,0 +1,112 @@
+"""attn='auto' (core/attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
+per workload and kept; no test asserts a speed (the timer is a stand-in where the pick matters)."""
+import json
+import math
+
+import pytest
+import torch
+
+import attention
+import sample
+from core import attn_auto
+from core.attn_auto import Workload
+from core.runtime import Runtime
+from model import GPTConfig, UserError
+
+CPU = Runtime("cpu", "float32")
+FAKE_MS = {"manual": 5.0, "sdpa_mask": 4.0, "sdpa": 2.0, "flash": 1.0, "math": 3.0, "flex": 0.5}
+
+
+def workload(training=True, seq_len=32, **config) -> Workload:
+    cfg = GPTConfig(**{**dict(block_size=64, vocab_size=11, n_layer=1, n_head=2, n_embd=32), **config})
+    return Workload.of(cfg, CPU, batch_size=2, seq_len=seq_len, training=training, compiled=False)
+
+
+def fake_timer(ms: dict):
+    """The seconds each implementation 'takes', whatever it really does (its call still runs once, untimed, for
+    the numerics check)."""
+    return lambda attn, call: ms[attn] / 1e3
+
+
+def test_the_fastest_implementation_that_runs_is_picked_and_the_refused_are_listed_with_their_reason():
+    decision = attn_auto.measure(workload(), CPU, budget_s=1.0, timer=fake_timer(FAKE_MS))
+    assert decision.pick == "flash"  # flex would be faster, but has no backward on a CPU
+    rows = {r["attn"]: r for r in decision.rows}
+    assert rows["flex"]["status"] == "refused" and "no backward pass on CPU" in rows["flex"]["reason"]
+    assert rows["efficient"]["status"] == "refused" and "CUDA-only" in rows["efficient"]["reason"]
+    assert {a for a, r in rows.items() if r["status"] == "ok"} == {"manual", "sdpa_mask", "sdpa", "flash", "math"}
+    assert rows["manual"]["ratio"] == 5.0 and rows["flash"]["ratio"] == 1.0 and rows["flash"]["ms"] == 1.0
+    sampling = attn_auto.measure(workload(training=False), CPU, budget_s=1.0, timer=fake_timer(FAKE_MS))
+    assert sampling.pick == "flex"  # forward only: flex runs on a CPU, and is the fastest here
+
+
+def test_a_numerically_wrong_implementation_is_dropped_however_fast(monkeypatch):
+    wrong = lambda q, k, v, mask, dropout_p: v * 1.01  # noqa: E731 - the shape of attention, not its values
+    monkeypatch.setitem(attention.ATTENTION, "flash", wrong)
+    decision = attn_auto.measure(workload(training=False), CPU, budget_s=1.0,
+                                 timer=fake_timer({**FAKE_MS, "flex": 9.0}))
+    rows = {r["attn"]: r for r in decision.rows}
+    assert rows["flash"]["status"] == "wrong" and "differs from the reference" in rows["flash"]["reason"]
+    assert decision.pick == "sdpa"  # the next fastest that is right
+
+
+def test_masks_are_measured_in_each_implementations_form_and_checked_against_the_masked_reference():
+    decision = attn_auto.measure(workload(training=False, doc_mask=True, window=8, eot_token=0), CPU,
+                                 budget_s=1.0, timer=fake_timer(FAKE_MS))
+    assert all(r["status"] in ("ok", "refused") for r in decision.rows)  # every runnable one is right
+    assert decision.pick == "flex" and "documents and window 8" in decision.line()
+
+
+def test_a_cached_decision_measures_nothing_and_a_changed_shape_or_refresh_measures_again(tmp_path):
+    measured = []
+
+    def counting(w, rt, budget_s):
+        measured.append(w.seq_len)
+        return attn_auto.measure(w, rt, budget_s, timer=fake_timer(FAKE_MS))
+    path = tmp_path / "attn_auto.json"
+    first = attn_auto.choose(workload(), CPU, 1.0, path=path, measure_fn=counting)
+    again = attn_auto.choose(workload(), CPU, 1.0, path=path, measure_fn=counting)
+    assert measured == [32] and not first.cached and again.cached and again.pick == first.pick == "flash"
+    assert again.line().endswith("; cached") and "flash (1.00) < sdpa (2.00)" in again.line()
+    attn_auto.choose(workload(seq_len=48), CPU, 1.0, path=path, measure_fn=counting)  # another length
+    attn_auto.choose(workload(), CPU, 1.0, refresh=True, path=path, measure_fn=counting)
+    assert measured == [32, 48, 32] and len(json.loads(path.read_text())) == 2
+
+
+def test_the_budget_bounds_the_rounds():
+    calls = []
+    timer = lambda attn, call: calls.append(attn) or 0.1  # noqa: E731 - every call 'takes' 100 ms
+    attn_auto.measure(workload(training=False), CPU, budget_s=0.01, timer=timer)
+    rounds = len(calls) // len(set(calls))
+    assert rounds == 1 and len(calls) % len(set(calls)) == 0  # at least one round, whatever the budget
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, math.inf, "20", True, None])
+def test_a_bad_budget_is_one_sentence(budget):
+    with pytest.raises(UserError, match=r"^attn_auto_budget must be a number of seconds greater than 0, got "):
+        attn_auto.check_budget(budget)
+
+
+def test_a_failure_while_measuring_is_one_line_and_the_run_falls_back_to_sdpa(capsys, tmp_path):
+    def broken(w, rt, budget_s):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+    decision = attn_auto.choose_across_ranks(workload(), CPU, 1.0, path=tmp_path / "a.json", measure_fn=broken)
+    assert decision.pick == "sdpa"
+    assert capsys.readouterr().out == ("attn=auto: measuring failed (RuntimeError: CUDA error: an illegal memory "
+                                       "access was encountered); running sdpa\n")
+
+
+def test_sample_py_decides_once_says_so_in_one_line_and_reads_the_decision_back(trained_char_run, capsys, monkeypatch,
+                                                                              tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = [f"--out_dir={trained_char_run}", "--attn=auto", "--attn_auto_budget=2", "--num_samples=1",
+            "--max_new_tokens=4", "--device=cpu", "--dtype=float32", f"--json={tmp_path / 's.json'}"]
+    assert sample.main(args) == 0
+    first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attn=auto: ")]
+    assert len(first) == 1 and "; B=1 T=" in first[0] and ", sampling; measured in " in first[0]
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["attn"] == report["attn_auto"]["attn_auto/pick"] != "auto"  # what ran is what was picked
+    assert sample.main(args) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("attn=auto: ")][0].endswith(
+        "; cached")
+    assert (tmp_path / "nanogpt-attn" / "attn_auto.json").exists()
