@@ -2,6 +2,7 @@
 per workload and kept; no test asserts a speed (the timer is a stand-in where the pick matters)."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +111,25 @@ def test_sample_py_decides_once_says_so_in_one_line_and_reads_the_decision_back(
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("attn=auto: ")][0].endswith(
         "; cached")
     assert (tmp_path / "nanogpt-attn" / "attn_auto.json").exists()
+
+
+def decide_on_rank(rank: int, folder: str) -> None:
+    """One of two gloo ranks: rank 1's own timer would pick manual, rank 0's flash; what each ends with is written."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        rt = Runtime("cpu", "float32", rank=rank, local_rank=rank, world_size=2)
+        ms = FAKE_MS if rank == 0 else {**FAKE_MS, "manual": 0.1}
+        decision = attn_auto.choose_across_ranks(
+            workload(), rt, 1.0, path=Path(folder) / f"cache{rank}.json",
+            measure_fn=lambda w, rt, budget: attn_auto.measure(w, rt, budget, timer=fake_timer(ms)))
+        (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"pick": decision.pick, "line": decision.line()}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing torch
+def test_under_two_ranks_rank_0_decides_and_every_rank_runs_its_pick(tmp_path):
+    torch.multiprocessing.spawn(decide_on_rank, args=(str(tmp_path),), nprocs=2)
+    picks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert picks[0] == picks[1] and picks[0]["pick"] == "flash"  # rank 0's decision, rank 1's line too
+    assert (tmp_path / "cache0.json").exists() and not (tmp_path / "cache1.json").exists()  # only rank 0 measured
