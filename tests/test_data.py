@@ -332,6 +332,7 @@ def test_failed_script_run_leaves_existing_outputs_untouched_and_prints_one_erro
     assert snapshot(out_dir) == before  # same bytes and mtimes, and no leftover .tmp files
 
 
+@pytest.mark.slow  # the openwebtext pipeline (~1.5 s); the staged writing it uses is a fast unit below
 def test_a_failure_while_writing_removes_temporaries_and_keeps_old_files(tmp_path, monkeypatch):
     owt = load_script("openwebtext")
     out_dir = tmp_path / "out"
@@ -351,6 +352,18 @@ def test_a_failure_while_writing_removes_temporaries_and_keeps_old_files(tmp_pat
         owt.prepare(out_dir, data_files=[str(tmp_path / "c.txt")], num_proc=1, cache_dir=str(tmp_path / "hf_cache"),
                     block_size=2)
     assert snapshot(out_dir) == before
+
+
+def test_staged_writing_that_fails_half_way_removes_its_temporaries_and_keeps_the_old_files(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "train.bin").write_bytes(b"old")
+    before = snapshot(out_dir)
+    with pytest.raises(UserError, match="simulated"):
+        with files.staged_outputs(out_dir, ["train.bin", "val.bin"]) as tmp:
+            tmp["train.bin"].write_bytes(b"new, half of the job")
+            raise UserError("simulated failure after train.bin.tmp was written")
+    assert snapshot(out_dir) == before  # the old train.bin, no .tmp left, no val.bin
 
 
 def test_an_unwritable_out_dir_is_one_clear_error(tmp_path):
