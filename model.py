@@ -202,7 +202,9 @@ class GPT(nn.Module):
             raise UserError(f"cannot forward a sequence of {T} tokens: block_size is "
                             f"{self.config.block_size}; crop the input or use a smaller block_size.")
         pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
-        cache = self._cache_for(T, input_pos)
+        if input_pos is not None and self.cache is None:
+            raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
+        cache = None if input_pos is None else self.cache.checked(T, input_pos)  # what this call writes to
         mask = self._attention_mask(idx, cache, input_pos)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
@@ -227,17 +229,6 @@ class GPT(nn.Module):
         if cache is not None:
             cache.prefill(idx)
         return mask_for(self.attention.name, self.config.mask, idx)
-
-    def _cache_for(self, T: int, input_pos: Optional[torch.Tensor]) -> Optional["KVCache"]:
-        """The KV cache a call with input_pos writes to (None without input_pos), checked."""
-        if input_pos is None:
-            return None
-        if self.cache is None:
-            raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
-        # compiled code was checked when it was traced; reading a position costs a sync, so eager only
-        if not torch.compiler.is_compiling() and T > 1 and input_pos[0].item() != 0:
-            raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
-        return self.cache
 
     # -- KV cache -----------------------------------------------------------------------------------------
 

@@ -58,7 +58,9 @@ n_head = 12
 n_embd = 768
 dropout = 0.0                     # 0 for pretraining, 0.1+ for finetuning
 bias = True                       # biases in Linear and LayerNorm, as GPT-2
-attn = "sdpa"                     # manual, sdpa_mask, sdpa, flash, efficient, cudnn, math, flex (docs/model.md)
+attn = "sdpa"                     # manual, sdpa, flash, flex, ... (docs/model.md); auto: measured on this run's shapes
+attn_auto_budget = 20.0           # attn='auto': seconds to spend measuring (a cached or resumed decision takes none)
+attn_auto_refresh = False         # attn='auto': measure again even when an earlier run decided this workload
 pad_vocab = False                 # pad the vocabulary to a multiple of 64 (50257 -> 50304)
 doc_mask = False                  # attend within a document only (the dataset's end-of-text token opens the next)
 window = 0                        # attend to at most the last `window` tokens (sliding window); 0: the whole block
@@ -92,7 +94,7 @@ seed = 1337
 # the allowed range of every numeric setting ("[1, inf)" is 1 or more) and the words of every choice, checked before
 # anything runs
 LIMITS = {
-    "attn": one_of(*ATTENTION), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
+    "attn": one_of("auto", *ATTENTION), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
     "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
     "parallel": one_of("ddp", "fsdp"),
     "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[1, inf)", "max_seconds": "[0, inf)",
@@ -101,7 +103,7 @@ LIMITS = {
     "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
     "min_lr": "[0, inf)", "seed": "[0, inf)", "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
-    "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "window": "[0, inf)",
+    "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "window": "[0, inf)", "attn_auto_budget": "(0, inf)",
 }
 
 
@@ -136,8 +138,8 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     """The model this run trains: the checkpoint's weights when resuming, new ones, or GPT-2's; attention, its masks
     and dropout are this run's settings whatever the weights were trained with."""
     vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
-    run = dict(attn=cfg.attn, dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window,
-               eot_token=files.eot_token_of(meta))
+    run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in main
+               dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta))
     if checkpoint is not None:
         model, source = checkpoint.build_model(**run), "the checkpoint"
     elif cfg.init_from == "scratch":
@@ -398,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     # checked where it runs, in the dtype it computes in: now, not after compiling
-    raw_model.set_attention(raw_model.config.attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
+    if cfg.attn == "auto":  # measured on this run's shapes, rank 0 deciding for all; kept with the settings
+        from core.attn_auto import choose_for_training
+        cfg.attn_auto = choose_for_training(raw_model, cfg, rt, checkpoint)
+    attn = cfg.attn_auto["attn_auto/pick"] if cfg.attn == "auto" else raw_model.config.attn
+    raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
@@ -418,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
                       MetricsLog(cfg, run_config, enabled=rt.is_master))
     resumed_at = restore(trainer, checkpoint) if checkpoint is not None else None
+    if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
+        trainer.log.log({"iter": trainer.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})
     del checkpoint  # free its copy of the weights and optimizer state before training
     if rt.is_master:
         muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""

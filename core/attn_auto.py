@@ -213,10 +213,10 @@ def cache_file() -> Path:
 
 
 def choose(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = False, path: Optional[Path] = None,
-           measure_fn: Callable = measure) -> Decision:
+           measure_fn: Optional[Callable] = None) -> Decision:
     """The decision for `w`: from the cache when an earlier run measured this very workload (unless refresh), else
-    measured now and added to the cache."""
-    budget_s = check_budget(budget_s)
+    measured now (measure_fn: by default measure) and added to the cache."""
+    budget_s, measure_fn = check_budget(budget_s), measure_fn or measure
     path = path or cache_file()
     try:
         known = json.loads(path.read_text()) if path.exists() else {}
@@ -236,7 +236,7 @@ def choose(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = Fal
 
 
 def choose_across_ranks(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = False,
-                        path: Optional[Path] = None, measure_fn: Callable = measure) -> Decision:
+                        path: Optional[Path] = None, measure_fn: Optional[Callable] = None) -> Decision:
     """choose() on rank 0 and the same answer on every rank (the others wait for it: every rank must run the same
     kernel). If measuring fails, one line says so and every rank runs FALLBACK; a UserError (nothing can run)
     stops every rank with the same sentence."""
@@ -258,3 +258,23 @@ def choose_across_ranks(w: Workload, rt: Runtime, budget_s: float = 20.0, refres
     if problem is not None:
         raise UserError(problem)
     return decision
+
+
+def choose_for_training(model, cfg, rt: Runtime, checkpoint=None) -> dict:
+    """attn='auto' for train.py: this run's workload (micro-batch, block_size, the model's heads, mask and dropout,
+    autocast's dtype, compile; forward only for eval_only) decided on rank 0 for every rank, said in one line, and
+    returned as the table (Decision.metrics) with the workload, which the run keeps in its settings: a resumed run
+    whose checkpoint decided the same workload runs the same implementation without measuring."""
+    w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
+                    compiled=cfg.compile)
+    saved = (checkpoint.settings.get("attn_auto") if checkpoint is not None else None) or {}
+    if saved.get("attn_auto/workload") == w.key():
+        decision = Decision(saved["attn_auto/pick"], [], w, cached=True)
+        table = {**saved, "attn_auto/cached": True}
+    else:
+        decision = choose_across_ranks(w, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
+        table = {**decision.metrics(), "attn_auto/workload": w.key()}
+    if rt.is_master:
+        print(decision.line() if decision.rows else f"attn=auto: {decision.pick}, as the checkpoint decided for "
+                                                     f"{w.describe()}")
+    return table

@@ -62,10 +62,11 @@ def _parse_value(text: str):
 _INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
 
 
-def _interval_text(lo: float, hi: float, lo_closed: bool, hi_closed: bool) -> str:
+def interval_text(spec: str) -> str:
     """'[1, inf)' -> 'at least 1', '(0, inf)' -> 'greater than 0', '[0, 1)' -> 'at least 0 and less than 1'."""
-    words = [f"{'at least' if lo_closed else 'greater than'} {lo:g}"] if lo > -math.inf else []
-    words += [f"{'at most' if hi_closed else 'less than'} {hi:g}"] if hi < math.inf else []
+    left, lo, hi, right = _INTERVAL.match(spec).groups()
+    words = [f"{'at least' if left == '[' else 'greater than'} {float(lo):g}"] if float(lo) > -math.inf else []
+    words += [f"{'at most' if right == ']' else 'less than'} {float(hi):g}"] if float(hi) < math.inf else []
     return " and ".join(words)
 
 
@@ -103,14 +104,6 @@ def comma_list_of(*words: str) -> Choice:
     return Choice(tuple(words), many=True)
 
 
-def allowed_text(spec) -> str:
-    """A LIMITS entry in words: 'at least 1', 'greater than 0 and less than 1', 'one of tanh, none'."""
-    if isinstance(spec, Choice):
-        return f"{spec.text()} {', '.join(word or repr(word) for word in spec.words)}"
-    left, lo, hi, right = _INTERVAL.match(spec).groups()
-    return _interval_text(float(lo), float(hi), left == "[", right == "]") or "any number"
-
-
 def check_limits(values: dict, limits: dict, defaults: dict) -> None:
     """Every numeric setting within its declared interval, e.g. "[1, inf)" or "[0, 1)", and every choice among its
     words; None passes (it means "pick for me" where a script allows it). A setting with a numeric default but no
@@ -132,7 +125,7 @@ def check_limits(values: dict, limits: dict, defaults: dict) -> None:
         lo_ok = lo <= value if left == "[" else lo < value
         hi_ok = value <= hi if right == "]" else value < hi
         if not (lo_ok and hi_ok):  # written so that NaN fails too
-            raise UserError(f"{key} must be {_interval_text(lo, hi, left == '[', right == ']')}, got {value!r}; "
+            raise UserError(f"{key} must be {interval_text(spec)}, got {value!r}; "
                             f"pass --{key}= a value in {spec}.")
 
 

@@ -57,6 +57,13 @@ class KVCache(nn.Module):
         self.register_buffer("doc_start", starts, persistent=False)
         self.length = 0
 
+    def checked(self, T: int, input_pos: torch.Tensor) -> "KVCache":
+        """This cache, for a call of T tokens at input_pos (T,): a prefill starts at position 0."""
+        # compiled code was checked when it was traced; reading a position costs a sync, so eager only
+        if not torch.compiler.is_compiling() and T > 1 and input_pos[0].item() != 0:
+            raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
+        return self
+
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write layer's k, v (B, nh, T, hs) at positions input_pos (T,); return its whole cache, (B, nh, block, hs)
         each."""

@@ -18,10 +18,17 @@ import textwrap
 import tokenize
 from pathlib import Path
 
-from core.configurator import allowed_text, settings
+from core.configurator import Choice, interval_text, settings
 
 HELP_WIDTH = 120  # help lines wrap here
 NO_BREAK = "\xa0"  # joins the words of an [allowed values] bracket so that it wraps whole (textwrap keeps it one word)
+
+
+def allowed_text(spec) -> str:
+    """A LIMITS entry in words: 'at least 1', 'greater than 0 and less than 1', 'one of tanh, none'."""
+    if isinstance(spec, Choice):
+        return f"{spec.text()} {', '.join(word or repr(word) for word in spec.words)}"
+    return interval_text(spec) or "any number"
 
 
 def help_text(namespace: dict, limits: dict | None = None) -> str:

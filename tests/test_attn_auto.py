@@ -135,3 +135,30 @@ def test_under_two_ranks_rank_0_decides_and_every_rank_runs_its_pick(tmp_path):
     picks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert picks[0] == picks[1] and picks[0]["pick"] == "flash"  # rank 0's decision, rank 1's line too
     assert (tmp_path / "cache0.json").exists() and not (tmp_path / "cache1.json").exists()  # only rank 0 measured
+
+
+def test_train_py_runs_what_auto_picked_records_it_and_a_resume_of_the_same_shapes_measures_nothing(
+        char_data, tmp_path, monkeypatch, capsys):
+    import train
+    from conftest import TINY
+    args = TINY + [f"--data_dir={char_data}", "--attn=auto", "--attn_auto_budget=1", "--eval_interval=2",
+                   f"--out_dir={tmp_path}"]
+    assert train.main(args + ["--max_iters=2", "--attn_auto_refresh=True"]) == 0
+    assert capsys.readouterr().out.startswith("attn=auto: ")  # the decision's line comes first
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    pick = ckpt["settings"]["attn_auto"]["attn_auto/pick"]
+    assert ckpt["model_config"]["attn"] == pick != "auto"  # the checkpoint holds the implementation that ran
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["attn_auto/pick"] == pick and "attn_auto/manual" in logged[0]  # the table, in metrics.jsonl
+
+    def measuring(*args, **kw):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(attn_auto, "measure", measuring)
+    assert train.main(args + ["--max_iters=4", "--init_from=resume"]) == 0
+    assert capsys.readouterr().out.startswith(f"attn=auto: {pick}, as the checkpoint decided for B=4 T=32")
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["model_config"]["attn"] == pick
+
+    monkeypatch.setattr(attn_auto, "measure", lambda *a, **kw: 1 / 0)  # another batch size: measured again
+    assert train.main(args + ["--max_iters=6", "--init_from=resume", "--batch_size=2"]) == 0
+    assert capsys.readouterr().out.startswith("attn=auto: measuring failed (ZeroDivisionError: division by zero); "
+                                              "running sdpa\n")

@@ -165,7 +165,8 @@ def test_python_train_py_help_prints_help_and_exits_0():
 
 
 def test_a_mistyped_choice_is_answered_with_the_word_it_is_close_to(tmp_path):
-    with pytest.raises(UserError, match=r"attn must be one of 'manual', .*, got 'flsh'; did you mean 'flash'\?$"):
+    with pytest.raises(UserError, match=r"attn must be one of 'auto', 'manual', .*, got 'flsh'; did you mean "
+                                        r"'flash'\?$"):
         train.main(["--attn=flsh"])
     with pytest.raises(UserError, match=r"got 'manual,flsh'; did you mean 'manual,flash'\?$"):
         bench.main(["--attn=manual,flsh", f"--out_dir={tmp_path}"])
