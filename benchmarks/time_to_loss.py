@@ -6,6 +6,7 @@ back and in turn, several times; the wall time from launch to the first logged v
     python -m benchmarks.time_to_loss                        # nanoGPT's CPU recipe vs the quickstart, 3 rounds, target 1.89
     python -m benchmarks.time_to_loss --runs=5 --target=1.95 --full=False   # stop each run at the target
     python -m benchmarks.time_to_loss --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
+    python -m benchmarks.time_to_loss --compare=attn --full=False   # the quickstart through each attn, and auto
 
 Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
 recipes run one after the other), then the median over rounds: the machine's drift hits both alike.
@@ -25,12 +26,12 @@ from core import files
 from core import runtime
 from core.configurator import configure, one_of
 
-compare = "quickstart"        # which recipes: "quickstart" (nanoGPT's CPU recipe vs ours) or "doc_mask" (RECIPE_SETS)
+compare = "quickstart"        # which recipes (RECIPE_SETS): quickstart (nanoGPT's CPU recipe vs ours), doc_mask, attn
 target = 1.89                 # the validation loss to reach
 runs = 3                      # rounds; each runs every recipe once
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
 out_dir = "bench_results"
-LIMITS = {"target": "(0, inf)", "runs": "[1, inf)", "compare": one_of("quickstart", "doc_mask")}
+LIMITS = {"target": "(0, inf)", "runs": "[1, inf)", "compare": one_of("quickstart", "doc_mask", "attn")}
 
 # The recipes, as command-line arguments to train.py. nanoGPT's is its README's CPU command, flag for flag, plus
 # what nanoGPT's code fixes and this repo makes a setting: its exact-erf GELU and fp32 on a CPU.
@@ -48,7 +49,13 @@ SCENES = ["--dataset=shakespeare", "--device=cpu", "--compile=False", "--dtype=f
           "--n_embd=128", "--block_size=512", "--batch_size=4", "--gradient_accumulation_steps=1", "--pad_vocab=True",
           "--dropout=0.0", "--max_iters=200", "--lr_decay_iters=200", "--warmup_iters=20", "--learning_rate=2e-3",
           "--min_lr=2e-4", "--eval_interval=50", "--eval_iters=20", "--log_interval=10"]
-RECIPE_SETS = {"quickstart": RECIPES, "doc_mask": {"causal": SCENES, "doc_mask": SCENES + ["--doc_mask=True"]}}
+# The quickstart through each implementation a CPU trains with, and through attn=auto (its measuring included in
+# its time: --attn_auto_refresh=True, so a cached decision does not flatter it).
+CPU_TRAINABLE = ("manual", "sdpa_mask", "sdpa", "flash", "math")
+ATTN = {**{a: ["config/train_shakespeare_char_cpu.py", f"--attn={a}"] for a in CPU_TRAINABLE},
+        "auto": ["config/train_shakespeare_char_cpu.py", "--attn=auto", "--attn_auto_refresh=True"]}
+RECIPE_SETS = {"quickstart": RECIPES, "doc_mask": {"causal": SCENES, "doc_mask": SCENES + ["--doc_mask=True"]},
+               "attn": ATTN}
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.05  # how often a run's metrics.jsonl is read: the timing's resolution
 

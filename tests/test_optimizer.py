@@ -215,7 +215,7 @@ def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(tmp_p
     assert f"{runtime.cpu_capability()}): median" in table  # the CPU's capability names every figure
 
 
-@pytest.mark.parametrize("recipes", ["quickstart", "doc_mask"])
+@pytest.mark.parametrize("recipes", ["quickstart", "doc_mask", "attn"])
 def test_every_time_to_loss_recipe_is_a_valid_train_py_command_line(recipes, monkeypatch):
     from benchmarks import time_to_loss
     monkeypatch.chdir(time_to_loss.ROOT)  # config files are named from the repository root, where runs start
