@@ -174,8 +174,9 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
     spent = {}
     for attn, call in list(calls.items()):  # warm-up (compiles) and the numerics check, untimed by the rounds
         try:
-            t0 = time.perf_counter()
             output = call()
+            t0 = time.perf_counter()
+            call()  # warm: what a round will cost, for the budget
             spent[attn] = time.perf_counter() - t0
             wrong = numerics_problem(output, data, w) if w.dropout == 0 else None
         except Exception as e:  # a kernel refusing at these shapes: not a candidate
