@@ -252,7 +252,12 @@ class GPT(nn.Module):
         implementation is resolved here once and checked here, for where the model is now (call it after .to(device)),
         in `dtype` (the one it computes in, autocast's; by default its weights'), for inference or with `training`
         (gradients, the config's dropout): one sentence naming what can run instead, not a kernel's failure later.
-        check=False: the caller has asked attention_problem itself (the measuring tools, row by row)."""
+        check=False: the caller has asked attention_problem itself (the measuring tools, row by row). attn='auto'
+        times every implementation that runs here on this model's shapes (batch 1, block_size) and keeps the fastest
+        correct one, decided once per workload (core/attn_auto.py)."""
+        if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (core/attn_auto.py)
+            from core.attn_auto import choose_for_model
+            attn = choose_for_model(self, training, dtype)
         config, weight = dataclasses.replace(self.config, attn=attn), self.lm_head.weight  # replace checks the name
         if check:
             check_attention(attn, weight.device.type, dtype or weight.dtype, config.dropout if training else 0.0,

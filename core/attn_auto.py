@@ -279,3 +279,15 @@ def choose_for_training(model, cfg, rt: Runtime, checkpoint=None) -> dict:
         print(decision.line() if decision.rows else f"attn=auto: {decision.pick}, as the checkpoint decided for "
                                                      f"{w.describe()}")
     return table
+
+
+def choose_for_model(model, training: bool = False, dtype: Optional[torch.dtype] = None, batch_size: int = 1) -> str:
+    """GPT.set_attention('auto'): the fastest implementation for `model` where it is, over its full block_size, in
+    `dtype` (by default its weights'), said in one line; measured once per workload (the cache's)."""
+    weight = model.lm_head.weight
+    dtype_name = str(dtype or weight.dtype).removeprefix("torch.")
+    rt = Runtime(str(weight.device), dtype_name)
+    w = Workload.of(model.config, rt, batch_size, model.config.block_size, training=training, compiled=False)
+    decision = choose(w, rt)
+    print(decision.line())
+    return decision.pick

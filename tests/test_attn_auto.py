@@ -98,6 +98,18 @@ def test_a_failure_while_measuring_is_one_line_and_the_run_falls_back_to_sdpa(ca
                                        "access was encountered); running sdpa\n")
 
 
+def test_a_library_user_sets_auto_on_a_model_and_it_runs_the_fastest_correct_one(capsys, monkeypatch, tmp_path):
+    from model import GPT
+    real = attn_auto.measure
+    monkeypatch.setattr(attn_auto, "measure", lambda w, rt, budget: real(w, rt, budget, timer=fake_timer(FAKE_MS)))
+    monkeypatch.setattr(attn_auto, "cache_file", lambda: tmp_path / "attn_auto.json")  # a decision of its own
+    model = GPT(GPTConfig(block_size=64, vocab_size=11, n_layer=1, n_head=2, n_embd=32))
+    assert model.set_attention("auto", training=True).config.attn == "flash"  # flex: no backward on a CPU
+    line = capsys.readouterr().out
+    assert line.startswith("attn=auto: flash (1.00) < sdpa (2.00)") and "B=1 T=64 hs=16 fp32, causal, training" in line
+    assert model(torch.zeros(1, 8, dtype=torch.long))[0].shape == (1, 1, 11)  # and it runs
+
+
 @pytest.mark.slow  # sample.py end to end, twice (the chooser's units above are the fast tier's)
 def test_sample_py_decides_once_says_so_in_one_line_and_reads_the_decision_back(trained_char_run, capsys, monkeypatch,
                                                                               tmp_path):
