@@ -24,9 +24,9 @@ from core.kernels import use_flash_build
 from attention import FLASH_BUILDS, FLEX, attention_problem
 from core.errors import UserError
 from core.generate import Decoder, for_inference, weight_bytes
-from benchmarks.measure import (compile_health, counted, expected_kernels, kernel_context, kernel_of, out_of_memory,
-                                paired_speedup, profiled_run, ran_as_expected, ran_eager_flex, summarize,
-                                time_round_robin, with_eager_flex)
+from benchmarks.measure import audit as audit_kernel
+from benchmarks.measure import (compile_health, counted, kernel_context, out_of_memory, paired_speedup, profiled_run,
+                                summarize, time_round_robin)
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 from core import runtime
@@ -113,16 +113,11 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
         ran_ops, added = profiled_run(row.generation(row.new_tokens), rt)
         twin = Row(row.model, "cache", row.prompt, row.new_tokens) if row.cache == "compiled" else row
         ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
-        kernel, names = kernel_of(ops)
-        if ran_eager_flex(ran_ops):
-            kernel = with_eager_flex(kernel)
         d = described[key]
         # eager flex off CUDA is PyTorch's unfused reference, run as such; compiled or on CUDA it is a fallback
         d["eager_reference"] = d["attn"] in FLEX and not rt.is_cuda and row.cache != "compiled"
-        expected = ({"flex_eager"} if d["eager_reference"]
-                    else expected_kernels(d["attn"], rt.device_type, generation=True))
-        d.update(kernel=kernel, kernel_ops=names, kernel_expected=sorted(expected),
-                 kernel_ok=ran_as_expected(kernel, expected) and not d.get("recompile_limit_hits"),
+        d.update(audit_kernel(ops, ran_ops, d["attn"], rt.device_type, d["eager_reference"],
+                              d.get("recompile_limit_hits", 0), generation=True),
                  weight_bytes=weight_bytes(row.model), kv_cache_bytes=row.model.cache_bytes() if row.cache != "none"
                  else 0, kernel_audit="eager twin" if row.cache == "compiled" else "this run", **kernel_context(rt))
         d["mem/peak_gb"] = (d["weight_bytes"] + d["kv_cache_bytes"] + added) / 1e9

@@ -278,14 +278,24 @@ def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
     if measured.get("status") == "oom":
         row.update(measured)
         return row
-    kernel, ops = kernel_of(measured.pop("ops"))
-    if ran_eager_flex(measured.pop("ran_ops")):
-        kernel = with_eager_flex(kernel)
-    # a row bench runs eagerly on purpose (flex uncompiled on a CPU) is expected to; any other is a fallback
-    expected = {"flex_eager"} if row.get("eager_reference") else expected_kernels(attn, rt.device_type)
-    row.update(measured, kernel=kernel, kernel_ops=ops, kernel_expected=sorted(expected),
-               kernel_ok=ran_as_expected(kernel, expected) and not measured.get("recompile_limit_hits"))
+    verdict = audit(measured.pop("ops"), measured.pop("ran_ops"), attn, rt.device_type, row.get("eager_reference"),
+                    measured.get("recompile_limit_hits", 0))
+    row.update(measured, **verdict)
     return row
+
+
+def audit(ops: set[str], ran_ops: set[str], attn: str, device_type: str, eager_reference: bool,
+          recompile_limit_hits: int, generation: bool = False) -> dict:
+    """The audit's columns: the kernel the profiled ops show (`ops`: the row's own call, or its eager twin's),
+    written flex_eager when the row's own call (`ran_ops`) ran flex's unfused reference, what was expected, and
+    kernel_ok. A row run eagerly on purpose (flex uncompiled on a CPU: `eager_reference`) expects the reference;
+    for any other it, or a recompile-limit hit, is a fallback."""
+    kernel, names = kernel_of(ops)
+    if ran_eager_flex(ran_ops):
+        kernel = with_eager_flex(kernel)
+    expected = {"flex_eager"} if eager_reference else expected_kernels(attn, device_type, generation)
+    return dict(kernel=kernel, kernel_ops=names, kernel_expected=sorted(expected),
+                kernel_ok=ran_as_expected(kernel, expected) and not recompile_limit_hits)
 
 
 def max_batch_size(fits_batch: Callable[[int], bool], limit: int) -> int:
