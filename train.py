@@ -16,13 +16,12 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from core import flops
 from core import files
 from core import runtime
-from core.checkpoint import Checkpoint, claim_out_dir, restore_rng, rng_state
+from core.checkpoint import FULL_STATE, Checkpoint, claim_out_dir, restore_rng, rng_state, saver_for
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
@@ -42,6 +41,10 @@ always_save_checkpoint = True     # save at every eval, not only when val loss i
 init_from = "scratch"             # 'scratch', 'resume' (from out_dir), 'gpt2*', or a local Hugging Face directory
 overwrite = False                 # a new run (init_from not 'resume') may replace out_dir's ckpt.pt and metrics.jsonl
 max_seconds = 0.0                 # stop after this much training time (eval excluded), then evaluate and save; 0: off
+checkpoint_format = "single"      # 'single': ckpt.pt, gathered on rank 0; 'sharded': each rank writes its own shards
+                                  # into out_dir/step-N/ (torch.distributed.checkpoint), resumable on any world size
+async_save = False                # sharded: write the checkpoint while training goes on
+keep_checkpoints = 2              # sharded: how many of the newest steps out_dir keeps
 # wandb logging (the mode comes from the environment: WANDB_MODE=offline or disabled work as usual)
 wandb_log = False
 wandb_project = "owt"
@@ -96,7 +99,7 @@ seed = 1337
 LIMITS = {
     "attn": one_of("auto", *ATTENTION), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
     "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
-    "parallel": one_of("ddp", "fsdp"),
+    "parallel": one_of("ddp", "fsdp"), "checkpoint_format": one_of("single", "sharded"), "keep_checkpoints": "[1, inf)",
     "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[1, inf)", "max_seconds": "[0, inf)",
     "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
@@ -176,10 +179,10 @@ def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoi
     return optimizers
 
 
-def load_optimizer_state(model: GPT, optimizers: list, state: dict) -> None:
+def load_optimizer_state(model: GPT, optimizers: list, state: dict, options: StateDictOptions) -> None:
     """A checkpoint's optimizer state; the peak rates stay this run's settings (a saved group's would win)."""
     peaks = [group["initial_lr"] for optimizer in optimizers for group in optimizer.param_groups]
-    set_optimizer_state_dict(model, optimizers, state, options=FULL_STATE)
+    set_optimizer_state_dict(model, optimizers, state, options=options)
     for group, peak in zip((g for optimizer in optimizers for g in optimizer.param_groups), peaks):
         group["initial_lr"] = peak
 
@@ -205,9 +208,6 @@ def gradient_sync(model: torch.nn.Module, sync: bool):
     elif hasattr(model, "no_sync") and not sync:  # DDP
         return model.no_sync()
     return nullcontext()
-
-
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 # -- logging and evaluation ------------------------------------------------------------------------------
@@ -248,6 +248,7 @@ class Trainer:
     data_dir: Path
     meta: dict | None
     log: MetricsLog
+    saver: object                        # checkpoint.SingleFileSaver or sharded.ShardedSaver
     iter_num: int = 0
     best_val_loss: float = math.inf
 
@@ -286,14 +287,10 @@ class Trainer:
         if self.iter_num == 0 or not (val_loss < self.best_val_loss or self.cfg.always_save_checkpoint):
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
-        rng = rng_state(self.batches.generator, self.rt)  # collective: every rank gathers, rank 0 writes
-        checkpoint = Checkpoint(
-            model=get_model_state_dict(self.raw_model, options=FULL_STATE),
+        rng = rng_state(self.batches.generator, self.rt)  # collective: every rank gathers every rank's
+        self.saver.save(self.raw_model, self.optimizers, dict(
             model_config=dataclasses.asdict(self.raw_model.config), iter_num=self.iter_num,
-            best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta,
-            optimizer=get_optimizer_state_dict(self.raw_model, self.optimizers, options=FULL_STATE))
-        # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
-        runtime.on_master(lambda: checkpoint.save(Path(self.cfg.out_dir) / "ckpt.pt"), self.rt.device)
+            best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
 
     def log_step(self, loss: float, lr: float, timer: StepTimer, peak_flops: float) -> None:
         """The training line: loss averaged over ranks, and speed over the timed steps since the last one."""
@@ -372,13 +369,19 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
             if trainer.iter_num % cfg.log_interval == 0:
                 trainer.log_step(loss.item(), lr, timer, peak_flops)
     finally:
+        trainer.saver.close()  # an asynchronous save still writing finishes first
         trainer.log.close()
 
 
 def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
     """Where a resumed run stood, in one place: its step, best val loss, optimizer state and RNG streams (the weights
-    are in the model already). Returns the step it resumes at."""
-    load_optimizer_state(trainer.raw_model, trainer.optimizers, checkpoint.optimizer)
+    are in the model already, unless sharded: then each rank reads its own part now). Returns the step it resumes at."""
+    if checkpoint.shards is None:
+        load_optimizer_state(trainer.raw_model, trainer.optimizers, checkpoint.optimizer, FULL_STATE)
+    else:
+        from core.sharded import load_into  # DCP reads a sharded step into the model as it is placed
+        state = load_into(trainer.raw_model, trainer.optimizers, Path(checkpoint.shards))
+        load_optimizer_state(trainer.raw_model, trainer.optimizers, state, StateDictOptions())
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
         restore_rng(checkpoint.rng, trainer.batches.generator, trainer.rt)
     trainer.iter_num, trainer.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
@@ -387,6 +390,7 @@ def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, rt, resuming = start(argv)
+    saver = saver_for(cfg.checkpoint_format, Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
@@ -422,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
     trainer = Trainer(cfg, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
-                      MetricsLog(cfg, run_config, enabled=rt.is_master))
+                      MetricsLog(cfg, run_config, enabled=rt.is_master), saver)
     resumed_at = restore(trainer, checkpoint) if checkpoint is not None else None
     if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
         trainer.log.log({"iter": trainer.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})

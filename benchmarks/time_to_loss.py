@@ -7,6 +7,7 @@ back and in turn, several times; the wall time from launch to the first logged v
     python -m benchmarks.time_to_loss --runs=5 --target=1.95 --full=False   # stop each run at the target
     python -m benchmarks.time_to_loss --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
     python -m benchmarks.time_to_loss --compare=attn --full=False   # the quickstart through each attn, and auto
+    python -m benchmarks.time_to_loss --compare=attn_masked --target=6.5 --runs=2 --full=False  # docs/masks.md's recipe, likewise
 
 Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
 recipes run one after the other), then the median over rounds: the machine's drift hits both alike.
@@ -26,12 +27,14 @@ from core import files
 from core import runtime
 from core.configurator import configure, one_of
 
-compare = "quickstart"        # which recipes (RECIPE_SETS): quickstart (nanoGPT's CPU recipe vs ours), doc_mask, attn
+compare = "quickstart"        # which recipes (RECIPE_SETS): quickstart (nanoGPT's CPU recipe vs ours), doc_mask, attn,
+                              # attn_masked
 target = 1.89                 # the validation loss to reach
 runs = 3                      # rounds; each runs every recipe once
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
 out_dir = "bench_results"
-LIMITS = {"target": "(0, inf)", "runs": "[1, inf)", "compare": one_of("quickstart", "doc_mask", "attn")}
+LIMITS = {"target": "(0, inf)", "runs": "[1, inf)",
+          "compare": one_of("quickstart", "doc_mask", "attn", "attn_masked")}
 
 # The recipes, as command-line arguments to train.py. nanoGPT's is its README's CPU command, flag for flag, plus
 # what nanoGPT's code fixes and this repo makes a setting: its exact-erf GELU and fp32 on a CPU.
@@ -55,8 +58,13 @@ CPU_TRAINABLE = ("manual", "sdpa_mask", "sdpa", "flash", "math")
 ATTN = {**{a: ["config/train_shakespeare_char_cpu.py", f"--attn={a}"] for a in CPU_TRAINABLE},
         "auto, measuring": ["config/train_shakespeare_char_cpu.py", "--attn=auto", "--attn_auto_refresh=True"],
         "auto, cached": ["config/train_shakespeare_char_cpu.py", "--attn=auto"]}
+# docs/masks.md's recipe (documents and a 128-token window on Shakespeare BPE, 40 steps) through the same choices.
+MASKED = ["config/train_shakespeare_char_cpu.py", "--dataset=shakespeare", "--doc_mask=True", "--window=128",
+          "--block_size=256", "--batch_size=8", "--max_iters=40", "--lr_decay_iters=40", "--early_decay_iters=0",
+          "--eval_interval=20", "--log_interval=10"]
+ATTN_MASKED = {name: MASKED + args[1:] for name, args in ATTN.items()}
 RECIPE_SETS = {"quickstart": RECIPES, "doc_mask": {"causal": SCENES, "doc_mask": SCENES + ["--doc_mask=True"]},
-               "attn": ATTN}
+               "attn": ATTN, "attn_masked": ATTN_MASKED}
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.05  # how often a run's metrics.jsonl is read: the timing's resolution
 

@@ -1,7 +1,9 @@
 """
-The checkpoint format, in one place: what train.py saves and what train.py (resuming), sample.py and the tests
-read. Tensors and plain Python types only, so it loads with torch.load(weights_only=True); written to a
-temporary file and renamed into place.
+The checkpoint format, in one place, and how train.py writes it: ckpt.pt (SingleFileSaver: the full state gathered
+on rank 0; tensors and plain Python types only, so it loads with torch.load(weights_only=True); written to a
+temporary file and renamed into place), or a sharded checkpoint (core/sharded.py: a folder per step, each rank
+writing its own shards through torch.distributed.checkpoint). Reading is core/checkpoint_load.py's, through
+Checkpoint.load(out_dir / "ckpt.pt"), which reads out_dir's newer one of the two: no reader needs to know the format.
 
     Checkpoint(model=model.state_dict(), model_config=asdict(model.config), iter_num=100, ...).save(path)
     model = Checkpoint.load(out_dir / "ckpt.pt").build_model(attn="flash")
@@ -14,15 +16,17 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from core import files
+from core import runtime
 from core.errors import UserError
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
-TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
 # 1: every file before the version field (the same fields); 2: with it. Older layouts are read through upgrade().
 FORMAT_VERSION = 2
+POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (core/sharded.py)
 
 
 @dataclass
@@ -37,17 +41,21 @@ class Checkpoint:
     settings: dict = field(default_factory=dict)  # the run's settings
     meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
     version: int = FORMAT_VERSION        # of the format; what load() returns is always the current one
+    shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
+                                         # whose model and optimizer state each rank reads in place (train.restore)
 
     def build_model(self, **overrides) -> GPT:
         """The model it holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
         model = GPT(GPTConfig.build(self.model_config, overrides))
-        model.load_state_dict(self.model)
+        if self.shards is None:
+            model.load_state_dict(self.model)
         return model
 
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
         path = Path(path)
-        contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not asdict: it copies tensors
+        contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shards"}  # not
+        # asdict: it copies tensors
         with files.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
                                   advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
             with open(tmp[path.name], "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
@@ -57,60 +65,27 @@ class Checkpoint:
     def describe(path: Path) -> str:
         """A few words on the run a checkpoint holds ('iter 3000, val loss 1.600'), read without loading its
         tensors; 'an unreadable checkpoint' when it cannot be read."""
-        try:
-            contents = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            return f"iter {int(contents['iter_num'])}, val loss {float(contents['best_val_loss']):.4g}"
-        except Exception:
-            return "an unreadable checkpoint"
+        from core.checkpoint_load import describe  # reading is for resumes and readers, not every run
+        return describe(path)
 
     @classmethod
     def load(cls, path: Path, for_training: bool = False, data_dir: Path | None = None) -> "Checkpoint":
-        """The checkpoint at `path`, on the CPU, or one sentence on why it cannot be read. `for_training`: it
-        must also hold the optimizer and RNG state that resuming needs. `data_dir`: the training data, where a
-        nanoGPT checkpoint's vocabulary (meta.pkl) is looked for first."""
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
-        try:
-            contents = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
-                            f"checkpoint of this project - restore it or train again.") from None
-        if not isinstance(contents, dict):
-            raise UserError(f"{path} holds a {type(contents).__name__}, not a checkpoint written by train.py.")
-        if contents and all(torch.is_tensor(v) for v in contents.values()):
-            raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
-                            f"with 'model' and 'model_config', as train.py writes them.")
-        # nanoGPT's files carry no RNG state: a resumed run starts fresh streams
-        training_state = ("optimizer",) if is_nanogpt(contents) else TRAINING_STATE
-        contents = upgrade(contents, path, for_training, data_dir)
-        required = ("model", "model_config") + (training_state if for_training else ())
-        missing = [k for k in required if contents.get(k) is None]
-        if missing:
-            raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
-                            f"checkpoint written by train.py.")
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in contents.items() if k in known})
+        """The checkpoint at `path` (ckpt.pt, or out_dir's newer sharded one), on the CPU, or one sentence on why
+        it cannot be read. `for_training`: it must also hold the optimizer and RNG state that resuming needs.
+        `data_dir`: the training data, where a nanoGPT checkpoint's vocabulary (meta.pkl) is looked for first."""
+        from core.checkpoint_load import load
+        return load(path, for_training, data_dir)
 
 
-def is_nanogpt(contents: dict) -> bool:
-    """nanoGPT's ckpt.pt: its shape under model_args, where this project's files have model_config."""
-    return "model_args" in contents and "model_config" not in contents
-
-
-def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | None) -> dict:
-    """The one place older files become the current format: nanoGPT's layout (nanogpt.py: only a run that resumes
-    converts its optimizer state, and keeps nanoGPT's file, which its first save replaces, as ckpt.nanogpt.pt) and
-    this project's files from before the version field (version 1: the same fields). A file from a newer version of
-    this project is refused."""
-    if is_nanogpt(contents):
-        from interop import nanogpt  # the conversion is read only for nanoGPT's files
-        contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
-    version = contents.get("version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise UserError(f"{path} is checkpoint format {version}, newer than this code reads ({FORMAT_VERSION}); "
-                        f"update this repository to read it.")
-    return {**contents, "version": FORMAT_VERSION}
+def sharded_folder(path: Path) -> Path | None:
+    """The sharded checkpoint to read for `path`: path itself when it is a folder (a step); for out_dir/ckpt.pt, the
+    step out_dir/latest names when there is no ckpt.pt or the pointer was written after it (a format switched)."""
+    pointer = path.parent / POINTER
+    if path.is_dir():
+        return path
+    if pointer.is_file() and (not path.is_file() or pointer.stat().st_mtime > path.stat().st_mtime):
+        return path.parent / pointer.read_text().strip()
+    return None
 
 
 def rng_state(data_generator: torch.Generator, rt: Runtime) -> dict:
@@ -142,8 +117,37 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
     if overwrite:
         log.unlink(missing_ok=True)
         return
-    if ckpt.exists() or log.exists():
-        what = (f"another run's checkpoint ({Checkpoint.describe(ckpt)})" if ckpt.exists()
+    if ckpt.exists() or log.exists() or sharded_folder(ckpt):
+        what = (f"another run's checkpoint ({Checkpoint.describe(ckpt)})" if ckpt.exists() or sharded_folder(ckpt)
                 else "another run's metrics.jsonl")
         raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
                         f"or replace it with --overwrite=True.")
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class SingleFileSaver:
+    """ckpt.pt: every rank gathers the full model and optimizer state (collective), rank 0 writes them."""
+
+    def __init__(self, out: Path, rt: Runtime):
+        self.path, self.rt = Path(out) / "ckpt.pt", rt
+
+    def save(self, model: torch.nn.Module, optimizers: list, fields: dict) -> None:
+        checkpoint = Checkpoint(model=get_model_state_dict(model, options=FULL_STATE),
+                                optimizer=get_optimizer_state_dict(model, optimizers, options=FULL_STATE), **fields)
+        # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
+        runtime.on_master(lambda: checkpoint.save(self.path), self.rt.device)
+
+    def close(self) -> None:
+        pass  # nothing is written after save returns
+
+
+def saver_for(checkpoint_format: str, out: Path, keep: int, use_async: bool, rt: Runtime):
+    """How train.py saves: SingleFileSaver, or core.sharded.ShardedSaver (each rank its own shards, through DCP)."""
+    if checkpoint_format == "single":
+        if use_async:
+            raise UserError("async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded.")
+        return SingleFileSaver(out, rt)
+    from core.sharded import ShardedSaver  # only a sharded run reads DCP's writer
+    return ShardedSaver(out, keep, use_async, rt)

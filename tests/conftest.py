@@ -108,6 +108,7 @@ def metrics(out_dir: Path, key: str) -> dict[int, float]:
 # two ranks, each taking one of the two micro-steps of every step: the runs the distributed tests hold to a single
 # process and to each other
 TWO_RANKS = TINY + ["--gradient_accumulation_steps=2", "--eval_interval=3", "--max_iters=6"]
+SHARDED = ["--checkpoint_format=sharded"]
 
 
 @dataclasses.dataclass
@@ -123,14 +124,23 @@ class TwoRankRuns:
 def two_rank_runs(char_data_session, tmp_path_factory) -> TwoRankRuns:
     """Every 2-rank check of the suite from one torchrun launch (tests/rank_probe.py): six steps of DDP, of DDP with
     Muon, of FSDP; FSDP stopped at step 3 (its out_dir also kept as fsdp_at_3) then resumed to 6; three steps of FSDP
-    compiled per block; and rank 0 failing inside runtime.on_master. About a minute, most of it the compile."""
+    compiled per block; the sharded-checkpoint runs; and rank 0 failing inside runtime.on_master. About a minute and a
+    half, most of it the compile."""
     out = tmp_path_factory.mktemp("two_ranks")
     data = TWO_RANKS + [f"--data_dir={char_data_session}"]
     fsdp = data + ["--parallel=fsdp"]
     runs = [("ddp", data, {}), ("muon", data + ["--optimizer=muon"], {}), ("fsdp", fsdp, {}),
             ("fsdp_resumed", fsdp + ["--max_iters=3"], {"keep": str(out / "fsdp_at_3")}),
             ("fsdp_resumed", fsdp + ["--init_from=resume"], {}),
-            ("fsdp_compiled", fsdp + ["--max_iters=3", "--compile=True"], {})]
+            ("fsdp_compiled", fsdp + ["--max_iters=3", "--compile=True"], {}),
+            # sharded checkpoints (test_sharded.py): DDP and FSDP2 (writing asynchronously) stopped at 3 and resumed;
+            # FSDP2 with 6 micro-steps a step, the global batch a 1- or 3-rank resume can keep
+            ("ddp_sharded", data + SHARDED + ["--max_iters=3"], {"keep": str(out / "ddp_sharded_at_3")}),
+            ("ddp_sharded", data + SHARDED + ["--init_from=resume"], {}),
+            ("fsdp_async", fsdp + SHARDED + ["--async_save=True", "--max_iters=3"], {"keep": str(out / "fsdp_async_at_3")}),
+            ("fsdp_async", fsdp + SHARDED + ["--async_save=True", "--init_from=resume"], {}),
+            ("fsdp6", fsdp + ["--gradient_accumulation_steps=6"], {}),
+            ("fsdp6_sharded", fsdp + SHARDED + ["--gradient_accumulation_steps=6", "--max_iters=3"], {})]
     plan = {"runs": [{"name": name, "args": args, "out_dir": str(out / name), **extra} for name, args, extra in runs]}
     (out / "plan.json").write_text(json.dumps(plan))
     run_train([str(out / "plan.json"), str(out / "report.json")], nproc=2, script=RANK_PROBE)

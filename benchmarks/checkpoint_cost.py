@@ -1,0 +1,106 @@
+"""
+What a checkpoint save costs training, per format: the pause (how long save() keeps the ranks from training), how long
+until the checkpoint is whole on disk, and each rank's peak memory above its steady state while saving. Run under
+torchrun, as train.py runs; the model trains one step first so that AdamW's state exists, then each format saves
+the same state into its own folder (deleted afterwards).
+
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.checkpoint_cost                 # GPT-2 medium, FSDP2
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.checkpoint_cost --n_layer=2 --n_embd=128 --n_head=4
+
+Prints one table (rank 0) and writes it to <out_dir>/checkpoint_cost.json.
+"""
+
+import json
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from core import runtime
+from core.checkpoint import saver_for
+from core.configurator import configure, one_of
+from model import GPT, GPTConfig
+
+n_layer, n_head, n_embd = 24, 16, 1024   # GPT-2 medium (355M): the largest whose single-file save fits 24 GiB
+parallel = "fsdp"                        # 'fsdp' (FSDP2) or 'ddp'
+formats = "single,sharded,async"         # async: sharded with async_save
+out_dir = "bench_results/checkpoint_cost"
+LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "parallel": one_of("ddp", "fsdp")}
+PAGE = 4096
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
+
+
+def peak_rss_during(work: Callable[[], None]) -> tuple[float, int]:
+    """Seconds `work` took and the most resident memory (bytes) while it ran, sampled every 5 ms."""
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.005)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    t0 = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    return seconds, max(peak[0], rss_bytes())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    rt = runtime.resolve_runtime("cpu", "float32", distributed=True)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, attn="sdpa"))
+    if rt.is_distributed:
+        from core import parallel as wrapping
+        wrapped = wrapping.wrap(model, cfg.parallel, False, rt)
+    else:
+        wrapped = model
+    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), "cpu")
+    x = torch.randint(0, 50257, (1, 64))
+    wrapped(x, x)[1].backward()  # one step: AdamW's moments exist, as in a run
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    fields = dict(model_config={}, iter_num=1, best_val_loss=1.0, rng=None, settings={}, meta=None)
+    rows = []
+    for name in cfg.formats.split(","):
+        out = Path(cfg.out_dir) / f"{name}_{rt.world_size}"
+        saver = saver_for("single" if name == "single" else "sharded", out, 1, name == "async", rt)
+        steady = rss_bytes()
+        pause, peak_saving = peak_rss_during(lambda: saver.save(model, [optimizer], fields))
+        whole, peak_writing = peak_rss_during(saver.close)  # async: the writer thread's part
+        peak = max(peak_saving, peak_writing) - steady
+        written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if rt.is_master else 0
+        gathered = [None] * rt.world_size
+        if rt.is_distributed:
+            torch.distributed.all_gather_object(gathered, peak)
+        else:
+            gathered = [peak]
+        rows.append({"format": name, "pause_s": pause, "whole_s": pause + whole,
+                     "peak_extra_gb_per_rank": [p / 1e9 for p in gathered], "written_gb": written / 1e9})
+        runtime.on_master(lambda: shutil.rmtree(out), rt.device)
+    if rt.is_master:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{params / 1e6:.0f}M parameters, {cfg.parallel if rt.is_distributed else 'one process'}, "
+              f"{rt.world_size} rank(s) (gloo), {rt.name}")
+        print(f"{'format':<8} {'pause s':>8} {'whole s':>8} {'peak extra GB per rank':>24} {'written GB':>11}")
+        for r in rows:
+            peaks = ", ".join(f"{p:.2f}" for p in r["peak_extra_gb_per_rank"])
+            print(f"{r['format']:<8} {r['pause_s']:>8.2f} {r['whole_s']:>8.2f} {peaks:>24} {r['written_gb']:>11.2f}")
+        path = Path(cfg.out_dir) / "checkpoint_cost.json"
+        path.write_text(json.dumps({"config": cfg.as_dict(), "machine": rt.name, "parameters": params, "rows": rows},
+                                   indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)

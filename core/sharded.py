@@ -1,0 +1,173 @@
+"""
+Sharded checkpoints (train.py's checkpoint_format='sharded'): torch.distributed.checkpoint (DCP) writes each rank's
+own part of the model and optimizer state, nothing is gathered on rank 0, and a checkpoint reshards when it is read
+(another world size, FSDP2 or DDP, or one process). Imported only by runs that write or read this format.
+
+    out_dir/step-000500/   one step: DCP's files, one per rank (__0_0.distcp, ...), and .metadata, which DCP writes
+                           last and renames into place
+    out_dir/latest         the name of the newest whole step folder, replaced (os.replace) only once a save is whole
+
+Only the folder `latest` names is ever read, so a save killed half-way leaves the previous step loadable. Besides
+the model ('model') and optimizer ('optimizer') state, DCP keeps the rest of core.checkpoint.Checkpoint ('train':
+the step, every rank's RNG and the data generator, the settings, the config) as pickled objects of its own.
+"""
+
+import re
+import shutil
+import threading
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from core import files
+from core import runtime
+from core.checkpoint import POINTER
+from core.errors import UserError
+from core.runtime import Runtime
+
+TRAIN = "train"  # the key of everything but the tensors of the model and optimizer
+# DCP says so at every save and load of a process without a process group, which is how one process works here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def step_folder(out: Path, iter_num: int) -> Path:
+    return Path(out) / f"step-{iter_num:06d}"
+
+
+def steps_in(out: Path) -> dict[int, Path]:
+    """out_dir's step folders, whole or not, by step."""
+    found = {}
+    for path in Path(out).glob("step-*"):
+        if match := re.fullmatch(r"step-(\d+)", path.name):
+            found[int(match[1])] = path
+    return found
+
+
+def is_whole(folder: Path) -> bool:
+    """DCP renames .metadata into place after every rank's files are written: its presence means a whole save."""
+    return (folder / ".metadata").is_file()
+
+
+def latest(out: Path) -> Path | None:
+    """The step folder out_dir's pointer names, or None when out_dir holds no sharded checkpoint."""
+    pointer = Path(out) / POINTER
+    return Path(out) / pointer.read_text().strip() if pointer.is_file() else None
+
+
+def read(folder: Path, parts: set[str]) -> dict:
+    """The named parts of a step ('model', 'optimizer'; TRAIN always) as a Checkpoint's fields, full tensors on the
+    CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
+    if not is_whole(folder):
+        raise UserError(f"{folder} is not a whole sharded checkpoint (no .metadata: its save never finished); "
+                        f"resume from the step {folder.parent / POINTER} names.")
+    state: dict = {}
+    try:
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(folder),
+                         planner=_EmptyStateDictLoadPlanner(keys=parts | {TRAIN}), no_dist=True)
+    except CheckpointException as e:  # DCP's, a BaseException: each rank's error with its traceback
+        error = next(iter(e.failures.values()))[0]
+        raise UserError(f"checkpoint {folder} cannot be read ({type(error).__name__}); it is corrupt or not a "
+                        f"checkpoint of this project - restore it or train again.") from None
+    return {**state.pop(TRAIN), **state}
+
+
+def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
+    """A step's weights read into the model as it is placed (each rank reads only what it holds: its FSDP2 shards,
+    or a whole replica) and its optimizer state shaped for set_optimizer_state_dict (returned: the caller keeps its
+    own peak learning rates). Collective under torchrun."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    return state["optimizer"]
+
+
+def failure_text(error: CheckpointException, folder: Path) -> str:
+    ranks = "; ".join(f"rank {r}: {getattr(e, 'strerror', None) or e}" for r, (e, _) in sorted(error.failures.items()))
+    return (f"could not write the checkpoint {folder} ({ranks}); the previous one ({folder.parent / POINTER}) is "
+            f"kept - free disk space or pass --out_dir= another folder, then resume.")
+
+
+class ShardedSaver:
+    """train.py's saves in this format. Sync: every rank writes its shards, then rank 0 points `latest` at the step.
+    async_save: the state is copied to the CPU (the pause training sees) and written by DCP's async_save in a thread
+    while training goes on, its collectives on a gloo group of their own so that they never interleave with
+    training's; the next save, and the end of the run, wait for it first."""
+
+    def __init__(self, out: Path, keep: int, use_async: bool, rt: Runtime):
+        self.out, self.keep, self.use_async, self.rt = Path(out), keep, use_async, rt
+        self.group = torch.distributed.new_group(backend="gloo") if use_async and rt.is_distributed else None
+        self.written = threading.Event()  # the write in flight is done (and committed, or its failure recorded)
+        self.written.set()
+        self.failure: str | None = None
+
+    def save(self, model: torch.nn.Module, optimizers: list, fields: dict) -> None:
+        """Save a step (collective); `fields` are the Checkpoint's other fields."""
+        self.written.wait()  # one write at a time
+        folder = step_folder(self.out, fields["iter_num"])
+        runtime.on_master(lambda: self.prepare(folder), self.rt.device)
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers),
+                 TRAIN: fields}
+        if not self.use_async:
+            try:
+                dcp.save(state, checkpoint_id=folder)
+            except CheckpointException as e:  # raised on every rank alike
+                raise UserError(failure_text(e, folder)) from None
+            runtime.on_master(lambda: self.commit(folder), self.rt.device)
+            return
+        self.written.clear()
+        future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+        future.add_done_callback(lambda done: self.finished(done, folder))
+
+    def finished(self, done: Future, folder: Path) -> None:
+        """In DCP's writer thread: rank 0 commits a whole save; a failure waits for the next save or the end."""
+        try:
+            if done.exception() is not None:
+                error = done.exception()
+                self.failure = (failure_text(error, folder) if isinstance(error, CheckpointException)
+                                else f"could not write the checkpoint {folder} ({error}).")
+            elif self.rt.is_master:
+                self.commit(folder)
+        except UserError as e:
+            self.failure = str(e)
+        finally:
+            self.written.set()
+
+    def prepare(self, folder: Path) -> None:
+        """Rank 0, before a save: stop on an earlier async save's failure; clear what a killed run left at this
+        step (a save that never finished; a run with --overwrite=True replacing another run's step of that number
+        first drops the pointer to it)."""
+        failure, self.failure = self.failure, None
+        if failure:
+            raise UserError(failure)
+        if folder.exists():
+            if latest(self.out) == folder:
+                (self.out / POINTER).unlink()
+            shutil.rmtree(folder)
+
+    def commit(self, folder: Path) -> None:
+        """Rank 0, once a save is whole: point `latest` at it (atomically), then keep the newest `keep` whole steps
+        up to it. Gone too: folders whose save never finished, and later steps (left by a run this one replaced
+        with --overwrite=True, or passed by the resume: never the newest)."""
+        with files.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
+                                  advice="free disk space, then resume") as tmp:
+            tmp[POINTER].write_text(folder.name)
+        this = int(folder.name.split("-")[1])
+        steps = steps_in(self.out)
+        kept = [n for n in sorted(steps) if n <= this and is_whole(steps[n])][-self.keep:]
+        for n, old in steps.items():
+            if n not in kept and n != this:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        """The end of the run: wait for a write in flight; rank 0 says if it failed."""
+        self.written.wait()
+        if self.failure and self.rt.is_master:
+            raise UserError(self.failure)
