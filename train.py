@@ -99,7 +99,8 @@ seed = 1337
 LIMITS = {
     "attn": one_of("auto", *ATTENTION), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
     "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
-    "parallel": one_of("ddp", "fsdp"), "checkpoint_format": one_of("single", "sharded"), "keep_checkpoints": "[1, inf)",
+    "parallel": one_of("ddp", "fsdp"), "checkpoint_format": one_of("single", "sharded"),
+    "keep_checkpoints": "[1, inf)",
     "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[1, inf)", "max_seconds": "[0, inf)",
     "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
@@ -287,7 +288,7 @@ class Trainer:
         if self.iter_num == 0 or not (val_loss < self.best_val_loss or self.cfg.always_save_checkpoint):
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
-        rng = rng_state(self.batches.generator, self.rt)  # collective: every rank gathers every rank's
+        rng = rng_state(self.batches.generator, self.rt)  # collective: each rank gathers every rank's RNG state
         self.saver.save(self.raw_model, self.optimizers, dict(
             model_config=dataclasses.asdict(self.raw_model.config), iter_num=self.iter_num,
             best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))

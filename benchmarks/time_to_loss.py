@@ -7,7 +7,7 @@ back and in turn, several times; the wall time from launch to the first logged v
     python -m benchmarks.time_to_loss --runs=5 --target=1.95 --full=False   # stop each run at the target
     python -m benchmarks.time_to_loss --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
     python -m benchmarks.time_to_loss --compare=attn --full=False   # the quickstart through each attn, and auto
-    python -m benchmarks.time_to_loss --compare=attn_masked --target=6.5 --runs=2 --full=False  # docs/masks.md's recipe, likewise
+    python -m benchmarks.time_to_loss --compare=attn_masked --target=6.5 --full=False  # masks.md's recipe, likewise
 
 Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
 recipes run one after the other), then the median over rounds: the machine's drift hits both alike.

@@ -137,7 +137,8 @@ def two_rank_runs(char_data_session, tmp_path_factory) -> TwoRankRuns:
             # FSDP2 with 6 micro-steps a step, the global batch a 1- or 3-rank resume can keep
             ("ddp_sharded", data + SHARDED + ["--max_iters=3"], {"keep": str(out / "ddp_sharded_at_3")}),
             ("ddp_sharded", data + SHARDED + ["--init_from=resume"], {}),
-            ("fsdp_async", fsdp + SHARDED + ["--async_save=True", "--max_iters=3"], {"keep": str(out / "fsdp_async_at_3")}),
+            ("fsdp_async", fsdp + SHARDED + ["--async_save=True", "--max_iters=3"],
+             {"keep": str(out / "fsdp_async_at_3")}),
             ("fsdp_async", fsdp + SHARDED + ["--async_save=True", "--init_from=resume"], {}),
             ("fsdp6", fsdp + ["--gradient_accumulation_steps=6"], {}),
             ("fsdp6_sharded", fsdp + SHARDED + ["--gradient_accumulation_steps=6", "--max_iters=3"], {})]
