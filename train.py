@@ -377,12 +377,11 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
 def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
     """Where a resumed run stood, in one place: its step, best val loss, optimizer state and RNG streams (the weights
     are in the model already, unless sharded: then each rank reads its own part now). Returns the step it resumes at."""
-    if checkpoint.shards is None:
-        load_optimizer_state(trainer.raw_model, trainer.optimizers, checkpoint.optimizer, FULL_STATE)
-    else:
-        from core.sharded import load_into  # DCP reads a sharded step into the model as it is placed
-        state = load_into(trainer.raw_model, trainer.optimizers, Path(checkpoint.shards))
-        load_optimizer_state(trainer.raw_model, trainer.optimizers, state, StateDictOptions())
+    state, options = checkpoint.optimizer, FULL_STATE
+    if checkpoint.shards is not None:  # sharded: DCP reads each rank's part into the model as it is placed
+        from core.sharded import load_into
+        state, options = load_into(trainer.raw_model, trainer.optimizers, Path(checkpoint.shards)), StateDictOptions()
+    load_optimizer_state(trainer.raw_model, trainer.optimizers, state, options)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
         restore_rng(checkpoint.rng, trainer.batches.generator, trainer.rt)
     trainer.iter_num, trainer.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
