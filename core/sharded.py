@@ -123,7 +123,11 @@ class ShardedSaver:
             runtime.on_master(lambda: self.commit(folder), self.rt.device)
             return
         self.written.clear()
-        future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+        try:
+            future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+        except BaseException:  # failed while copying to the CPU: nothing in flight to wait for
+            self.written.set()
+            raise
         future.add_done_callback(lambda done: self.finished(done, folder))
 
     def finished(self, done: Future, folder: Path) -> None:
