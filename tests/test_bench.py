@@ -27,10 +27,12 @@ TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--seq_len=64", "--batch_siz
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Behaviour, not speed, is under test: one thread keeps OpenMP threads from waiting on a descheduled
-    sibling at every op on a shared CI machine (10x faster there). bench.main sets threads process-wide."""
+    sibling at every op on a shared CI machine (10x faster there). bench.main sets threads process-wide: the
+    count is put back when the module is done (module-scoped, so it is read before the module's own fixtures run
+    bench, and later files train with the process's own count)."""
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
