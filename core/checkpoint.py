@@ -54,8 +54,8 @@ class Checkpoint:
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
         path = Path(path)
-        contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shards"}  # not
-        # asdict: it copies tensors
+        # not asdict (it copies tensors); `shards` says where a loaded one lives, it is not part of the file
+        contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shards"}
         with files.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
                                   advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
             with open(tmp[path.name], "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
@@ -114,11 +114,11 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
     if resuming:
         return
     ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
+    has_checkpoint = ckpt.exists() or sharded_folder(ckpt) is not None
     if overwrite:
         log.unlink(missing_ok=True)
-        return
-    if ckpt.exists() or log.exists() or sharded_folder(ckpt):
-        what = (f"another run's checkpoint ({Checkpoint.describe(ckpt)})" if ckpt.exists() or sharded_folder(ckpt)
+    elif has_checkpoint or log.exists():
+        what = (f"another run's checkpoint ({Checkpoint.describe(ckpt)})" if has_checkpoint
                 else "another run's metrics.jsonl")
         raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
                         f"or replace it with --overwrite=True.")

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from core import files
 from core import runtime
-from core.checkpoint import POINTER
+from core.checkpoint import POINTER, sharded_folder
 from core.errors import UserError
 from core.runtime import Runtime
 
@@ -54,12 +54,6 @@ def steps_in(out: Path) -> dict[int, Path]:
 def is_whole(folder: Path) -> bool:
     """DCP renames .metadata into place after every rank's files are written: its presence means a whole save."""
     return (folder / ".metadata").is_file()
-
-
-def latest(out: Path) -> Path | None:
-    """The step folder out_dir's pointer names, or None when out_dir holds no sharded checkpoint."""
-    pointer = Path(out) / POINTER
-    return Path(out) / pointer.read_text().strip() if pointer.is_file() else None
 
 
 def read(folder: Path, parts: set[str]) -> dict:
@@ -120,7 +114,7 @@ class ShardedSaver:
                 dcp.save(state, checkpoint_id=folder)
             except CheckpointException as e:  # raised on every rank alike
                 raise UserError(failure_text(e, folder)) from None
-            runtime.on_master(lambda: self.commit(folder), self.rt.device)
+            runtime.on_master(lambda: self.commit(fields["iter_num"]), self.rt.device)
             return
         self.written.clear()
         try:
@@ -128,17 +122,18 @@ class ShardedSaver:
         except BaseException:  # failed while copying to the CPU: nothing in flight to wait for
             self.written.set()
             raise
-        future.add_done_callback(lambda done: self.finished(done, folder))
+        future.add_done_callback(lambda done: self.finished(done, fields["iter_num"]))
 
-    def finished(self, done: Future, folder: Path) -> None:
+    def finished(self, done: Future, step: int) -> None:
         """In DCP's writer thread: rank 0 commits a whole save; a failure waits for the next save or the end."""
+        folder = step_folder(self.out, step)
         try:
             if done.exception() is not None:
                 error = done.exception()
                 self.failure = (failure_text(error, folder) if isinstance(error, CheckpointException)
                                 else f"could not write the checkpoint {folder} ({error}).")
             elif self.rt.is_master:
-                self.commit(folder)
+                self.commit(step)
         except UserError as e:
             self.failure = str(e)
         finally:
@@ -152,22 +147,22 @@ class ShardedSaver:
         if failure:
             raise UserError(failure)
         if folder.exists():
-            if latest(self.out) == folder:
+            if sharded_folder(self.out / "ckpt.pt") == folder:  # the step readers would take
                 (self.out / POINTER).unlink()
             shutil.rmtree(folder)
 
-    def commit(self, folder: Path) -> None:
+    def commit(self, step: int) -> None:
         """Rank 0, once a save is whole: point `latest` at it (atomically), then keep the newest `keep` whole steps
         up to it. Gone too: folders whose save never finished, and later steps (left by a run this one replaced
         with --overwrite=True, or passed by the resume: never the newest)."""
+        folder = step_folder(self.out, step)
         with files.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
                                   advice="free disk space, then resume") as tmp:
             tmp[POINTER].write_text(folder.name)
-        this = int(folder.name.split("-")[1])
         steps = steps_in(self.out)
-        kept = [n for n in sorted(steps) if n <= this and is_whole(steps[n])][-self.keep:]
+        kept = [n for n in sorted(steps) if n <= step and is_whole(steps[n])][-self.keep:]
         for n, old in steps.items():
-            if n not in kept and n != this:
+            if n not in kept and n != step:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:

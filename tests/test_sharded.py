@@ -3,6 +3,7 @@ per step, `latest` names the newest whole one, a resume is exact, every reader r
 previous step. The runs of several ranks (exact resume on 2, resharding 2 -> 1 and 2 -> 3) are at the end."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -214,9 +215,8 @@ def test_a_fsdp_checkpoint_of_two_ranks_resumes_on_one_and_on_three(two_rank_run
     args = TWO_RANKS + SHARDED + [f"--data_dir={char_data}", "--gradient_accumulation_steps=6", "--init_from=resume"]
     for world_size in (1, 3):  # the same global batch: 6 micro-batches a step, split over the ranks
         out = tmp_path / f"on_{world_size}"
-        out.mkdir()
-        for name in ("latest", "step-000003"):
-            subprocess.run(["cp", "-r", str(saved / name), str(out)], check=True)
+        shutil.copytree(saved / "step-000003", out / "step-000003")
+        shutil.copy(saved / "latest", out / "latest")
         if world_size == 1:
             train.main(args + [f"--out_dir={out}"])
         else:
