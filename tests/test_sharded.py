@@ -3,6 +3,7 @@ per step, `latest` names the newest whole one, a resume is exact, every reader r
 previous step. The runs of several ranks (exact resume on 2, resharding 2 -> 1 and 2 -> 3) are at the end."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_a_sharded_run_keeps_the_newest_steps_and_resumes_exactly(char_data, tmp
 
 
 def test_readers_read_a_sharded_checkpoint_as_the_single_file_of_the_same_run(char_data, tmp_path, straight, capsys):
-    out = tmp_path / "run"
+    out = tmp_path / "out"  # the folder docs/training.md's conversion names
     tiny(char_data, out, "--max_iters=6", *SHARDED)
     single, sharded = Checkpoint.load(straight / "ckpt.pt"), Checkpoint.load(out / "ckpt.pt")
     assert sharded.iter_num == single.iter_num == 6 and sharded.model_config == single.model_config
@@ -80,6 +81,13 @@ def test_readers_read_a_sharded_checkpoint_as_the_single_file_of_the_same_run(ch
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("iter 6")
     assert export_hf.main([f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"]) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
+
+    docs_line = next(line for line in (REPO / "docs" / "training.md").read_text().splitlines() if "single.pt" in line)
+    conversion = re.search(r"`(python -c [^`]+)`", docs_line)[1]  # as written there, run beside out/
+    subprocess.run(conversion, shell=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    converted = Checkpoint.load(out / "single.pt")
+    assert converted.iter_num == 6 and all(torch.equal(converted.model[k], single.model[k]) for k in single.model)
+    assert converted.optimizer is None  # the weights and settings: the optimizer state stays in the shards
 
 
 def test_switching_format_on_resume_reads_the_newer_checkpoint(char_data, tmp_path, straight):
