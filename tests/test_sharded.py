@@ -4,6 +4,7 @@ previous step. The runs of several ranks (exact resume on 2, resharding 2 -> 1 a
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -84,7 +85,8 @@ def test_readers_read_a_sharded_checkpoint_as_the_single_file_of_the_same_run(ch
 
     docs_line = next(line for line in (REPO / "docs" / "training.md").read_text().splitlines() if "single.pt" in line)
     conversion = re.search(r"`(python -c [^`]+)`", docs_line)[1]  # as written there, run beside out/
-    subprocess.run(conversion, shell=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    program, *args = shlex.split(conversion)  # this interpreter for `python`, as the README's tests run theirs
+    subprocess.run([sys.executable, *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
     converted = Checkpoint.load(out / "single.pt")
     assert converted.iter_num == 6 and all(torch.equal(converted.model[k], single.model[k]) for k in single.model)
     assert converted.optimizer is None  # the weights and settings: the optimizer state stays in the shards
