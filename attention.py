@@ -33,6 +33,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 import masks
 from core import runtime
 from core.errors import UserError
+from core import kernels  # cuda_facts read through the module: a test stands in for what CUDA reports
+from core.kernels import BuildUnavailable, build_problem, cudnn_mask_hazard, refusal_reason, use_flash_build
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
@@ -88,7 +90,6 @@ def _flash_with(build: Optional[str]) -> AttentionFn:
 
     def attention(q, k, v, mask, dropout_p):
         if not torch.compiler.is_compiling() and torch.nn.attention.current_flash_attention_impl() != build:
-            from core.kernels import use_flash_build
             use_flash_build(build)
         return forced(q, k, v, mask, dropout_p)
     attention.__name__ = f"flash_{build or 'fa2'}_attention".lower()
@@ -239,7 +240,6 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
     """None if `attn` runs here (`masked`: with a document or window mask), else why not."""
     cpu = device_type == "cpu"
     if attn in ("flash3", "flash4", "flex_flash"):  # what to install, or which GPU it needs
-        from core.kernels import build_problem
         problem = build_problem(attn, device_type)
         if problem is not None:
             return problem
@@ -254,8 +254,7 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
     if attn == "flash" and cpu and dropout_p > 0:
         return "the CPU flash kernel does not support dropout"
     if attn == "cudnn" and device_type == "cuda":
-        from core.kernels import cuda_facts, cudnn_mask_hazard  # a CUDA run's
-        hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *cuda_facts())
+        hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
         if hazard is not None:
             return hazard
     return probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked)
@@ -269,8 +268,11 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
     written positions, or with `masked_decode` the whole cache and a mask. Kernels' limits differ between these
     layouts."""
     T = seq_len
-    # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
+    # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
+    # forward (the first call with new facts): in exactly `dtype`, whatever autocast says, and with gradients
+    # when it checks training, whatever no_grad says
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []), \
+            torch.autocast(device_type, enabled=False), torch.set_grad_enabled(needs_grad):
         qkv = torch.randn(1, T, 3 * head_size, device=device_type, dtype=dtype, requires_grad=needs_grad)
         q, k, v = (t.view(1, T, 1, head_size).transpose(1, 2) for t in qkv.split(head_size, dim=2))  # (1, 1, T, hs)
         cache = torch.randn(2, 1, T + 8, head_size, device=device_type, dtype=dtype)  # (k|v, 1, T + 8, hs)
@@ -292,8 +294,7 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
                     y.sum().backward()
                 else:
                     ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
-        except (RuntimeError, NotImplementedError) as e:
-            from core.kernels import refusal_reason  # read only when a kernel refuses
+        except (RuntimeError, NotImplementedError, BuildUnavailable) as e:
             reason = refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
             return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
     return None
@@ -302,33 +303,51 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
 @dataclass(frozen=True)
 class Attention:
     """An implementation resolved once (GPT.set_attention), called by every layer with ATTENTION's signature; the
-    mask may also be a decode step's masks.Span, which it hands on in the implementation's form."""
+    mask may also be a decode step's masks.Span, which it hands on in the implementation's form. Its first eager
+    call with new facts (device, the dtype q really has under autocast or mixed precision, gradients or not, dropout,
+    head size, a mask) asks attention_problem, whose cache makes every later call a lookup: a refusal is one
+    sentence before any kernel runs, whoever built the model and however it was set."""
     name: str
     fn: AttentionFn = field(repr=False)
+    probe_len: int = 64  # the length inference is checked at (the model's block_size): one probe, whatever the prompt
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> torch.Tensor:
-        if isinstance(mask, masks.Span):  # a decode step: only generation makes one
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
+                 training: bool = False) -> torch.Tensor:
+        """`training`: the calling module's mode; with gradients on, the call is checked with its backward."""
+        decoding = isinstance(mask, masks.Span)  # a decode step: only generation makes one
+        if decoding:
             from core.decode_step import decode_inputs
             k, v, mask = decode_inputs(self.name, q, k, v, mask)
         if torch.compiler.is_compiling():  # compiled code was checked before it was traced
             return self.fn(q, k, v, mask, dropout_p)
+        masked = mask is not None and not decoding
+        needs_grad = training and q.requires_grad  # an eval-mode forward with gradients on is still inference
+        # training is checked at its own length (cuDNN's hazard depends on it), inference at one length for all
+        seq_len = q.size(-2) if needs_grad else self.probe_len
+        facts = (q.device.type, q.dtype, dropout_p, q.size(-1), needs_grad, seq_len, masked)
+        check_attention(self.name, *facts)
         try:
             return self.fn(q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
-        except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what set_attention could not foresee
-            masked = mask is not None and q.size(-2) > 1
-            # what set_attention would have said (its probe's length; a refusal only at this call's shape is
-            # named by the shape)
-            problem = attention_problem(self.name, q.device.type, q.dtype, dropout_p, q.size(-1), q.requires_grad,
-                                        masked=masked)
-            if problem is None and "No available kernel" not in str(e):
+        except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the probe could not foresee
+            if "No available kernel" not in str(e):
                 raise
-            check_attention(self.name, q.device.type, q.dtype, dropout_p, q.size(-1), q.requires_grad,
-                            masked=masked, problem=problem or f"PyTorch refused q of shape {tuple(q.shape)} at run time")
+            check_attention(self.name, *facts, problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
+            raise
+        except BuildUnavailable as e:  # its FlashAttention build found but not accepted by torch
+            check_attention(self.name, *facts, problem=str(e))
             raise
 
-def resolve(attn: str) -> Attention:
-    """The implementation named `attn` (a key of ATTENTION)."""
-    return Attention(attn, ATTENTION[attn])
+
+def resolve(attn: str, probe_len: int = 64) -> Attention:
+    """The implementation named `attn` (a key of ATTENTION), checked at probe_len for inference."""
+    return Attention(attn, ATTENTION[attn], probe_len)
+
+
+@functools.lru_cache(maxsize=None)  # once per process and setting: every call is checked
+def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) -> None:
+    hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
+    if hazard is not None:
+        print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
@@ -339,10 +358,7 @@ def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: 
                                            masked)
     if problem is None:
         if device_type == "cuda" and attn in ("sdpa", "sdpa_mask"):  # SDPA may pick cuDNN: it runs, with a warning
-            from core.kernels import cuda_facts, cudnn_mask_hazard
-            hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *cuda_facts())
-            if hazard is not None:
-                print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
+            _warn_cudnn_hazard(attn, needs_grad, masked, seq_len)
         return
     runnable = [a for a in ATTENTION if a != attn and attention_problem(
         a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked) is None]

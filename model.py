@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 import masks
 from attention import ATTENTION, FLASH_BUILDS, Attention, check_attention, mask_for, resolve
+from core.kernels import BuildUnavailable, use_flash_build
 from core.errors import UserError
 
 
@@ -116,7 +117,7 @@ class CausalSelfAttention(nn.Module):
             cached_k, cached_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, block_size, hs)
             k, v = (cached_k, cached_v) if T == 1 else (k, v)
         dropout_p = self.attn_dropout if self.training else 0.0
-        y = self.attention(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
+        y = self.attention(q, k, v, mask, dropout_p, self.training)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -153,7 +154,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.attention = resolve(config.attn)  # checked by set_attention, once the device is known
+        self.attention = resolve(config.attn, config.block_size)  # checked at every first call (and set_attention)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -246,26 +247,39 @@ class GPT(nn.Module):
         """Memory held by the KV cache (0 without one), doc_mask's document starts included."""
         return self.cache.nbytes() if self.cache is not None else 0
 
-    def set_attention(self, attn: str, training: bool = False, dtype: Optional[torch.dtype] = None,
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in here and now: autocast's when autocast is on for its device, else the
+        weights'."""
+        weight = self.transformer.wpe.weight  # never quantized (int8 weights report their own dtype)
+        device = weight.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+    def set_attention(self, attn: str, training: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
                       check: bool = True) -> "GPT":
-        """Read the same weights through another attention implementation, in place; returns the model. The
-        implementation is resolved here once and checked here, for where the model is now (call it after .to(device)),
-        in `dtype` (the one it computes in, autocast's; by default its weights'), for inference or with `training`
-        (gradients, the config's dropout): one sentence naming what can run instead, not a kernel's failure later.
-        check=False: the caller has asked attention_problem itself (the measuring tools, row by row). attn='auto'
-        times every implementation that runs here on this model's shapes (batch 1, block_size) and keeps the fastest
-        correct one, decided once per workload (core/attn_auto.py)."""
+        """Read the same weights through another attention implementation, in place; returns the model. Checked
+        here for where the model is now (call it after .to(device)), in the mode it is in (self.training: gradients
+        and the config's dropout; or `training`) and in the dtype it computes in now (compute_dtype: autocast's
+        inside an autocast region; or `dtype`): one sentence naming what can run instead, not a kernel's failure
+        later. Every call is checked again for the facts it really has (attention.Attention), so a model used
+        otherwise than set is refused in the same words. check=False: the caller has asked attention_problem itself
+        (the measuring tools, row by row). attn='auto' times every implementation that runs here on this model's
+        shapes (batch 1, block_size) and keeps the fastest correct one (core/attn_auto.py)."""
+        training = self.training if training is None else training
+        dtype = dtype or self.compute_dtype()
         if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (core/attn_auto.py)
             from core.attn_auto import choose_for_model
             attn = choose_for_model(self, training, dtype)
-        config, weight = dataclasses.replace(self.config, attn=attn), self.lm_head.weight  # replace checks the name
+        config, device = dataclasses.replace(self.config, attn=attn), self.transformer.wpe.weight.device.type
+        facts = (device, dtype, config.dropout if training else 0.0, config.head_size, training, config.block_size,
+                 config.mask.restricted)
         if check:
-            check_attention(attn, weight.device.type, dtype or weight.dtype, config.dropout if training else 0.0,
-                            config.head_size, training, config.block_size, masked=config.mask.restricted)
-        self.config, self.attention = config, resolve(attn)
+            check_attention(attn, *facts)
         if attn in FLASH_BUILDS:  # its FlashAttention build behind SDPA, process-wide: now, for compiled code too
-            from core.kernels import use_flash_build
-            use_flash_build(FLASH_BUILDS[attn])
+            try:
+                use_flash_build(FLASH_BUILDS[attn])
+            except BuildUnavailable as e:
+                check_attention(attn, *facts, problem=str(e))
+        self.config, self.attention = config, resolve(attn, config.block_size)
         for block in self.transformer.h:
             block.attn.attention = self.attention
         return self

@@ -158,15 +158,6 @@ def _quietly(step: Step, freeze: bool = False) -> Step:
     return call
 
 
-def decoding_dtype(model: GPT) -> torch.dtype:
-    """The dtype decoding computes in, and the KV cache is made in: autocast's when autocast is on, else the
-    weights'."""
-    device = model.transformer.wpe.weight.device
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return model.transformer.wpe.weight.dtype
-
-
 class Decoder:
     """Generation with one model: its prefill and decode steps, eager or compiled (once, then reused). `dtype`: the
     one decoding will run in, which decides whether the kernel takes a compiled decode step's mask (cuDNN does in
@@ -174,7 +165,7 @@ class Decoder:
 
     def __init__(self, model: GPT, compile: bool = False, tune: bool = True, dtype: Optional[torch.dtype] = None):
         self.model, self.compiled = model, compile
-        self.dtype = dtype or decoding_dtype(model)
+        self.dtype = dtype or model.compute_dtype()
         self.prefill, self.decode = compiled_steps(model, self.dtype, tune) if compile else (last_logits, last_logits)
 
     @torch.no_grad()
@@ -208,7 +199,7 @@ class Decoder:
     def _ensure_cache(self, batch_size: int):
         """The model's cache, for this batch in the dtype the keys will have (autocast's, if on); an existing one is
         reused, so compiled steps keep reading the same buffers."""
-        dtype = decoding_dtype(self.model)
+        dtype = self.model.compute_dtype()
         if self.compiled and dtype != self.dtype:
             raise ValueError(f"this Decoder compiled its steps for {self.dtype} and now decodes in {dtype}; "
                              f"pass Decoder(..., dtype={dtype})")

@@ -109,6 +109,12 @@ def cuda_facts() -> tuple[tuple[int, int], int]:
     return torch.cuda.get_device_capability(), torch.backends.cudnn.version() or 0
 
 
+class BuildUnavailable(UserError):
+    """A FlashAttention build that cannot be put behind SDPA although its package was found (a version torch does
+    not expect). Where the call's facts are known (attention.Attention, GPT.set_attention) it becomes the one
+    sentence every refusal is; elsewhere it is still one line."""
+
+
 def use_flash_build(build: Optional[str]) -> None:
     """Make `build` ('FA3', 'FA4', or None for PyTorch's own FA2) the kernel behind SDPA's flash backend, for the
     whole process (torch 2.13's registry: activating one replaces the aten flash ops' CUDA kernels)."""
@@ -121,6 +127,6 @@ def use_flash_build(build: Optional[str]) -> None:
         torch.nn.attention.activate_flash_attention_impl(build)
     except (ImportError, RuntimeError, ValueError) as e:  # its package is missing or not the one torch expects
         attn = next(a for a, needs in NEEDS.items() if needs[4] == build)
-        raise UserError(f"{build} cannot be put behind SDPA's flash backend ({type(e).__name__}: {e}); attn="
-                        f"'{attn}' needs {NEEDS[attn][2]} and a GPU of compute capability "
-                        f"{' or '.join(GENERATIONS[m] for m in NEEDS[attn][3])}.") from None
+        raise BuildUnavailable(f"{build} cannot be put behind SDPA's flash backend ({type(e).__name__}: {e}), and "
+                               f"attn='{attn}' needs {NEEDS[attn][2]} and a GPU of compute capability "
+                               f"{' or '.join(GENERATIONS[m] for m in NEEDS[attn][3])}") from None

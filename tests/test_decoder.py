@@ -26,6 +26,9 @@ class MockModel:
         logits = torch.nn.functional.one_hot((idx[:, -1:] + 1) % VOCAB, VOCAB).float()  # (B, 1, V)
         return logits, None
 
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32
+
     def setup_cache(self, batch_size: int, dtype: torch.dtype) -> None:
         self.caches.append((batch_size, dtype))
         self.cache = SimpleNamespace(batch_size=batch_size, dtype=dtype, length=0)

@@ -92,16 +92,81 @@ def test_a_flash_row_makes_its_own_build_active_and_plain_flash_restores_pytorch
     assert torch.nn.attention.current_flash_attention_impl() == "FA4"
 
 
-def test_a_build_that_cannot_be_activated_is_one_sentence(monkeypatch):
-    def missing():
-        raise ModuleNotFoundError("No module named 'flash_attn'")
-    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", missing)
+def test_a_build_found_but_not_accepted_by_torch_is_refused_in_the_one_form_on_every_path(monkeypatch):
+    def rejected():  # its package imports, but torch's registry will not take it (another version, say)
+        raise RuntimeError("flash_attn.cute 0.1 is not the version this torch expects")
+    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", rejected)
     monkeypatch.setattr(_registry, "_FLASH_ATTENTION_ACTIVE", None)
-    q, k, v = qkv()
+    monkeypatch.setattr(attention, "build_problem", lambda *args: None)  # what a Hopper GPU with the package says
+    attention.attention_problem.cache_clear()
+    try:
+        x = torch.zeros(1, 4, dtype=torch.long)
+        for use in (lambda m: m.set_attention("flash4"), lambda m: m(x), lambda m: m.generate(x, 2)):
+            model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8, attn="flash4")).eval()
+            with pytest.raises(UserError) as refused:
+                use(model)
+            sentence = str(refused.value)
+            assert sentence.startswith("attn='flash4' cannot run for inference on cpu in float32 ")
+            assert "FA4 cannot be put behind SDPA's flash backend (RuntimeError: flash_attn.cute 0.1" in sentence
+            assert "pip install --pre flash-attn-4" in sentence and "; use one of manual, " in sentence
+            assert "\n" not in sentence
+    finally:
+        attention.attention_problem.cache_clear()
+
+
+# -- one decision, for the facts a call really has ----------------------------------------------------------
+
+TINY_MODEL = dict(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8)
+
+
+@pytest.mark.parametrize("attn", ["flash3", "flash4", "flex_flash", "varlen"])
+@pytest.mark.parametrize("use", ["forward", "generate"])
+def test_a_model_built_with_a_kernel_this_machine_lacks_is_refused_in_the_one_form_before_anything_runs(attn, use):
+    """Without set_attention: the first call asks, so nothing runs but what was asked (flex_flash once ran plain
+    flex on a CPU without a word, flash3 and flash4 answered in another form)."""
+    model = GPT(GPTConfig(**TINY_MODEL, attn=attn)).eval()
+    x = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(UserError) as refused:
-        ATTENTION["flash4"](q, k, v, None, 0.0)  # an eager call on a model never checked
-    assert str(refused.value).startswith("FA4 cannot be put behind SDPA's flash backend (ModuleNotFoundError: ")
-    assert "pip install --pre flash-attn-4" in str(refused.value) and "\n" not in str(refused.value)
+        model(x) if use == "forward" else model.generate(x, 3)
+    sentence = str(refused.value)
+    assert sentence.startswith(f"attn='{attn}' cannot run for inference on cpu in float32 with dropout=0.0 and head "
+                               f"size 4: ") and "CUDA-only" in sentence and "; use one of manual, " in sentence
+
+
+def test_set_attention_checks_the_mode_the_model_is_in_and_refuses_before_any_kernel_warns(recwarn, capfd):
+    """GPT(...) is in training mode: flash with dropout on a CPU is refused for training there and then, not by
+    the first step's kernel (with C++'s "Triggered internally at" warnings); in eval mode it runs."""
+    model = GPT(GPTConfig(**TINY_MODEL, dropout=0.1))
+    with pytest.raises(UserError, match=r"^attn='flash' cannot run for training on cpu in float32 with dropout=0.1 "
+                                        r"and head size 4: the CPU flash kernel does not support dropout; use one of"):
+        model.set_attention("flash")
+    assert model.config.attn == "sdpa"  # unchanged
+    assert model.eval().set_attention("flash").config.attn == "flash"  # inference: no dropout
+    model(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(UserError, match=r"^attn='flash' cannot run for training "):  # the same model trained: asked
+        model.train()(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    assert not [w for w in recwarn if "Triggered internally" in str(w.message)]
+    assert "Triggered internally" not in capfd.readouterr().err
+
+
+def test_set_attention_checks_the_dtype_autocast_gives_not_the_weights(monkeypatch):
+    """What CUDA reports for FlashAttention, injected: fp16 and bf16 only. fp32 weights under bf16 autocast run it
+    (the GPU run refused varlen there); outside autocast the sentence names float32."""
+    real = attention.attention_problem
+
+    def cuda_like(attn, device_type, dtype, *args, **kwargs):
+        if attn == "flash" and dtype == torch.float32:
+            return "FlashAttention only supports fp16 and bf16"
+        return real(attn, device_type, dtype, *args, **kwargs)
+    monkeypatch.setattr(attention, "attention_problem", cuda_like)
+    model = GPT(GPTConfig(**TINY_MODEL)).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.set_attention("flash").config.attn == "flash"
+        logits, _ = model(torch.zeros(1, 4, dtype=torch.long))  # the call asks again, in the dtype q has: bf16
+    with pytest.raises(UserError, match=r"^attn='flash' cannot run for inference on cpu in float32 .*fp16 and bf16"):
+        model(torch.zeros(1, 4, dtype=torch.long))  # the same model outside autocast: refused in the call's words
+    with pytest.raises(UserError, match=r"in float32 .*fp16 and bf16"):
+        model.set_attention("flash")
 
 
 def test_bench_switches_builds_outside_the_timed_call_and_records_each_rows(fake_fa4):

@@ -56,7 +56,7 @@ def reference_run(model: GPT, idx, targets):
     ref.config = GPTConfig(**{**TINY, "attn": "manual"})  # the model builds no mask: the reference passes its own
     mask = reference_mask(idx, cfg.doc_mask, cfg.window)
 
-    def softmax_attention(q, k, v, _mask, dropout_p):
+    def softmax_attention(q, k, v, _mask, dropout_p, training=False):
         att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5  # (B, nh, T, T)
         return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     for block in ref.transformer.h:  # what each layer calls: the model's resolved implementation, replaced
