@@ -138,15 +138,20 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}
     groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
-    ax.figure.set_size_inches(max(6.0, 0.4 * len(groups) * len(bars)), 4)
-    width = 0.8 / len(bars)
+    # one row per implementation, top to bottom in the sweep's order: names of any length stay legible side by
+    # side (nine under each other, where columns ran into each other), each bar labelled with its milliseconds
+    ax.figure.set_size_inches(7.0, 1.2 + 0.28 * max(1, len(groups) * len(bars)))
+    height = 0.8 / len(bars)
     for i, (label, by_attn) in enumerate(bars.items()):
         found = [by_attn.get(a) for a in groups]  # None: skipped, a gap in the chart
         ms = [r["ms_per_iter"] if r else np.nan for r in found]
         whiskers = [(r["ms_per_iter"] - r["ms_p25"], r["ms_p75"] - r["ms_per_iter"]) if r else (0, 0) for r in found]
-        xs = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * width
-        ax.bar(xs, ms, width, yerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
-    ax.set_xticks(np.arange(len(groups)), groups)
-    ax.set_ylabel("ms (median, IQR whiskers)")
-    ax.set_yscale("log" if cfg.mode == "attention" else "linear")  # sequence lengths span orders of magnitude
+        ys = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * height
+        drawn = ax.barh(ys, ms, height, xerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
+        ax.bar_label(drawn, labels=[f"{m:.3g}" if m == m else "" for m in ms], padding=3, fontsize=7)
+    ax.set_yticks(np.arange(len(groups)), groups)
+    ax.invert_yaxis()  # the sweep's first implementation on top, as in the table
+    ax.set_xlabel("ms (median, IQR whiskers)")
+    ax.set_xscale("log" if cfg.mode == "attention" else "linear")  # sequence lengths span orders of magnitude
+    ax.set_xlim(right=ax.get_xlim()[1] * (3 if cfg.mode == "attention" else 1.15))  # room for the value labels
     return title

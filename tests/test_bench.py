@@ -431,3 +431,33 @@ def test_generate_mode_refuses_unknown_weights_and_caches_in_one_sentence(tmp_pa
         bench.main([*TINY, "--mode=generate", "--weights=int4", f"--out_dir={tmp_path}"])
     with pytest.raises(bench.UserError, match="cache must be a comma list of 'none', 'cache', 'compiled', got 'static'"):
         bench.main([*TINY, "--mode=generate", "--cache=static", f"--out_dir={tmp_path}"])
+
+
+def test_the_train_chart_keeps_every_implementation_name_legible_at_a_gpus_full_sweep(tmp_path):
+    """A GPU's default sweep: nine implementations and auto, padded and not (the H200's medians, issue 36). No
+    two implementation names may overlap, and every name and value label lies inside the picture."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    from benchmarks.bench_report import chart, ms_chart
+    h200 = {"manual": (73.7, 60.8), "sdpa_mask": (42.1, 29.4), "sdpa": (40.2, 27.2), "flash": (40.6, 27.7),
+            "efficient": (42.9, 30.1), "cudnn": (39.5, 27.1), "math": (70.4, 57.8), "flex": (45.4, 32.1),
+            "varlen": (43.0, 32.4), "auto": (40.2, 27.2)}
+    rows = [dict(attn=a, pad_vocab=pad, mask="causal", status="ok", ms_per_iter=ms[pad], ms_p25=ms[pad] * 0.99,
+                 ms_p75=ms[pad] * 1.01) for a, ms in h200.items() for pad in (False, True)]
+    cfg = SimpleNamespace(mode="train", mask=["causal"], padding=[False, True], attn=list(h200), n_layer=12,
+                          n_embd=768, batch_size=8, seq_len=1024, dtype="bfloat16")
+    fig, ax = plt.subplots()
+    ms_chart(ax, rows, cfg)
+    fig.tight_layout()
+    fig.canvas.draw()
+    names = [t for t in ax.get_yticklabels() if t.get_text()]
+    assert [t.get_text() for t in names] == list(h200)
+    boxes = [t.get_window_extent() for t in names]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    picture = fig.bbox
+    assert all(picture.x0 <= b.x0 and b.x1 <= picture.x1 for b in boxes + [t.get_window_extent() for t in ax.texts])
+    plt.close(fig)
+    chart(tmp_path / "train.png", rows, cfg, {"device_name": "NVIDIA H200"})
+    assert (tmp_path / "train.png").read_bytes()[:8] == PNG_SIGNATURE
