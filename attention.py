@@ -236,8 +236,10 @@ def mask_for(attn: str, spec: masks.MaskSpec, idx: torch.Tensor):
 
 @functools.lru_cache(maxsize=None)
 def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                      needs_grad: bool, seq_len: int = 64, masked: bool = False) -> Optional[str]:
-    """None if `attn` runs here (`masked`: with a document or window mask), else why not."""
+                      needs_grad: bool, seq_len: int = 64, masked: bool = False,
+                      decode_step: bool = True) -> Optional[str]:
+    """None if `attn` runs here (`masked`: with a document or window mask), else why not. Inference is checked with
+    a decode step too, unless `decode_step` is False (an evaluation or a prompt: whole sequences only)."""
     cpu = device_type == "cpu"
     if attn in ("flash3", "flash4", "flex_flash"):  # what to install, or which GPU it needs
         problem = build_problem(attn, device_type)
@@ -257,11 +259,13 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
         hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
         if hazard is not None:
             return hazard
-    return probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked)
+    return probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked,
+                 decode_step=decode_step)
 
 
 def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-           needs_grad: bool, seq_len: int, masked_decode: bool = False, masked: bool = False) -> Optional[str]:
+           needs_grad: bool, seq_len: int, masked_decode: bool = False, masked: bool = False,
+           decode_step: bool = True) -> Optional[str]:
     """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
     sequence length (with backward when training; with `masked`, two documents and a window in the form `attn`
     takes), and for inference also a one-query decode step against a longer KV cache: a slice of exactly the
@@ -292,7 +296,7 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
                 y = ATTENTION[attn](q, k, v, mask, dropout_p)
                 if needs_grad:
                     y.sum().backward()
-                else:
+                elif decode_step:
                     ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
         except (RuntimeError, NotImplementedError, BuildUnavailable) as e:
             reason = refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
@@ -324,7 +328,8 @@ class Attention:
         needs_grad = training and q.requires_grad  # an eval-mode forward with gradients on is still inference
         # training is checked at its own length (cuDNN's hazard depends on it), inference at one length for all
         seq_len = q.size(-2) if needs_grad else self.probe_len
-        facts = (q.device.type, q.dtype, dropout_p, q.size(-1), needs_grad, seq_len, masked)
+        # a decode step is checked as one, an evaluation or a prompt (whole sequences) without one
+        facts = (q.device.type, q.dtype, dropout_p, q.size(-1), needs_grad, seq_len, masked, q.size(-2) == 1)
         check_attention(self.name, *facts)
         try:
             return self.fn(q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
@@ -351,17 +356,18 @@ def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) 
 
 
 def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                    needs_grad: bool, seq_len: int = 64, masked: bool = False, problem: Optional[str] = None) -> None:
+                    needs_grad: bool, seq_len: int = 64, masked: bool = False, decode_step: bool = True,
+                    problem: Optional[str] = None) -> None:
     """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (`masked`: with a
     document or window mask), or if the caller already knows the `problem`, say a kernel that refused a real call."""
     problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len,
-                                           masked)
+                                           masked, decode_step)
     if problem is None:
         if device_type == "cuda" and attn in ("sdpa", "sdpa_mask"):  # SDPA may pick cuDNN: it runs, with a warning
             _warn_cudnn_hazard(attn, needs_grad, masked, seq_len)
         return
     runnable = [a for a in ATTENTION if a != attn and attention_problem(
-        a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked) is None]
+        a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked, decode_step) is None]
     dtype_name = str(dtype).removeprefix("torch.")
     mode = "training" if needs_grad else "inference"
     mask = ", a document or window mask" if masked else ""

@@ -122,10 +122,12 @@ SIZES = {
 # Every compiled row compiles once (on 2 CPU cores ~20-60 s with autotuning), so a CPU's default rows are few: manual
 # and sdpa (on a CPU sdpa runs flash), fp32 and int8 weights, and bf16 only where bf16 is native (an AVX2 CPU
 # emulates it at ~20x fp32's cost), with 127 new tokens (255 took 8 minutes on an AVX2 CPU, most of it in the
-# no-cache rows). --attn=all --weights=float32,bfloat16,int8 --new_tokens=255 for docs/bench.md's table.
+# no-cache rows). A GPU's rows: manual and sdpa (the baselines) in each weight dtype: compiling is most of a GPU's
+# sweep, and manual, sdpa and flash with 255 tokens did not finish in 200 s on an H200.
+# --attn=all --weights=float32,bfloat16,int8 --new_tokens=255 for docs/bench.md's table.
 GENERATE_SIZES = {
-    "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=255, iters=3,
-                 attn="manual,sdpa,flash", weights="float32,bfloat16,int8"),
+    "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=127, iters=3,
+                 attn="sdpa", weights="float32,bfloat16,int8"),
     "cpu": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=65, seq_len=256, new_tokens=127, iters=2,
                 attn="manual,sdpa", weights="float32,int8"),
 }

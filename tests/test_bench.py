@@ -395,6 +395,20 @@ def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the
     assert (tmp_path / "generate.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+def test_without_torchao_the_int8_rows_are_skipped_in_its_sentence_and_the_others_run(tmp_path, monkeypatch, capsys):
+    """The GPU image has no torchao: the default generate sweep (int8 among its weights) still runs."""
+    for name in ("torchao", "torchao.quantization"):
+        monkeypatch.setitem(sys.modules, name, None)  # import torchao fails, as where it is not installed
+    result = run_bench(tmp_path, "--mode=generate", "--attn=sdpa", "--seq_len=16", "--new_tokens=4",
+                       "--weights=float32,int8", "--cache=none,cache", "--iters=1")
+    rows = rows_by(result, "attn", "weights", "cache")
+    assert {k: r["status"] for k, r in rows.items()} == {
+        (a, w, c): "ok" if w == "float32" else "skipped" for a in ("manual", "sdpa") for w in ("float32", "int8")
+        for c in ("none", "cache")}
+    assert all(r["reason"] == "--quantize=int8 needs torchao; pip install torchao." for r in rows.values()
+               if r["weights"] == "int8")
+
+
 def test_an_interrupted_generate_sweep_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
     from benchmarks import bench_generate
     real = bench_generate.time_round_robin
