@@ -122,12 +122,12 @@ SIZES = {
 # Every compiled row compiles once (on 2 CPU cores ~20-60 s with autotuning), so a CPU's default rows are few: manual
 # and sdpa (on a CPU sdpa runs flash), fp32 and int8 weights, and bf16 only where bf16 is native (an AVX2 CPU
 # emulates it at ~20x fp32's cost), with 127 new tokens (255 took 8 minutes on an AVX2 CPU, most of it in the
-# no-cache rows). A GPU's rows: manual and sdpa (the baselines) in each weight dtype: compiling is most of a GPU's
-# sweep, and manual, sdpa and flash with 255 tokens did not finish in 200 s on an H200.
+# no-cache rows). A GPU's rows: manual and sdpa (the baselines) with bf16 weights: compiling is most of a GPU's sweep
+# (GENERATE_COMPILE_S), and the earlier default (manual, sdpa, flash x fp32, bf16, int8: 9 compiled rows) took 7 min.
 # --attn=all --weights=float32,bfloat16,int8 --new_tokens=255 for docs/bench.md's table.
 GENERATE_SIZES = {
     "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=127, iters=3,
-                 attn="sdpa", weights="float32,bfloat16,int8"),
+                 attn="sdpa", weights="bfloat16"),
     "cpu": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=65, seq_len=256, new_tokens=127, iters=2,
                 attn="manual,sdpa", weights="float32,int8"),
 }
@@ -303,13 +303,23 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     return rows
 
 
-def sweep_plan(cfg: Settings) -> str:
-    """One line on what the sweep will run, said before it starts."""
+# Seconds one compiled generate row spends compiling (its decode step and its prefill), as measured: on an H200 (16
+# host cores, torch 2.11) 44-57 s for GPT-2 124M (fp32, bf16, int8 weights); on 2 AVX2 cores 20-60 s for the
+# quickstart model. Compiling is most of a sweep, so the plan line multiplies it out.
+GENERATE_COMPILE_S = {"cuda": (45, 60), "cpu": (20, 60)}
+
+
+def sweep_plan(cfg: Settings, rt: Runtime) -> str:
+    """One line on what the sweep will run, said before it starts; for generation, how long its compiling takes."""
     if cfg.mode == "generate":
         rows = len(cfg.attn) * len(cfg.weights) * len(cfg.cache) * len(cfg.padding)
         compiled = rows // len(cfg.cache) if "compiled" in cfg.cache else 0
-        return (f"generate: {rows} rows, {compiled} of them compiled (each compiles once: ~20-60 s on a 2-core CPU), "
-                f"{cfg.iters} timed rounds of {cfg.new_tokens} tokens; rows are saved to {cfg.out_dir} as they finish")
+        low, high = GENERATE_COMPILE_S["cuda" if rt.is_cuda else "cpu"]
+        where = "an H200 at GPT-2 124M" if rt.is_cuda else "2 CPU cores at the quickstart model's size"
+        return (f"generate: {rows} rows, {compiled} of them compiled, {cfg.iters} timed rounds of {cfg.new_tokens} "
+                f"tokens; each compiled row compiles once ({low}-{high} s on {where}), so compiling alone takes about "
+                f"{compiled * low / 60:.1f}-{compiled * high / 60:.1f} min; rows are saved to {cfg.out_dir} as they "
+                f"finish")
     rows = len(cfg.attn) * len(cfg.mask) * (len(cfg.padding) if cfg.mode == "train" else 2 * len(cfg.attn_seq_lens) *
                                             len(cfg.attn_head_sizes))
     return f"{cfg.mode}: {rows} rows x ({cfg.warmup} warm-up + {cfg.iters} timed) runs"
@@ -340,7 +350,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save(rows: list[dict], complete: bool = False) -> None:
         path.write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete, rows=rows), indent=1))
-    print(sweep_plan(cfg), file=sys.stderr)
+    print(sweep_plan(cfg, rt), file=sys.stderr)
     try:
         if cfg.mode == "generate":
             rows = generate_sweep(cfg, rt, save)  # saved as rows finish: an interrupted sweep keeps them

@@ -7,7 +7,8 @@ from the same prompt:
     python bench.py --mode=generate --attn=all --weights=float32,int8 --cache=none,compiled
 
 "no cache" is nanoGPT's generate (the whole context through the model for every token): the baseline row is sdpa,
-fp32 weights, no cache, and "vs nanoGPT" is every row's speed over it, paired within each timed round.
+no cache, fp32 weights (or the sweep's first weights without fp32 rows), and "vs nanoGPT" is every row's speed over
+it, paired within each timed round.
 """
 
 import copy
@@ -176,10 +177,11 @@ def add_timings(described: dict[str, dict], rows: dict[str, Row], ms: dict[str, 
 
 
 def mark_against_baselines(described: dict[str, dict], cfg, pad: bool) -> None:
-    """Speed over nanoGPT's generate (sdpa, fp32, no cache), and whether each row drew the tokens its own no-cache
-    row (same attn, same weights) drew."""
+    """Speed over nanoGPT's generate (sdpa, no cache, fp32 weights; the sweep's first weights when it has no fp32
+    rows), and whether each row drew the tokens its own no-cache row (same attn, same weights) drew."""
     suffix = "padded" if pad else "unpadded"
-    base = described.get(f"sdpa/float32/none/{suffix}", {})
+    weights = "float32" if "float32" in cfg.weights else cfg.weights[0]
+    base = described.get(f"sdpa/{weights}/none/{suffix}", {})
     for d in described.values():
         if d["status"] != "ok" or "ms_all" not in d:
             continue

@@ -434,10 +434,25 @@ def test_an_interrupted_generate_sweep_keeps_the_rows_it_measured(tmp_path, monk
 def test_generate_defaults_on_a_cpu_are_a_few_rows_with_bf16_only_where_it_is_native(monkeypatch, capability,
                                                                                        weights):
     monkeypatch.setattr(runtime, "cpu_capability", lambda: capability)
-    cfg, _ = bench.settings(["--mode=generate", "--device=cpu"])
+    cfg, rt = bench.settings(["--mode=generate", "--device=cpu"])
     assert cfg.attn == ["manual", "sdpa"] and cfg.weights == weights and cfg.cache == ["none", "cache", "compiled"]
-    assert bench.sweep_plan(cfg).startswith(f"generate: {2 * len(weights) * 3} rows, {2 * len(weights)} of them "
-                                            f"compiled")
+    compiled = 2 * len(weights)
+    assert bench.sweep_plan(cfg, rt).startswith(
+        f"generate: {2 * len(weights) * 3} rows, {compiled} of them compiled, 2 timed rounds of 127 tokens; each "
+        f"compiled row compiles once (20-60 s on 2 CPU cores at the quickstart model's size), so compiling alone "
+        f"takes about {compiled * 20 / 60:.1f}-{compiled * 60 / 60:.1f} min")
+
+
+def test_generate_defaults_on_a_gpu_compile_two_rows_and_say_how_long_that_takes_before_starting(monkeypatch):
+    """A GPU's default generate sweep once compiled 9 rows of GPT-2 124M (7 minutes on an H200, 44-57 s a row): now
+    the baselines' bf16 rows, 2 compiled, and the plan line says what compiling will cost. CUDA stood in for."""
+    monkeypatch.setattr(bench.runtime, "resolve_runtime", lambda device, dtype: Runtime("cuda:0", "bfloat16"))
+    cfg, rt = bench.settings(["--mode=generate"])
+    assert (cfg.attn, cfg.weights, cfg.cache, cfg.n_layer, cfg.new_tokens) == (
+        ["manual", "sdpa"], ["bfloat16"], ["none", "cache", "compiled"], 12, 127)
+    assert bench.sweep_plan(cfg, rt).startswith(
+        "generate: 6 rows, 2 of them compiled, 3 timed rounds of 127 tokens; each compiled row compiles once (45-60 s "
+        "on an H200 at GPT-2 124M), so compiling alone takes about 1.5-2.0 min")
 
 
 def test_generate_mode_refuses_unknown_weights_and_caches_in_one_sentence(tmp_path):
