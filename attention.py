@@ -32,9 +32,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 import masks
 from core import runtime
-from core.errors import UserError
-from core import kernels  # cuda_facts read through the module: a test stands in for what CUDA reports
-from core.kernels import BuildUnavailable, build_problem, cudnn_mask_hazard, refusal_reason, use_flash_build
+from core.errors import BuildUnavailable, UserError
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
@@ -90,7 +88,8 @@ def _flash_with(build: Optional[str]) -> AttentionFn:
 
     def attention(q, k, v, mask, dropout_p):
         if not torch.compiler.is_compiling() and torch.nn.attention.current_flash_attention_impl() != build:
-            use_flash_build(build)
+            from core import kernels  # the registry: only the flash rows switch builds
+            kernels.use_flash_build(build)
         return forced(q, k, v, mask, dropout_p)
     attention.__name__ = f"flash_{build or 'fa2'}_attention".lower()
     return attention
@@ -242,7 +241,8 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
     a decode step too, unless `decode_step` is False (an evaluation or a prompt: whole sequences only)."""
     cpu = device_type == "cpu"
     if attn in ("flash3", "flash4", "flex_flash"):  # what to install, or which GPU it needs
-        problem = build_problem(attn, device_type)
+        from core import kernels  # what the optional kernels need
+        problem = kernels.build_problem(attn, device_type)
         if problem is not None:
             return problem
     if attn in ("efficient", "cudnn") and device_type != "cuda":
@@ -256,7 +256,8 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
     if attn == "flash" and cpu and dropout_p > 0:
         return "the CPU flash kernel does not support dropout"
     if attn == "cudnn" and device_type == "cuda":
-        hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
+        from core import kernels  # a CUDA run's
+        hazard = kernels.cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
         if hazard is not None:
             return hazard
     return probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked,
@@ -299,7 +300,8 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
                 elif decode_step:
                     ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
         except (RuntimeError, NotImplementedError, BuildUnavailable) as e:
-            reason = refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
+            from core import kernels  # read only when a kernel refuses
+            reason = kernels.refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
             return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
     return None
 
@@ -350,7 +352,8 @@ def resolve(attn: str, probe_len: int = 64) -> Attention:
 
 @functools.lru_cache(maxsize=None)  # once per process and setting: every call is checked
 def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) -> None:
-    hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
+    from core import kernels  # a CUDA run's
+    hazard = kernels.cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
     if hazard is not None:
         print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
 

@@ -22,8 +22,7 @@ from torch.nn import functional as F
 
 import masks
 from attention import ATTENTION, FLASH_BUILDS, Attention, check_attention, mask_for, resolve
-from core.kernels import BuildUnavailable, use_flash_build
-from core.errors import UserError
+from core.errors import BuildUnavailable, UserError
 
 
 # -----------------------------------------------------------------------------
@@ -275,6 +274,7 @@ class GPT(nn.Module):
         if check:
             check_attention(attn, *facts)
         if attn in FLASH_BUILDS:  # its FlashAttention build behind SDPA, process-wide: now, for compiled code too
+            from core.kernels import use_flash_build  # the flash rows alone switch builds
             try:
                 use_flash_build(FLASH_BUILDS[attn])
             except BuildUnavailable as e:

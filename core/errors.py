@@ -13,6 +13,12 @@ class UserError(ValueError):
     `error: ...` line, with exit code 2."""
 
 
+class BuildUnavailable(UserError):
+    """A FlashAttention build that cannot be put behind SDPA although its package was found (a version torch does
+    not expect). Where a call's facts are known (attention.Attention, GPT.set_attention) it becomes the sentence
+    every refusal is; elsewhere it is still one line."""
+
+
 def exit_code(main: Callable[[], int | None]) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
     stderr and 2, or 130 on Ctrl-C."""

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from core.errors import UserError
+from core.errors import BuildUnavailable
 
 # attn -> (the kernel, the module that must import, how to get it, the compute capability majors it is built for,
 # its name in torch's flash registry (None: not behind SDPA))
@@ -107,12 +107,6 @@ def cudnn_mask_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int, c
 def cuda_facts() -> tuple[tuple[int, int], int]:
     """The GPU's compute capability and cuDNN's version (0 without cuDNN)."""
     return torch.cuda.get_device_capability(), torch.backends.cudnn.version() or 0
-
-
-class BuildUnavailable(UserError):
-    """A FlashAttention build that cannot be put behind SDPA although its package was found (a version torch does
-    not expect). Where the call's facts are known (attention.Attention, GPT.set_attention) it becomes the one
-    sentence every refusal is; elsewhere it is still one line."""
 
 
 def use_flash_build(build: Optional[str]) -> None:

@@ -97,7 +97,7 @@ def test_a_build_found_but_not_accepted_by_torch_is_refused_in_the_one_form_on_e
         raise RuntimeError("flash_attn.cute 0.1 is not the version this torch expects")
     monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", rejected)
     monkeypatch.setattr(_registry, "_FLASH_ATTENTION_ACTIVE", None)
-    monkeypatch.setattr(attention, "build_problem", lambda *args: None)  # what a Hopper GPU with the package says
+    monkeypatch.setattr(kernels, "build_problem", lambda *args: None)  # what a Hopper GPU with the package says
     attention.attention_problem.cache_clear()
     try:
         x = torch.zeros(1, 4, dtype=torch.long)
