@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
-from core.decode_step import decodes_with_mask
+from attention import decodes_with_mask
 from core.errors import UserError
 import masks
 from model import GPT, GPTConfig

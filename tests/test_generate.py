@@ -11,7 +11,6 @@ import torch
 from torch._dynamo.utils import counters
 
 import attention
-from core import decode_step
 from core import runtime
 from core.generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
 from model import GPT, GPTConfig, UserError
@@ -104,7 +103,7 @@ def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatc
     by making CPU flash claim the same), and a compiled decode step is refused with one sentence."""
     model = small_model("flash")
     expected = generate(model, prompts(), 20, temperature=0.0, use_cache=False)
-    monkeypatch.setattr("core.decode_step.decodes_with_mask", lambda *args: False)
+    monkeypatch.setattr("attention.decodes_with_mask", lambda *args: False)
     monkeypatch.setattr("core.generate.decodes_with_mask", lambda *args: False)
     assert torch.equal(generate(model, prompts(), 20, temperature=0.0), expected)
     with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
@@ -146,8 +145,8 @@ def test_compare_builds_its_decoders_for_the_dtype_it_draws_in(monkeypatch):
 
 
 def test_cpu_flash_takes_a_decode_mask():
-    assert decode_step.decodes_with_mask("flash", "cpu", torch.float32, 16)
-    assert not decode_step.decodes_with_mask("efficient", "cpu", torch.float32, 16)  # CUDA-only
+    assert attention.decodes_with_mask("flash", "cpu", torch.float32, 16)
+    assert not attention.decodes_with_mask("efficient", "cpu", torch.float32, 16)  # CUDA-only
 
 
 def test_a_prefill_that_does_not_start_at_position_0_is_refused():

@@ -21,7 +21,7 @@ import sample
 import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
 from attention import ATTENTION, attention_problem
-from core.decode_step import decodes_with_mask
+from attention import decodes_with_mask
 from core.generate import Decoder, for_inference, generate
 from model import GPT, GPTConfig, UserError
 
