@@ -70,6 +70,13 @@ def interval_text(spec: str) -> str:
     return " and ".join(words)
 
 
+def allowed_text(spec) -> str:
+    """A LIMITS entry in words: 'at least 1', 'greater than 0 and less than 1', 'one of tanh, none'."""
+    if isinstance(spec, Choice):
+        return f"{spec.text()} {', '.join(word or repr(word) for word in spec.words)}"
+    return interval_text(spec) or "any number"
+
+
 @dataclass(frozen=True)
 class Choice:
     """The words a setting may hold: one of them, or (`many`) a comma list of them."""
@@ -143,7 +150,8 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
     settings_help.help_text() and exits 0 before anything else is read."""
     if "--help" in argv or "-h" in argv:
         from core import settings_help  # only when asked for: the scripts' start-up does not carry it
-        settings_help.print_help(namespace, limits)
+        allowed = {key: allowed_text(spec) for key, spec in (limits or {}).items()}
+        settings_help.print_help(namespace, settings(namespace), allowed)
         raise SystemExit(0)
     namespace = dict(namespace)
     defaults = settings(namespace)  # types are checked against these, whatever a config file set before

@@ -1,5 +1,6 @@
 """
-`--help` for every script, reached through configurator.configure (which imports this module only then): the
+`--help` for every script, reached through configurator.configure, which imports this module only then and hands it
+the settings and their allowed values in words (so this module imports nothing of the project). It prints the
 script's docstring summary, how to start it, and each setting as `name = default` with the comment beside it and its
 allowed values from LIMITS, grouped under the comment headers above the settings in the script's source:
 
@@ -18,30 +19,21 @@ import textwrap
 import tokenize
 from pathlib import Path
 
-from core.configurator import Choice, interval_text, settings
-
 HELP_WIDTH = 120  # help lines wrap here
 NO_BREAK = "\xa0"  # joins the words of an [allowed values] bracket so that it wraps whole (textwrap keeps it one word)
 
 
-def allowed_text(spec) -> str:
-    """A LIMITS entry in words: 'at least 1', 'greater than 0 and less than 1', 'one of tanh, none'."""
-    if isinstance(spec, Choice):
-        return f"{spec.text()} {', '.join(word or repr(word) for word in spec.words)}"
-    return interval_text(spec) or "any number"
-
-
-def help_text(namespace: dict, limits: dict | None = None) -> str:
+def help_text(namespace: dict, defaults: dict, allowed: dict[str, str]) -> str:
     """The script's docstring summary, how to start it, then every setting as `name = default`, its comment and its
-    allowed values, under the comment header of its group in the script's source (`# I/O`)."""
-    defaults = settings(namespace)
+    allowed values in words (configurator.allowed_text), under the comment header of its group in the script's
+    source (`# I/O`)."""
     path = Path(namespace.get("__file__") or "")
     documented = _documented(path.read_text(encoding="utf-8")) if path.is_file() else {}
     order = [k for k in documented if k in defaults] + [k for k in defaults if k not in documented]
     rows = []
     for key in order:
         header, comment = documented.get(key, ("", ""))
-        rows.append((header, f"{key} = {defaults[key]!r}", _described(comment, (limits or {}).get(key))))
+        rows.append((header, f"{key} = {defaults[key]!r}", _described(comment, allowed.get(key))))
     summary = " ".join((namespace.get("__doc__") or "").strip().split("\n\n")[0].split())  # the first paragraph
     out = [*textwrap.wrap(summary, HELP_WIDTH), "", f"usage: {_command(path)} [CONFIG_FILE ...] [--key=value ...]",
            "The settings with their defaults and [allowed values]; set them in a config file (Python assignments) "
@@ -90,17 +82,17 @@ def _documented(source: str) -> dict[str, tuple[str, str]]:
     return found
 
 
-def _described(comment: str, spec) -> str:
+def _described(comment: str, allowed: str | None) -> str:
     """A setting's comment, then its allowed values in brackets: [at least 1], [one of tanh, none]."""
-    if spec is None:
+    if allowed is None:
         return comment
-    return f"{comment} [{allowed_text(spec).replace(' ', NO_BREAK)}]".strip()
+    return f"{comment} [{allowed.replace(' ', NO_BREAK)}]".strip()
 
 
-def print_help(namespace: dict, limits: dict | None = None) -> None:
+def print_help(namespace: dict, defaults: dict, allowed: dict[str, str]) -> None:
     """Print help_text() to stdout; a reader that stops early (python train.py --help | head) is no error."""
     try:
-        print(help_text(namespace, limits), flush=True)
+        print(help_text(namespace, defaults, allowed), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's own flush finds no pipe
 
