@@ -7,7 +7,7 @@ Export a training run to a Hugging Face GPT-2 directory that transformers loads 
 
 The directory holds config.json, model.safetensors, generation_config.json and the tokenizer (tokenizer.json and
 tokenizer_config.json; BPE models also get GPT-2's vocab.json and merges.txt). Vocabulary padding is undone: the
-export has the real vocabulary only. hf.from_pretrained(hf_dir) reads it back into this repo.
+export has the real vocabulary only. GPT.from_pretrained(hf_dir) reads it back into this repo.
 """
 
 import shutil
@@ -20,11 +20,11 @@ import torch
 
 from core import files
 from core import runtime
-from core.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint
 from core.configurator import configure
 from core.errors import UserError
 from interop.hf import CONV1D_WEIGHTS
-from core.generate import quiet_imports
+from engine.generate import quiet_imports
 from model import GPT
 from core.tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
 

@@ -169,7 +169,7 @@ class GPT(nn.Module):
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
-        self.cache: Optional["KVCache"] = None  # decode state (core.generate.KVCache), made by setup_cache
+        self.cache: Optional["KVCache"] = None  # decode state (engine.generate.KVCache), made by setup_cache
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -234,8 +234,8 @@ class GPT(nn.Module):
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
         """A KV cache of block_size positions for batch_size sequences, in `dtype` (that of the keys: the
-        weights', or autocast's): all the state decoding keeps (core.generate.KVCache)."""
-        from core.generate import KVCache  # generation's own state: training never makes one
+        weights', or autocast's): all the state decoding keeps (engine.generate.KVCache)."""
+        from engine.generate import KVCache  # generation's own state: training never makes one
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
@@ -262,11 +262,11 @@ class GPT(nn.Module):
         later. Every call is checked again for the facts it really has (attention.Attention), so a model used
         otherwise than set is refused in the same words. check=False: the caller has asked attention_problem itself
         (the measuring tools, row by row). attn='auto' times every implementation that runs here on this model's
-        shapes (batch 1, block_size) and keeps the fastest correct one (core/attn_auto.py)."""
+        shapes (batch 1, block_size) and keeps the fastest correct one (engine/attn_auto.py)."""
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
-        if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (core/attn_auto.py)
-            from core.attn_auto import choose_for_model
+        if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (engine/attn_auto.py)
+            from engine.attn_auto import choose_for_model
             attn = choose_for_model(self, training, dtype)
         config, device = dataclasses.replace(self.config, attn=attn), self.transformer.wpe.weight.device.type
         facts = (device, dtype, config.dropout if training else 0.0, config.head_size, training, config.block_size,
@@ -318,24 +318,31 @@ class GPT(nn.Module):
         return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
 
     # -- nanoGPT's API: its signatures and meanings; the work is done elsewhere, imported when called -----------
-    # (lazily: core.generate and interop.hf import this module, and training needs neither)
+    # (lazily: engine.generate and interop.hf import this module, and training needs neither)
 
     @classmethod
     def from_pretrained(cls, model_type: str, override_args: Optional[dict] = None) -> "GPT":
         """GPT-2's weights: one of nanoGPT's names (gpt2, gpt2-medium, gpt2-large, gpt2-xl; from the Hugging Face
         hub) or a local Hugging Face GPT-2 directory. override_args may set dropout, as nanoGPT's does, and also
-        attn, pad_vocab, doc_mask, window and eot_token (interop/hf.py)."""
-        from interop.hf import from_pretrained
-        return from_pretrained(model_type, **(override_args or {}))
+        attn, pad_vocab, doc_mask, window and eot_token."""
+        from interop import hf  # Hugging Face's format: read only here
+        overrides = dict(override_args or {})
+        if set(overrides) - hf.OVERRIDES:
+            raise UserError(f"from_pretrained can only override {sorted(hf.OVERRIDES)}, got {sorted(overrides)}.")
+        shape, state_dict = hf.read_gpt2(model_type)
+        config = GPTConfig.build({**shape, "pad_vocab": overrides.pop("pad_vocab", False)}, overrides)
+        model = cls(config)
+        model.load_state_dict(hf.convert_hf_state_dict(state_dict, config.vocab_size, config.padded_vocab_size))
+        return model
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None) -> torch.Tensor:
         """idx (B, T) with max_new_tokens tokens appended, each drawn with torch's global RNG from the softmax of
         the last position's logits (the context cropped to block_size) over temperature, among the top_k likeliest
-        if given; temperature=0 is greedy. Over the KV cache (core/generate.py). The model stays in the mode it is
+        if given; temperature=0 is greedy. Over the KV cache (engine/generate.py). The model stays in the mode it is
         in: call model.eval() first, as with nanoGPT, unless dropout is wanted."""
-        from core.generate import generate
+        from engine.generate import generate
         had_cache = self.cache_bytes() > 0
         try:
             return generate(self, idx, max_new_tokens, temperature, top_k)

@@ -18,13 +18,12 @@ from typing import Optional
 from core import files
 from core import runtime
 from attention import ATTENTION
-from core.checkpoint import Checkpoint, sharded_folder
+from engine.checkpoint import Checkpoint, sharded_folder
 from core.configurator import configure, one_of
 from core.dataset import dataset_dir
 from core.errors import UserError
-from core.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
+from engine.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                       tokens_per_s)
-from interop.hf import from_pretrained
 from model import GPT
 from core.runtime import Runtime
 from core.tokenizer import Tokenizer, tokenizer_from_meta
@@ -75,7 +74,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
         source = f"{path} (iter {checkpoint.iter_num})"
         data = training_data(checkpoint.settings)
     else:
-        model, tok, source = from_pretrained(init_from), tokenizer_from_meta(None), init_from
+        model, tok, source = GPT.from_pretrained(init_from), tokenizer_from_meta(None), init_from
         if model.config.vocab_size != tok.vocab_size:  # e.g. a character model exported by export_hf.py
             raise UserError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not GPT-2's; sample.py "
                             f"reads Hugging Face directories with GPT-2 BPE only - sample from the training out_dir.")
@@ -144,8 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> dict:
     """attn='auto': the fastest implementation for this sampling (its batch, prompt, dtype, mask, compile), measured
-    or read from the cache of earlier decisions (core/attn_auto.py), set on the model; returns the table."""
-    from core.attn_auto import Workload, choose
+    or read from the cache of earlier decisions (engine/attn_auto.py), set on the model; returns the table."""
+    from engine.attn_auto import Workload, choose
     workload = Workload.of(model.config, rt, cfg.num_samples, min(prompt_len, model.config.block_size),
                            training=False, compiled=cfg.compile)
     decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)

@@ -21,12 +21,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from core import flops
 from core import files
 from core import runtime
-from core.checkpoint import FULL_STATE, Checkpoint, claim_out_dir, restore_rng, rng_state, saver_for
+from engine.checkpoint import FULL_STATE, Checkpoint, claim_out_dir, restore_rng, rng_state
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
 from attention import ATTENTION
-from core.metrics import MetricsLog, StepTimer
+from engine.metrics import MetricsLog, StepTimer
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
@@ -149,8 +149,7 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     elif cfg.init_from == "scratch":
         model, source = GPT(GPTConfig.build({**cfg.as_dict(), "vocab_size": vocab_size}, run)), "a new model"
     else:
-        from interop.hf import from_pretrained  # GPT-2's weights: only this branch reads Hugging Face's format
-        model, source = from_pretrained(cfg.init_from, pad_vocab=cfg.pad_vocab, **run), cfg.init_from
+        model, source = GPT.from_pretrained(cfg.init_from, dict(pad_vocab=cfg.pad_vocab, **run)), cfg.init_from
     if model.config.vocab_size != vocab_size:
         raise UserError(f"{source} has vocab_size {model.config.vocab_size} but dataset '{cfg.dataset}' has "
                         f"{vocab_size}; use the dataset the weights were trained on (GPT-2's: GPT-2 BPE).")
@@ -172,7 +171,7 @@ def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoi
     if cfg.optimizer == "adamw":
         optimizers = [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
     else:
-        from core.muon import muon_optimizers  # only a Muon run reads the optimizer's code
+        from engine.muon import muon_optimizers  # only a Muon run reads the optimizer's code
         optimizers = muon_optimizers(model, cfg.weight_decay, cfg.learning_rate, cfg.muon_lr or cfg.learning_rate,
                                      cfg.muon_momentum, betas, rt.device_type, rt.orthogonalize_dtype)
     for group in (g for optimizer in optimizers for g in optimizer.param_groups):
@@ -198,7 +197,7 @@ def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
     """The model compiled, and under torchrun wrapped so the ranks train it together (DDP, or FSDP2 per block)."""
     if not rt.is_distributed:
         return torch.compile(model) if cfg.compile else model
-    from core import parallel  # only a run of several ranks wraps its model
+    from engine import parallel  # only a run of several ranks wraps its model
     return parallel.wrap(model, cfg.parallel, cfg.compile, rt)
 
 
@@ -379,7 +378,7 @@ def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
     are in the model already, unless sharded: then each rank reads its own part now). Returns the step it resumes at."""
     state, options = checkpoint.optimizer, FULL_STATE
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part into the model as it is placed
-        from core.sharded import load_into
+        from engine.checkpoint import load_into
         state, options = load_into(trainer.raw_model, trainer.optimizers, Path(checkpoint.shards)), StateDictOptions()
     load_optimizer_state(trainer.raw_model, trainer.optimizers, state, options)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
@@ -390,6 +389,7 @@ def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, rt, resuming = start(argv)
+    from engine.sharded import saver_for  # the writer of either format (DCP's beside ckpt.pt's)
     saver = saver_for(cfg.checkpoint_format, Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
     # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     # checked where it runs, in the dtype it computes in: now, not after compiling
     if cfg.attn == "auto":  # measured on this run's shapes, rank 0 deciding for all; kept with the settings
-        from core.attn_auto import choose_for_training
+        from engine.attn_auto import choose_for_training
         cfg.attn_auto = choose_for_training(raw_model, cfg, rt, checkpoint)
     attn = cfg.attn_auto["attn_auto/pick"] if cfg.attn == "auto" else raw_model.config.attn
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from core.kernels import use_flash_build
 from attention import FLASH_BUILDS, FLEX, attention_problem
 from core.errors import UserError
-from core.generate import Decoder, for_inference, weight_bytes
+from engine.generate import Decoder, for_inference, weight_bytes
 from benchmarks.measure import audit as audit_kernel
 from benchmarks.measure import (compile_health, counted, kernel_context, out_of_memory, paired_speedup, profiled_run,
                                 summarize, time_round_robin)

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from core import runtime
-from core.checkpoint import saver_for
+from engine.sharded import saver_for
 from core.configurator import configure, one_of
 from model import GPT, GPTConfig
 
@@ -68,7 +68,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, attn="sdpa"))
     if rt.is_distributed:
-        from core import parallel as wrapping
+        from engine import parallel as wrapping
         wrapped = wrapping.wrap(model, cfg.parallel, False, rt)
     else:
         wrapped = model

@@ -27,7 +27,7 @@ from core import runtime
 from attention import ATTENTION, attention_problem
 from core.dataset import TOKEN_BYTES, read_windows
 from core.errors import UserError
-from core.generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
+from engine.generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
                       weight_bytes)
 from model import GPT, GPTConfig
 from core.runtime import Runtime

@@ -1,1 +1,1 @@
-"""The core that training, sampling and benchmarking share: settings, runtime, checkpoints, data, generation."""
+"""The foundation: errors, settings (configurator, --help), runtime, files and datasets, the tokenizer, FLOP counts and GPU peaks, and what the kernels need. It imports only itself and outside packages."""

@@ -6,7 +6,7 @@ A prepared dataset is a folder with train.bin and val.bin (token ids as uint16, 
 which names the tokenizer:
     {"tokenizer": "gpt2", "vocab_size": 50257}
     {"tokenizer": "char", "vocab_size": 65, "chars": ["\\n", " ", "!", ...]}
-nanoGPT's folders have a meta.pkl instead (or nothing, for GPT-2 BPE); interop/nanogpt_meta.py reads it without
+nanoGPT's folders have a meta.pkl instead (or nothing, for GPT-2 BPE); core/nanogpt_meta.py reads it without
 running any code.
 """
 
@@ -40,7 +40,7 @@ def read_meta(data_dir: Path) -> dict | None:
             raise UserError(f"{path} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
         return meta
     if (Path(data_dir) / "meta.pkl").exists():
-        from interop.nanogpt_meta import read_nanogpt_meta  # nanoGPT's format: read only where there is one
+        from core.nanogpt_meta import read_nanogpt_meta  # nanoGPT's format: read only where there is one
         return read_nanogpt_meta(Path(data_dir) / "meta.pkl")
     return None
 

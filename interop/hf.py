@@ -1,9 +1,10 @@
 """
 GPT-2 weights in Hugging Face's format: reading a local directory (model.safetensors or pytorch_model.bin, plus
-config.json) or a hub name, and converting GPT2LMHeadModel's state dict to this project's GPT.
+config.json) or a hub name, and converting GPT2LMHeadModel's state dict to this project's names. GPT.from_pretrained
+builds the model from what this reads (so this module imports no model):
 
-    from interop.hf import from_pretrained
-    model = from_pretrained("gpt2", attn="flash")
+    from model import GPT
+    model = GPT.from_pretrained("gpt2", dict(attn="flash"))
 """
 
 import json
@@ -12,23 +13,18 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
-from model import GPT, GPTConfig
+
+OVERRIDES = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token"}  # what from_pretrained may set
 
 
-def from_pretrained(name_or_path: str, **overrides) -> GPT:
-    """GPT-2 weights from a local Hugging Face directory or a hub name; `overrides` may set attn, pad_vocab,
-    dropout and the attention masks (doc_mask, window, eot_token)."""
-    allowed = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token"}
-    if set(overrides) - allowed:
-        raise UserError(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
+def read_gpt2(name_or_path: str) -> tuple[dict, dict]:
+    """GPT-2's shape (GPTConfig's fields) and its weights in this model's names, the token embedding unpadded:
+    GPT.from_pretrained builds the model from them (this module reads the format; it imports no model)."""
     hf_config, state_dict = load_hf_checkpoint(name_or_path)
     shape = dict(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
                  n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"], bias=True,
-                 gelu=gelu_of(hf_config, name_or_path), pad_vocab=overrides.pop("pad_vocab", False))
-    config = GPTConfig.build(shape, overrides)
-    model = GPT(config)
-    model.load_state_dict(convert_hf_state_dict(state_dict, config))
-    return model
+                 gelu=gelu_of(hf_config, name_or_path))
+    return shape, state_dict
 
 
 # Hugging Face's GPT-2 stores these as Conv1D, (in, out): our nn.Linear wants (out, in).
@@ -53,8 +49,8 @@ def gelu_of(hf_config: dict, source: str) -> str:
     return HF_ACTIVATIONS[activation]
 
 
-def convert_hf_state_dict(hf_state_dict: dict, config: GPTConfig) -> dict:
-    """A Hugging Face GPT2LMHeadModel state dict -> this model's, padding the token embedding if asked."""
+def convert_hf_state_dict(hf_state_dict: dict, vocab_size: int, padded_vocab_size: int) -> dict:
+    """A Hugging Face GPT2LMHeadModel state dict -> this model's, the token embedding padded to padded_vocab_size."""
     out = {}
     for key, tensor in hf_state_dict.items():
         key = key.removeprefix("transformer.") if key.startswith("transformer.") else key
@@ -62,10 +58,10 @@ def convert_hf_state_dict(hf_state_dict: dict, config: GPTConfig) -> dict:
             continue  # causal-mask buffers, and lm_head, which is tied to wte
         out["transformer." + key] = tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor
     wte = out["transformer.wte.weight"]
-    if wte.size(0) != config.vocab_size:
-        raise UserError(f"the checkpoint has {wte.size(0)} token embeddings but vocab_size is {config.vocab_size}.")
-    padded = torch.zeros(config.padded_vocab_size, wte.size(1), dtype=wte.dtype)
-    padded[: config.vocab_size] = wte
+    if wte.size(0) != vocab_size:
+        raise UserError(f"the checkpoint has {wte.size(0)} token embeddings but vocab_size is {vocab_size}.")
+    padded = torch.zeros(padded_vocab_size, wte.size(1), dtype=wte.dtype)
+    padded[:vocab_size] = wte
     out["transformer.wte.weight"] = padded
     out["lm_head.weight"] = padded
     return out

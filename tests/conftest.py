@@ -150,7 +150,7 @@ def two_rank_runs(char_data_session, tmp_path_factory) -> TwoRankRuns:
 
 def checkpoint_of(model, **fields):
     """A Checkpoint of an unwrapped model's weights and config, with whatever else is given."""
-    from core.checkpoint import Checkpoint
+    from engine.checkpoint import Checkpoint
     return Checkpoint(model=model.state_dict(), model_config=dataclasses.asdict(model.config), **fields)
 
 

@@ -17,7 +17,7 @@ from core import errors
 from core import dataset
 import sample
 import train
-from core.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
 from model import GPT, GPTConfig, UserError
 

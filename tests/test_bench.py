@@ -370,7 +370,7 @@ def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatc
 def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the_cache_free_tokens(tmp_path,
                                                                                                  monkeypatch):
     from benchmarks import bench_generate
-    from core.generate import Decoder
+    from engine.generate import Decoder
     # untuned compiling: the same graphs in seconds (tuning and frozen weights are tested in test_generate.py)
     monkeypatch.setattr(bench_generate, "Decoder", functools.partial(Decoder, tune=False))
     # 1 + 24 tokens cross block_size 16, so the cache rows refill too

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from core.generate import Decoder
+from engine.generate import Decoder
 
 VOCAB = 17
 

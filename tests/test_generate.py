@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import attention
 from core import runtime
-from core.generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
+from engine.generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
 from model import GPT, GPTConfig, UserError
 from conftest import runnable_on_cpu
 
@@ -104,7 +104,7 @@ def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatc
     model = small_model("flash")
     expected = generate(model, prompts(), 20, temperature=0.0, use_cache=False)
     monkeypatch.setattr("attention.decodes_with_mask", lambda *args: False)
-    monkeypatch.setattr("core.generate.decodes_with_mask", lambda *args: False)
+    monkeypatch.setattr("engine.generate.decodes_with_mask", lambda *args: False)
     assert torch.equal(generate(model, prompts(), 20, temperature=0.0), expected)
     with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
         Decoder(model, compile=True)
@@ -118,7 +118,7 @@ def test_the_compiled_decode_gate_asks_about_the_dtype_decoding_runs_in_not_the_
     def like_cudnn(attn, device_type, dtype, head_size):
         asked.append(dtype)
         return dtype == torch.bfloat16
-    monkeypatch.setattr("core.generate.decodes_with_mask", like_cudnn)
+    monkeypatch.setattr("engine.generate.decodes_with_mask", like_cudnn)
     monkeypatch.setattr(runtime, "compile_isolated", lambda fn, **options: fn)  # the gate, not inductor
     model = small_model("sdpa")  # fp32 weights
     with pytest.raises(UserError, match="takes no mask on cpu"):
@@ -172,7 +172,7 @@ def test_the_cache_holds_block_size_positions_per_layer_in_the_keys_dtype():
 @pytest.fixture(scope="module")
 def trained(trained_char_run) -> GPT:
     """conftest's tiny char model trained for 150 steps: logits with real structure, so greedy tokens mean something."""
-    from core.checkpoint import Checkpoint
+    from engine.checkpoint import Checkpoint
     return Checkpoint.load(trained_char_run / "ckpt.pt").build_model().eval()
 
 
@@ -209,7 +209,7 @@ def test_bf16_weights_halve_the_bytes():
 
 @pytest.mark.slow  # a fresh interpreter: torchao's import-time output can only be seen once per process
 def test_importing_torchao_prints_nothing():
-    code = ("import torch; from core.generate import generate, quantize_int8; from model import GPT, GPTConfig; "
+    code = ("import torch; from engine.generate import generate, quantize_int8; from model import GPT, GPTConfig; "
             "m = quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "
             "print(generate(m, torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -22,7 +22,7 @@ import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
 from attention import ATTENTION, attention_problem
 from attention import decodes_with_mask
-from core.generate import Decoder, for_inference, generate
+from engine.generate import Decoder, for_inference, generate
 from model import GPT, GPTConfig, UserError
 
 pytestmark = [pytest.mark.gpu,

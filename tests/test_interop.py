@@ -15,10 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 import export_hf
 import sample
 import train
-from core.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
 from core.errors import UserError
-from interop.hf import from_pretrained
 from model import GPT, GPTConfig
 from data.textdata import write_meta
 from core.tokenizer import GPT2Tokenizer, tokenizer_from_meta
@@ -120,7 +119,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the
         with torch.no_grad():
             theirs = loaded.eval()(ids).logits
         torch.testing.assert_close(theirs, our_logits(ours, ids), rtol=0, atol=1e-5)
-    back = from_pretrained(str(hf_dir), pad_vocab=padded)
+    back = GPT.from_pretrained(str(hf_dir), dict(pad_vocab=padded))
     assert back.config.gelu == ours.config.gelu
     real = ours.config.vocab_size  # padded rows are not exported: they come back as zeros, still behind -inf
     for key, tensor in ours.state_dict().items():

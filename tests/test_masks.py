@@ -11,7 +11,7 @@ import attention
 import masks
 from conftest import runnable_on_cpu
 from benchmarks.bench_masks import block_fraction, mask_fraction
-from core.generate import Decoder
+from engine.generate import Decoder
 from model import GPT, GPTConfig, UserError
 
 EOT = 0  # a small vocabulary, so end-of-text also turns up among sampled tokens

@@ -7,8 +7,8 @@ import torch
 
 import masks
 
-from core.generate import generate
-from interop.hf import convert_hf_state_dict, from_pretrained
+from engine.generate import generate
+from interop.hf import convert_hf_state_dict
 from attention import ATTENTION, attention_problem, check_attention
 from benchmarks.compare import attention_names
 from conftest import runnable_on_cpu
@@ -113,7 +113,7 @@ def test_logits_equal_hf_gpt2_eager_and_sdpa(hf_gpt2, attn, pad_vocab):
     hf = hf_gpt2
     config = GPTConfig(**TINY, attn=attn, pad_vocab=pad_vocab, gelu="tanh")
     model = GPT(config).eval()
-    model.load_state_dict(convert_hf_state_dict(hf.state_dict(), config))
+    model.load_state_dict(convert_hf_state_dict(hf.state_dict(), config.vocab_size, config.padded_vocab_size))
     x, y = batch()
     with torch.no_grad():
         logits, _ = model(x, y)
@@ -131,7 +131,7 @@ def test_from_pretrained_reads_a_local_hf_directory(hf_gpt2, tmp_path, safe_seri
     x, _ = batch()
     expected = hf_logits(hf_gpt2, "eager", x)[:, -1]
     for pad_vocab in (False, True):
-        model = from_pretrained(str(tmp_path), attn="sdpa", pad_vocab=pad_vocab).eval()
+        model = GPT.from_pretrained(str(tmp_path), dict(attn="sdpa", pad_vocab=pad_vocab)).eval()
         with torch.no_grad():
             logits, _ = model(x)
         assert (logits[:, -1, :101] - expected).abs().max().item() <= 1e-4
@@ -139,7 +139,7 @@ def test_from_pretrained_reads_a_local_hf_directory(hf_gpt2, tmp_path, safe_seri
 
 def test_from_pretrained_without_weights_says_what_to_pass(tmp_path):
     with pytest.raises(UserError, match="config.json"):
-        from_pretrained(str(tmp_path))
+        GPT.from_pretrained(str(tmp_path))
 
 
 # -- vocab padding ---------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 from core import flops
 from core import gpu_peaks
-from core import parallel
+from engine import parallel
 from benchmarks import measure
 import bench
 from benchmarks import compare

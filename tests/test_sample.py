@@ -16,7 +16,7 @@ from benchmarks import compare
 from core import runtime
 import sample
 from conftest import checkpoint_of, runnable_on_cpu, strict_recompile_limit
-from core.generate import Decoder, Sampling, draw_samples
+from engine.generate import Decoder, Sampling, draw_samples
 from model import GPT, GPTConfig, UserError
 from core.tokenizer import CharTokenizer, GPT2Tokenizer
 

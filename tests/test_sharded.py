@@ -18,7 +18,7 @@ import export_hf
 import sample
 import train
 from conftest import REPO, SHARDED, TINY, TWO_RANKS, metrics, run_train
-from core.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint
 from core.errors import UserError
 
 

@@ -1,86 +1,34 @@
 """
 Sharded checkpoints (train.py's checkpoint_format='sharded'): torch.distributed.checkpoint (DCP) writes each rank's
 own part of the model and optimizer state, nothing is gathered on rank 0, and a checkpoint reshards when it is read
-(another world size, FSDP2 or DDP, or one process). Imported only by runs that write or read this format.
+(another world size, FSDP2 or DDP, or one process). This is the writer; reading a step is engine/checkpoint.py's,
+as every reading is.
 
     out_dir/step-000500/   one step: DCP's files, one per rank (__0_0.distcp, ...), and .metadata, which DCP writes
                            last and renames into place
     out_dir/latest         the name of the newest whole step folder, replaced (os.replace) only once a save is whole
 
 Only the folder `latest` names is ever read, so a save killed half-way leaves the previous step loadable. Besides
-the model ('model') and optimizer ('optimizer') state, DCP keeps the rest of core.checkpoint.Checkpoint ('train':
+the model ('model') and optimizer ('optimizer') state, DCP keeps the rest of engine.checkpoint.Checkpoint ('train':
 the step, every rank's RNG and the data generator, the settings, the config) as pickled objects of its own.
 """
 
-import re
 import shutil
 import threading
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict)
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from core import files
 from core import runtime
-from core.checkpoint import POINTER, sharded_folder
+from engine.checkpoint import POINTER, TRAIN, SingleFileSaver, is_whole, sharded_folder, step_folder, steps_in
 from core.errors import UserError
 from core.runtime import Runtime
 
-TRAIN = "train"  # the key of everything but the tensors of the model and optimizer
-# DCP says so at every save and load of a process without a process group, which is how one process works here
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def step_folder(out: Path, iter_num: int) -> Path:
-    return Path(out) / f"step-{iter_num:06d}"
-
-
-def steps_in(out: Path) -> dict[int, Path]:
-    """out_dir's step folders, whole or not, by step."""
-    found = {}
-    for path in Path(out).glob("step-*"):
-        if match := re.fullmatch(r"step-(\d+)", path.name):
-            found[int(match[1])] = path
-    return found
-
-
-def is_whole(folder: Path) -> bool:
-    """DCP renames .metadata into place after every rank's files are written: its presence means a whole save."""
-    return (folder / ".metadata").is_file()
-
-
-def read(folder: Path, parts: set[str]) -> dict:
-    """The named parts of a step ('model', 'optimizer'; TRAIN always) as a Checkpoint's fields, full tensors on the
-    CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
-    if not is_whole(folder):
-        raise UserError(f"{folder} is not a whole sharded checkpoint (no .metadata: its save never finished); "
-                        f"resume from the step {folder.parent / POINTER} names.")
-    state: dict = {}
-    try:
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(folder),
-                         planner=_EmptyStateDictLoadPlanner(keys=parts | {TRAIN}), no_dist=True)
-    except CheckpointException as e:  # DCP's, a BaseException: each rank's error with its traceback
-        error = next(iter(e.failures.values()))[0]
-        raise UserError(f"checkpoint {folder} cannot be read ({type(error).__name__}); it is corrupt or not a "
-                        f"checkpoint of this project - restore it or train again.") from None
-    return {**state.pop(TRAIN), **state}
-
-
-def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
-    """A step's weights read into the model as it is placed (each rank reads only what it holds: its FSDP2 shards,
-    or a whole replica) and its optimizer state shaped for set_optimizer_state_dict (returned: the caller keeps its
-    own peak learning rates). Collective under torchrun."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
-    dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(model, state["model"])
-    return state["optimizer"]
 
 
 def failure_text(error: CheckpointException, folder: Path) -> str:
@@ -170,3 +118,12 @@ class ShardedSaver:
         self.written.wait()
         if self.failure and self.rt.is_master:
             raise UserError(self.failure)
+
+
+def saver_for(checkpoint_format: str, out: Path, keep: int, use_async: bool, rt: Runtime):
+    """How train.py saves: engine.checkpoint.SingleFileSaver, or ShardedSaver (each rank its own shards, DCP)."""
+    if checkpoint_format == "single":
+        if use_async:
+            raise UserError("async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded.")
+        return SingleFileSaver(out, rt)
+    return ShardedSaver(out, keep, use_async, rt)
