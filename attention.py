@@ -19,7 +19,6 @@ run (check_attention, from GPT.set_attention); a kernel that still refuses a cal
 
 import functools
 import math
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field

@@ -5,9 +5,9 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
     model = GPT(GPTConfig(attn="flash", pad_vocab=True))
     logits, loss = model(idx, targets)
 
-The implementations themselves, and what decides whether one can run here, are in attention.py. Built on this
-file: generation over the static KV cache (generate.py: nanoGPT's `generate(model, idx, n)`, compiled decoding,
-int8) and GPT-2 weights from Hugging Face (hf.py: `from_pretrained("gpt2")`).
+The implementations themselves, and what decides whether one can run here, are in attention.py. The KV cache and
+the generation loop are at the end of this file (nanoGPT's `model.generate`); engine/generate.py compiles the loop's
+steps and quantizes weights.
 """
 
 import dataclasses
@@ -67,16 +67,13 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}.")
-        # the mask settings as one value, made here once: what the model hands to attention (not a field, so
-        # asdict(config), what checkpoints hold, stays plain)
+        # the mask settings as one value, made once (not a field: asdict(config), what checkpoints hold, stays plain)
         self.mask = masks.MaskSpec(self.doc_mask, self.window, self.eot_token)
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
-        """The one way a config is made, for a new model, a checkpoint, Hugging Face's GPT-2 and nanoGPT's files alike:
-        `shape`, what the weights fix (a script's settings, a checkpoint's model_config, a converted GPT2Config or
-        nanoGPT's model_args; keys that are not GPTConfig fields are ignored), then `run`, what this run chooses
-        whatever the weights were trained with (RUN_FIELDS: attention, its masks, dropout)."""
+        """The one way a config is made (scratch, a checkpoint, Hugging Face's or nanoGPT's files): `shape`, what the
+        weights fix (keys that are not fields are ignored), then `run`, what this run chooses (RUN_FIELDS)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{**{k: v for k, v in shape.items() if k in names},
                       **{k: v for k, v in run.items() if k in RUN_FIELDS}})
@@ -103,10 +100,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask=None, cache: Optional["KVCache"] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (B, T, C). Without a cache: causal attention over x itself (narrowed by `mask`, documents or a window
-        in the form the implementation takes). With one, k and v are also written to it at input_pos: T > 1 is a
-        prefill from position 0 (x is the whole context), T == 1 a decode step that reads the whole cache within
-        `mask`, a masks.Span."""
+        """x (B, T, C). Causal attention over x (narrowed by `mask`: documents or a window, in the implementation's
+        form); with a cache, k and v are also written at input_pos: T > 1 a prefill from 0, T == 1 a decode step
+        over the whole cache within `mask`, a masks.Span."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -169,7 +165,7 @@ class GPT(nn.Module):
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
-        self.cache: Optional["KVCache"] = None  # decode state (engine.generate.KVCache), made by setup_cache
+        self.cache: Optional["KVCache"] = None  # decode state (KVCache, below), made by setup_cache
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -185,18 +181,15 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; the position embedding is left out by default (the token embedding is tied to
-        lm_head, so it counts as compute)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        """Parameter count; by default without the position embedding (wte, tied to lm_head, counts as compute)."""
+        return sum(p.numel() for p in self.parameters()) - (self.transformer.wpe.weight.numel() if non_embedding else 0)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 input_pos: Optional[torch.Tensor] = None, all_positions: bool = False):
-        """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf.
-        With targets: (B, T, V) logits and the mean cross-entropy (targets of -1 are ignored).
-        Without: logits for the last position only, (B, 1, V), or for every position with all_positions.
-        With input_pos (T,), after setup_cache: idx's positions, whose keys and values are written to the KV
-        cache. A generation step is either a prefill (T tokens from position 0) or one token at any position."""
+        """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf. With targets: (B, T, V) logits and
+        the mean cross-entropy (targets of -1 are ignored). Without: the last position's, (B, 1, V), or every
+        position's with all_positions. With input_pos (T,), after setup_cache: idx's positions, written to the KV
+        cache: a prefill (T tokens from position 0) or one token at any position."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise UserError(f"cannot forward a sequence of {T} tokens: block_size is "
@@ -230,16 +223,12 @@ class GPT(nn.Module):
             cache.prefill(idx)
         return mask_for(self.attention.name, self.config.mask, idx)
 
-    # -- KV cache -----------------------------------------------------------------------------------------
-
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
-        """A KV cache of block_size positions for batch_size sequences, in `dtype` (that of the keys: the
-        weights', or autocast's): all the state decoding keeps (engine.generate.KVCache)."""
-        from engine.generate import KVCache  # generation's own state: training never makes one
+        """A KV cache (all the state decoding keeps) for batch_size sequences, in the keys' `dtype`."""
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
-    def clear_cache(self) -> None:
+    def clear_cache(self) -> None:  # and its buffers with it
         self.cache = None
 
     def cache_bytes(self) -> int:
@@ -256,13 +245,10 @@ class GPT(nn.Module):
     def set_attention(self, attn: str, training: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
                       check: bool = True) -> "GPT":
         """Read the same weights through another attention implementation, in place; returns the model. Checked
-        here for where the model is now (call it after .to(device)), in the mode it is in (self.training: gradients
-        and the config's dropout; or `training`) and in the dtype it computes in now (compute_dtype: autocast's
-        inside an autocast region; or `dtype`): one sentence naming what can run instead, not a kernel's failure
-        later. Every call is checked again for the facts it really has (attention.Attention), so a model used
-        otherwise than set is refused in the same words. check=False: the caller has asked attention_problem itself
-        (the measuring tools, row by row). attn='auto' times every implementation that runs here on this model's
-        shapes (batch 1, block_size) and keeps the fastest correct one (engine/attn_auto.py)."""
+        where the model is (after .to(device)), in its mode (or `training`) and the dtype it computes in now
+        (compute_dtype, or `dtype`): one sentence naming what can run instead. Every call is checked again for the
+        facts it has (attention.Attention). check=False: the caller asked attention_problem itself (the measuring
+        tools). attn='auto': the fastest correct one on this model's shapes, measured (engine/attn_auto.py)."""
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
         if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (engine/attn_auto.py)
@@ -308,8 +294,7 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> float:
-        """Training FLOPs (forward + backward) per token, PaLM appendix B: 6N for the matmuls with weights
-        plus 12·L·C·T for attention scores and their weighted sum."""
+        """Training FLOPs per token (PaLM appendix B): 6N for the weights' matmuls, 12·L·C·T for attention's."""
         cfg, T = self.config, seq_len or self.config.block_size
         return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * T
 
@@ -317,14 +302,12 @@ class GPT(nn.Module):
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak for the dtype in use."""
         return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
 
-    # -- nanoGPT's API: its signatures and meanings; the work is done elsewhere, imported when called -----------
-    # (lazily: engine.generate and interop.hf import this module, and training needs neither)
+    # -- nanoGPT's API: its signatures and meanings --------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, model_type: str, override_args: Optional[dict] = None) -> "GPT":
-        """GPT-2's weights: one of nanoGPT's names (gpt2, gpt2-medium, gpt2-large, gpt2-xl; from the Hugging Face
-        hub) or a local Hugging Face GPT-2 directory. override_args may set dropout, as nanoGPT's does, and also
-        attn, pad_vocab, doc_mask, window and eot_token."""
+        """GPT-2's weights: a nanoGPT name (gpt2 ... gpt2-xl, from the Hugging Face hub) or a local Hugging Face
+        directory. override_args may set dropout, as nanoGPT's does, and attn, pad_vocab and the masks."""
         from interop import hf  # Hugging Face's format: read only here
         overrides = dict(override_args or {})
         if set(overrides) - hf.OVERRIDES:
@@ -338,20 +321,130 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None) -> torch.Tensor:
-        """idx (B, T) with max_new_tokens tokens appended, each drawn with torch's global RNG from the softmax of
-        the last position's logits (the context cropped to block_size) over temperature, among the top_k likeliest
-        if given; temperature=0 is greedy. Over the KV cache (engine/generate.py). The model stays in the mode it is
-        in: call model.eval() first, as with nanoGPT, unless dropout is wanted."""
-        from engine.generate import generate
+        """idx (B, T) with max_new_tokens tokens appended, drawn with torch's global RNG from the last position's
+        softmax over temperature (0: greedy), among the top_k likeliest if given, over the KV cache (decode_tokens).
+        The model stays in its mode: call model.eval() first, as with nanoGPT, unless dropout is wanted."""
         had_cache = self.cache_bytes() > 0
         try:
-            return generate(self, idx, max_new_tokens, temperature, top_k)
+            return decode_tokens(self, idx, max_new_tokens, temperature, top_k)
         finally:
             if not had_cache:  # nanoGPT's generate leaves no state behind: free the cache it made, and its buffers
                 self.clear_cache()
 
     def estimate_mfu(self, fwdbwd_per_iter: float, dt: float, peak_flops: float = 312e12) -> float:
-        """nanoGPT's MFU: the fraction of an A100's bf16 peak, 312 TFLOP/s (or `peak_flops`), that a training
-        iteration of fwdbwd_per_iter sequences of block_size tokens, forward and backward, reaches in dt seconds.
-        model_flops_utilization is the project's own, against the peak measured for the device and dtype."""
+        """nanoGPT's MFU: the fraction of an A100's bf16 peak (312 TFLOP/s, or `peak_flops`) an iteration of
+        fwdbwd_per_iter sequences of block_size tokens reaches in dt s (this project's: model_flops_utilization)."""
         return self.model_flops_utilization(fwdbwd_per_iter * self.config.block_size / dt, peak_flops)
+
+
+# -----------------------------------------------------------------------------
+# decoding: the KV cache beside the layers, and the generation loop (engine/generate.py compiles its steps)
+
+class LayerCache(nn.Module):
+    """One layer's keys and values, (B, nh, block_size, hs) each, in buffers of their own (torch 2.13's CPU flex
+    template refuses a key tensor that starts inside another's storage)."""
+
+    def __init__(self, shape: tuple, device, dtype):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+
+class KVCache(nn.Module):
+    """Everything decoding keeps between steps: every layer's keys and values for positions [0, block_size), written
+    in place (fixed buffers: a decode step has one shape at every position, so it compiles once), how many positions
+    hold the text (`length`), and with documents where each row's current document starts."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
+        super().__init__()
+        self.mask, self.batch_size, self.dtype = config.mask, batch_size, dtype
+        shape = (batch_size, config.n_head, config.block_size, config.head_size)
+        self.layers = nn.ModuleList([LayerCache(shape, device, dtype) for _ in range(config.n_layer)])
+        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
+        self.register_buffer("doc_start", starts, persistent=False)
+        self.length = 0
+
+    def checked(self, T: int, input_pos: torch.Tensor) -> "KVCache":
+        """This cache, for a call of T tokens at input_pos (T,): a prefill starts at position 0 (checked eagerly
+        only: reading a position costs a sync, and compiled code was checked when it was traced)."""
+        if not torch.compiler.is_compiling() and T > 1 and input_pos[0].item() != 0:
+            raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
+        return self
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return its whole cache, (B, nh, block, hs) each."""
+        cache = self.layers[layer]
+        cache.k.index_copy_(2, input_pos, k.to(cache.k.dtype))
+        cache.v.index_copy_(2, input_pos, v.to(cache.v.dtype))
+        return cache.k, cache.v
+
+    def prefill(self, idx: torch.Tensor) -> None:
+        """A prompt idx (B, T) from position 0: where its rows' last documents start (0 without end-of-text)."""
+        if self.doc_start is not None:
+            pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+            self.doc_start.copy_(torch.where(idx == self.mask.eot_token, pos, 0).amax(dim=1))  # (B,)
+
+    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
+        """A decode step writes idx (B, 1) at input_pos (1,); it sees the cache positions
+        [max(document start, pos - window + 1), pos], and an end-of-text it writes opens a document."""
+        end = input_pos + 1  # (1,)
+        start = (end - self.mask.window).clamp(min=0) if self.mask.window else torch.zeros_like(end)  # (1,)
+        if self.doc_start is not None:
+            self.doc_start.copy_(torch.where(idx[:, 0] == self.mask.eot_token, input_pos, self.doc_start))  # (B,)
+            start = torch.maximum(start, self.doc_start)  # (B,): each row's own document
+        return masks.Span(start, end)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token id per row from logits (B, V) -> (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    probs = F.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> torch.Tensor:
+    """One generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)."""
+    logits, _ = model(idx, input_pos=input_pos)  # (B, 1, V)
+    return logits[:, -1]
+
+
+def decode_tokens(model: "GPT", idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None, use_cache: bool = True,
+                  prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy. Every row of the batch is its own
+    text. Over the model's KV cache in `dtype` (the keys', by default model.compute_dtype()), with the `prefill` and
+    `decode` steps given (eager here; engine.generate.Decoder passes compiled ones); use_cache=False: cache-free."""
+    block_size = model.config.block_size
+    cache = None
+    if use_cache:
+        dtype = dtype or model.compute_dtype()
+        if model.cache is None or model.cache.batch_size != idx.size(0) or model.cache.dtype != dtype:
+            model.setup_cache(idx.size(0), dtype)  # else reused: compiled steps keep reading the same buffers
+        cache = model.cache
+        cache.length = 0  # a new text: none of it is in the cache yet
+    token = None  # the token sampled last, (B, 1): a decode step's input
+    for _ in range(max_new_tokens):
+        context = idx[:, -block_size:]  # (B, <= block_size)
+        if cache is None:
+            logits = last_logits(model, context, None)
+        elif 0 < cache.length < block_size and cache.length == idx.size(1) - 1:  # one new token fits after them
+            logits = decode(model, token, torch.tensor([cache.length], device=idx.device))
+            cache.length += 1
+        else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
+            positions = torch.arange(context.size(1), device=idx.device)  # (T,)
+            step = prefill if context.size(1) > 1 else decode
+            # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
+            logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
+            cache.length = context.size(1)
+        token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
+        idx = torch.cat((idx, token), dim=1)
+    return idx

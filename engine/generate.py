@@ -19,97 +19,14 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn as nn
-from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
 from attention import decodes_with_mask
 from core.errors import UserError
-import masks
-from model import GPT, GPTConfig
+from model import GPT, decode_tokens, last_logits
 
 QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only
-
-
-class LayerCache(nn.Module):
-    """One layer's keys and values, (B, nh, block_size, hs) each: a buffer of its own, not a view into one for all
-    layers (torch 2.13's CPU flex template refuses a key tensor that starts inside another's storage)."""
-
-    def __init__(self, shape: tuple, device, dtype):
-        super().__init__()
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-
-class KVCache(nn.Module):
-    """Everything decoding keeps between steps, in one place: every layer's keys and values for positions
-    [0, block_size), written in place (fixed buffers, so a decode step has one shape at every position and compiles
-    once), how many positions hold the text (`length`, the generator's bookkeeping), and with documents where each
-    row's current document starts (its decode steps see keys from there on)."""
-
-    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
-        super().__init__()
-        self.mask, self.batch_size, self.dtype = config.mask, batch_size, dtype
-        shape = (batch_size, config.n_head, config.block_size, config.head_size)
-        self.layers = nn.ModuleList([LayerCache(shape, device, dtype) for _ in range(config.n_layer)])
-        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
-        self.register_buffer("doc_start", starts, persistent=False)
-        self.length = 0
-
-    def checked(self, T: int, input_pos: torch.Tensor) -> "KVCache":
-        """This cache, for a call of T tokens at input_pos (T,): a prefill starts at position 0."""
-        # compiled code was checked when it was traced; reading a position costs a sync, so eager only
-        if not torch.compiler.is_compiling() and T > 1 and input_pos[0].item() != 0:
-            raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
-        return self
-
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write layer's k, v (B, nh, T, hs) at positions input_pos (T,); return its whole cache, (B, nh, block, hs)
-        each."""
-        cache = self.layers[layer]
-        cache.k.index_copy_(2, input_pos, k.to(cache.k.dtype))
-        cache.v.index_copy_(2, input_pos, v.to(cache.v.dtype))
-        return cache.k, cache.v
-
-    def prefill(self, idx: torch.Tensor) -> None:
-        """A prompt idx (B, T) is written from position 0: where its rows' last documents start (0 without
-        end-of-text)."""
-        if self.doc_start is not None:
-            pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
-            self.doc_start.copy_(torch.where(idx == self.mask.eot_token, pos, 0).amax(dim=1))  # (B,)
-
-    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
-        """A decode step writes idx (B, 1) at input_pos (1,); it sees the cache positions
-        [max(document start, pos - window + 1), pos], and an end-of-text it writes opens a document."""
-        end = input_pos + 1  # (1,)
-        start = (end - self.mask.window).clamp(min=0) if self.mask.window else torch.zeros_like(end)  # (1,)
-        if self.doc_start is not None:
-            self.doc_start.copy_(torch.where(idx[:, 0] == self.mask.eot_token, input_pos, self.doc_start))  # (B,)
-            start = torch.maximum(start, self.doc_start)  # (B,): each row's own document
-        return masks.Span(start, end)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token id per row from logits (B, V) -> (B, 1)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    probs = F.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> torch.Tensor:
-    """One generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)."""
-    logits, _ = model(idx, input_pos=input_pos)  # (B, 1, V)
-    return logits[:, -1]
 
 
 Step = Callable[[GPT, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -172,41 +89,13 @@ class Decoder:
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  use_cache: bool = True) -> torch.Tensor:
-        """Append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy. Every row of the batch is
-        its own text (several prompts of one length, or num_samples copies of one)."""
-        model, block_size = self.model, self.model.config.block_size
-        cache = self._ensure_cache(idx.size(0)) if use_cache else None
-        if cache is not None:
-            cache.length = 0  # a new text: none of it is in the cache yet
-        token = None  # the token sampled last, (B, 1): a decode step's input
-        for _ in range(max_new_tokens):
-            context = idx[:, -block_size:]  # (B, <= block_size)
-            if cache is None:
-                logits = last_logits(model, context, None)
-            elif 0 < cache.length < block_size and cache.length == idx.size(1) - 1:  # one new token fits after them
-                logits = self.decode(model, token, torch.tensor([cache.length], device=idx.device))
-                cache.length += 1
-            else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
-                positions = torch.arange(context.size(1), device=idx.device)  # (T,)
-                step = self.prefill if context.size(1) > 1 else self.decode
-                # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
-                logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
-                cache.length = context.size(1)
-            token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
-            idx = torch.cat((idx, token), dim=1)
-        return idx
-
-    def _ensure_cache(self, batch_size: int):
-        """The model's cache, for this batch in the dtype the keys will have (autocast's, if on); an existing one is
-        reused, so compiled steps keep reading the same buffers."""
-        dtype = self.model.compute_dtype()
+        """model.decode_tokens with this Decoder's steps: append max_new_tokens sampled tokens to idx (B, T)."""
+        dtype = self.model.compute_dtype()  # the keys' (autocast's, if on)
         if self.compiled and dtype != self.dtype:
             raise ValueError(f"this Decoder compiled its steps for {self.dtype} and now decodes in {dtype}; "
                              f"pass Decoder(..., dtype={dtype})")
-        cache = self.model.cache
-        if cache is None or cache.batch_size != batch_size or cache.dtype != dtype:
-            self.model.setup_cache(batch_size, dtype)
-        return self.model.cache
+        return decode_tokens(self.model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
+                             self.prefill, self.decode, dtype)
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
