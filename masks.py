@@ -9,7 +9,7 @@ every layer:
     packed       the documents as varlen_attn's cu_seqlens (and the window as its window_size)
 
 A decode step sees one interval of the KV cache per row, a Span [start, end), made by the cache (KVCache.step in
-engine/generate.py, beside each row's document start) and passed to the kernel: flex's score mod
+decode.py, beside each row's document start) and passed to the kernel: flex's score mod
 reads it, a kernel that takes no mask reads the keys in it, the others take it as a dense row.
 
 Documents are separated by the dataset's end-of-text token. End-of-text opens the next document, as a

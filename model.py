@@ -5,9 +5,8 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
     model = GPT(GPTConfig(attn="flash", pad_vocab=True))
     logits, loss = model(idx, targets)
 
-The implementations themselves, and what decides whether one can run here, are in attention.py. The KV cache and
-the generation loop are at the end of this file (nanoGPT's `model.generate`); engine/generate.py compiles the loop's
-steps and quantizes weights.
+The implementations themselves, and what decides whether one can run here, are in attention.py; the KV cache and the
+generation loop behind nanoGPT's `model.generate` in decode.py; engine/generate.py compiles the loop's steps.
 """
 
 import dataclasses
@@ -165,7 +164,7 @@ class GPT(nn.Module):
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
-        self.cache: Optional["KVCache"] = None  # decode state (KVCache, below), made by setup_cache
+        self.cache: Optional["KVCache"] = None  # decode state (decode.KVCache), made by setup_cache
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -225,6 +224,7 @@ class GPT(nn.Module):
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
         """A KV cache (all the state decoding keeps) for batch_size sequences, in the keys' `dtype`."""
+        from decode import KVCache  # generation's own state: training never makes one
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
@@ -324,6 +324,7 @@ class GPT(nn.Module):
         """idx (B, T) with max_new_tokens tokens appended, drawn with torch's global RNG from the last position's
         softmax over temperature (0: greedy), among the top_k likeliest if given, over the KV cache (decode_tokens).
         The model stays in its mode: call model.eval() first, as with nanoGPT, unless dropout is wanted."""
+        from decode import decode_tokens  # the one generation loop, beside the KV cache
         had_cache = self.cache_bytes() > 0
         try:
             return decode_tokens(self, idx, max_new_tokens, temperature, top_k)
@@ -335,116 +336,3 @@ class GPT(nn.Module):
         """nanoGPT's MFU: the fraction of an A100's bf16 peak (312 TFLOP/s, or `peak_flops`) an iteration of
         fwdbwd_per_iter sequences of block_size tokens reaches in dt s (this project's: model_flops_utilization)."""
         return self.model_flops_utilization(fwdbwd_per_iter * self.config.block_size / dt, peak_flops)
-
-
-# -----------------------------------------------------------------------------
-# decoding: the KV cache beside the layers, and the generation loop (engine/generate.py compiles its steps)
-
-class LayerCache(nn.Module):
-    """One layer's keys and values, (B, nh, block_size, hs) each, in buffers of their own (torch 2.13's CPU flex
-    template refuses a key tensor that starts inside another's storage)."""
-
-    def __init__(self, shape: tuple, device, dtype):
-        super().__init__()
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-
-class KVCache(nn.Module):
-    """Everything decoding keeps between steps: every layer's keys and values for positions [0, block_size), written
-    in place (fixed buffers: a decode step has one shape at every position, so it compiles once), how many positions
-    hold the text (`length`), and with documents where each row's current document starts."""
-
-    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
-        super().__init__()
-        self.mask, self.batch_size, self.dtype = config.mask, batch_size, dtype
-        shape = (batch_size, config.n_head, config.block_size, config.head_size)
-        self.layers = nn.ModuleList([LayerCache(shape, device, dtype) for _ in range(config.n_layer)])
-        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
-        self.register_buffer("doc_start", starts, persistent=False)
-        self.length = 0
-
-    def checked(self, T: int, input_pos: torch.Tensor) -> "KVCache":
-        """This cache, for a call of T tokens at input_pos (T,): a prefill starts at position 0 (checked eagerly
-        only: reading a position costs a sync, and compiled code was checked when it was traced)."""
-        if not torch.compiler.is_compiling() and T > 1 and input_pos[0].item() != 0:
-            raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
-        return self
-
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return its whole cache, (B, nh, block, hs) each."""
-        cache = self.layers[layer]
-        cache.k.index_copy_(2, input_pos, k.to(cache.k.dtype))
-        cache.v.index_copy_(2, input_pos, v.to(cache.v.dtype))
-        return cache.k, cache.v
-
-    def prefill(self, idx: torch.Tensor) -> None:
-        """A prompt idx (B, T) from position 0: where its rows' last documents start (0 without end-of-text)."""
-        if self.doc_start is not None:
-            pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
-            self.doc_start.copy_(torch.where(idx == self.mask.eot_token, pos, 0).amax(dim=1))  # (B,)
-
-    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
-        """A decode step writes idx (B, 1) at input_pos (1,); it sees the cache positions
-        [max(document start, pos - window + 1), pos], and an end-of-text it writes opens a document."""
-        end = input_pos + 1  # (1,)
-        start = (end - self.mask.window).clamp(min=0) if self.mask.window else torch.zeros_like(end)  # (1,)
-        if self.doc_start is not None:
-            self.doc_start.copy_(torch.where(idx[:, 0] == self.mask.eot_token, input_pos, self.doc_start))  # (B,)
-            start = torch.maximum(start, self.doc_start)  # (B,): each row's own document
-        return masks.Span(start, end)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token id per row from logits (B, V) -> (B, 1)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    probs = F.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> torch.Tensor:
-    """One generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)."""
-    logits, _ = model(idx, input_pos=input_pos)  # (B, 1, V)
-    return logits[:, -1]
-
-
-def decode_tokens(model: "GPT", idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None, use_cache: bool = True,
-                  prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy. Every row of the batch is its own
-    text. Over the model's KV cache in `dtype` (the keys', by default model.compute_dtype()), with the `prefill` and
-    `decode` steps given (eager here; engine.generate.Decoder passes compiled ones); use_cache=False: cache-free."""
-    block_size = model.config.block_size
-    cache = None
-    if use_cache:
-        dtype = dtype or model.compute_dtype()
-        if model.cache is None or model.cache.batch_size != idx.size(0) or model.cache.dtype != dtype:
-            model.setup_cache(idx.size(0), dtype)  # else reused: compiled steps keep reading the same buffers
-        cache = model.cache
-        cache.length = 0  # a new text: none of it is in the cache yet
-    token = None  # the token sampled last, (B, 1): a decode step's input
-    for _ in range(max_new_tokens):
-        context = idx[:, -block_size:]  # (B, <= block_size)
-        if cache is None:
-            logits = last_logits(model, context, None)
-        elif 0 < cache.length < block_size and cache.length == idx.size(1) - 1:  # one new token fits after them
-            logits = decode(model, token, torch.tensor([cache.length], device=idx.device))
-            cache.length += 1
-        else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
-            positions = torch.arange(context.size(1), device=idx.device)  # (T,)
-            step = prefill if context.size(1) > 1 else decode
-            # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
-            logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
-            cache.length = context.size(1)
-        token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
-        idx = torch.cat((idx, token), dim=1)
-    return idx

@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from core import runtime
 from attention import decodes_with_mask
 from core.errors import UserError
-from model import GPT, decode_tokens, last_logits
+from decode import decode_tokens, last_logits
+from model import GPT
 
 QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only
 
