@@ -21,6 +21,7 @@ import torch
 from core import files
 from core import runtime
 from engine.checkpoint import Checkpoint
+from engine.reader import load_checkpoint
 from core.configurator import configure
 from core.errors import UserError
 from interop.hf import CONV1D_WEIGHTS
@@ -153,7 +154,7 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, {"temperature": "[0, inf)", "top_k": "[1, inf)"})
-    checkpoint = Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt")
+    checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
     target = export(checkpoint, Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), cfg.temperature, cfg.top_k)
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "
           f"pipeline('text-generation', model={str(target)!r}) loads it")

@@ -18,7 +18,8 @@ from typing import Optional
 from core import files
 from core import runtime
 from attention import ATTENTION
-from engine.checkpoint import Checkpoint, sharded_folder
+from engine.checkpoint import sharded_folder
+from engine.reader import load_checkpoint
 from core.configurator import configure, one_of
 from core.dataset import dataset_dir
 from core.errors import UserError
@@ -67,7 +68,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
     data = None
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
-        checkpoint = Checkpoint.load(path)
+        checkpoint = load_checkpoint(path)
         path = sharded_folder(path) or path  # what was read: ckpt.pt, or the newer sharded step
         model = checkpoint.build_model()
         tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")

@@ -3,8 +3,7 @@ Train a GPT on one CPU, one GPU, or many GPUs with DDP.
 
     python train.py config/train_shakespeare_char_cpu.py            # the CPU quickstart, a few minutes
     python train.py config/train_shakespeare_char.py --compile=False
-    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --attn=flash
-    # two nodes: torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 --master_port=29500 train.py ...
+    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --attn=flash  # more nodes: docs/training.md
 
 Every setting below can be set in a config file or overridden with --key=value.
 """
@@ -21,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from core import flops
 from core import files
 from core import runtime
-from engine.checkpoint import FULL_STATE, Checkpoint, claim_out_dir, restore_rng, rng_state
+from engine.checkpoint import FULL_STATE, Checkpoint, restore_rng, rng_state, sharded_folder
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
@@ -112,10 +111,9 @@ LIMITS = {
 
 
 def lr_multiplier(it: int, cfg: Settings) -> float:
-    """The schedule, as a fraction of each parameter group's peak rate: linear warmup for warmup_iters, cosine decay
-    to min_lr / learning_rate until lr_decay_iters, then that floor. With early_decay_iters the cosine comes in two
-    stages: down to early_decay_to by early_decay_iters (an early anneal: the loss a short run would reach, reached
-    early), then on down to the floor."""
+    """The schedule, as a fraction of each group's peak rate: linear warmup for warmup_iters, cosine decay to
+    min_lr / learning_rate until lr_decay_iters, then that floor. With early_decay_iters the cosine comes in two
+    stages: to early_decay_to by early_decay_iters (the loss a short run would reach, reached early), then on."""
     floor = cfg.min_lr / cfg.learning_rate
     if not cfg.decay_lr:
         return 1.0
@@ -187,8 +185,7 @@ def load_optimizer_state(model: GPT, optimizers: list, state: dict, options: Sta
         group["initial_lr"] = peak
 
 
-def set_learning_rates(optimizers: list, multiplier: float) -> None:
-    """One schedule for every optimizer: each group's rate is its own peak times the multiplier."""
+def set_learning_rates(optimizers: list, multiplier: float) -> None:  # each group's own peak x the schedule
     for group in (g for optimizer in optimizers for g in optimizer.param_groups):
         group["lr"] = group["initial_lr"] * multiplier
 
@@ -214,9 +211,8 @@ def gradient_sync(model: torch.nn.Module, sync: bool):
 
 @torch.no_grad()
 def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
-    """Mean loss over eval_iters batches per split, the same batches at every evaluation (a fixed seed),
-    different ones per rank, averaged over ranks: {"train/eval_loss": ..., "val/loss": ...}, or val alone when
-    eval_train is off."""
+    """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), averaged over
+    ranks: {"train/eval_loss": ..., "val/loss": ...}, or val alone when eval_train is off."""
     model.eval()
     out = {}
     for split in ("train", "val") if cfg.eval_train else ("val",):
@@ -236,8 +232,7 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
 
 @dataclasses.dataclass
 class Trainer:
-    """What the loop works with: the settings, where it runs, the model (raw and wrapped), its optimizers and
-    data, the log, and where training stands."""
+    """What the loop works with: settings, runtime, model (raw and wrapped), optimizers, data, log, progress."""
     cfg: Settings
     rt: Runtime
     raw_model: GPT
@@ -313,9 +308,8 @@ def tokens_per_iter(cfg: Settings) -> int:
 
 
 def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool]:
-    """The settings, this process's rank and its runtime, and whether this run resumes (decided here, once), with
-    everything checked that needs no data or model: the parallel layout, and (unless only evaluating) that out_dir
-    can be written and holds no other run."""
+    """The settings, the runtime and whether this run resumes (decided once), with everything checked that needs no
+    data or model: the parallel layout, and (unless only evaluating) out_dir (claim_out_dir)."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     resuming = cfg.init_from == "resume"
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
@@ -326,11 +320,23 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool]:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                         f"the {rt.world_size} ranks; make it a multiple of the world size.")
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
-        def writable_and_ours() -> None:
-            files.check_writable_dir(Path(cfg.out_dir))
-            claim_out_dir(Path(cfg.out_dir), resuming=resuming, overwrite=cfg.overwrite)
-        runtime.on_master(writable_and_ours, rt.device)
+        runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite), rt.device)
     return cfg, rt, resuming
+
+
+def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
+    """out_dir can be written, and a new run takes no other run's out_dir unless --overwrite=True (the old
+    metrics.jsonl goes now, the old checkpoint at the first save)."""
+    files.check_writable_dir(out)
+    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
+    saved = ckpt.exists() or sharded_folder(ckpt) is not None
+    if overwrite and not resuming:
+        log.unlink(missing_ok=True)
+    elif (saved or log.exists()) and not resuming:
+        from engine.reader import describe_checkpoint  # only where another run left one
+        what = f"another run's checkpoint ({describe_checkpoint(ckpt)})" if saved else "another run's metrics.jsonl"
+        raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
+                        f"or replace it with --overwrite=True.")
 
 
 def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
@@ -350,7 +356,6 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
             out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
                 float(timer.total >= cfg.max_seconds), rt.device) > 0
             done = trainer.iter_num >= cfg.max_iters or out_of_time
-            # a resumed run was evaluated and saved at its first step before it stopped: no need to repeat it
             due = trainer.iter_num % cfg.eval_interval == 0 or done
             if due and trainer.iter_num != resumed_at:
                 timer.pause()
@@ -374,11 +379,11 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
 
 
 def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
-    """Where a resumed run stood, in one place: its step, best val loss, optimizer state and RNG streams (the weights
-    are in the model already, unless sharded: then each rank reads its own part now). Returns the step it resumes at."""
+    """Where a resumed run stood, in one place: step, best val loss, optimizer state, RNG streams (the weights are in
+    the model already; sharded: each rank reads its own part now). Returns the step it resumes at."""
     state, options = checkpoint.optimizer, FULL_STATE
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part into the model as it is placed
-        from engine.checkpoint import load_into
+        from engine.reader import load_into
         state, options = load_into(trainer.raw_model, trainer.optimizers, Path(checkpoint.shards)), StateDictOptions()
     load_optimizer_state(trainer.raw_model, trainer.optimizers, state, options)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
@@ -391,15 +396,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg, rt, resuming = start(argv)
     from engine.sharded import saver_for  # the writer of either format (DCP's beside ckpt.pt's)
     saver = saver_for(cfg.checkpoint_format, Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
-    # data
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     meta = files.read_meta(data_dir)
 
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
-    checkpoint = (Checkpoint.load(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
-                  if resuming else None)
+    checkpoint = None
+    if resuming:
+        from engine.reader import load_checkpoint  # only a resume reads a checkpoint
+        checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)

@@ -5,7 +5,7 @@ nanoGPT's checkpoints, read as this project's: an out_dir written by karpathy/na
 nanoGPT's ckpt.pt holds `model` (a state dict, with `_orig_mod.` prefixes when the run was compiled, and with
 older versions a causal-mask buffer `attn.bias` per block), `optimizer` (AdamW's own state dict, parameters by
 number), `model_args`, `iter_num`, `best_val_loss` and `config`. Its character vocabularies live in a pickle,
-`meta.pkl`, which is read here without running any code. Checkpoint.load calls `from_nanogpt`.
+`meta.pkl`, which is read here without running any code. engine/reader.py's load_checkpoint calls `from_nanogpt`.
 """
 
 import dataclasses

@@ -17,7 +17,7 @@ from core import errors
 from core import dataset
 import sample
 import train
-from engine.checkpoint import Checkpoint
+from engine.reader import load_checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
 from model import GPT, GPTConfig, UserError
 
@@ -85,7 +85,7 @@ def test_overwrite_starts_the_out_dir_afresh(trained, char_data):
     train_tiny(f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3", "--overwrite=True",
                f"--out_dir={trained}")
     assert sorted(metrics(trained, "train/loss")) == [1, 2, 3]  # this run's lines only
-    assert Checkpoint.load(trained / "ckpt.pt").iter_num == 3
+    assert load_checkpoint(trained / "ckpt.pt").iter_num == 3
 
 
 def test_a_mistyped_data_dir_is_refused_and_the_custom_corpus_in_the_default_folder_survives(
@@ -128,7 +128,7 @@ def test_an_empty_default_folder_of_an_embedded_dataset_is_prepared_there_by_its
         "(out / 'meta.json').write_text(json.dumps({'tokenizer': 'char', 'vocab_size': 7, 'chars': list('abcdefg')}))\n")
     monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
     train_tiny("--dataset=shakespeare_char", "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path / 'out'}")
-    assert Checkpoint.load(tmp_path / "out" / "ckpt.pt").meta["chars"] == list("abcdefg")
+    assert load_checkpoint(tmp_path / "out" / "ckpt.pt").meta["chars"] == list("abcdefg")
 
 
 @pytest.mark.slow  # the packaged script, in its own interpreter, reads every play
@@ -152,7 +152,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",
                    f"--out_dir={trained}")
     assert (trained / "ckpt.pt").read_bytes() == before
-    assert Checkpoint.load(trained / "ckpt.pt", for_training=True).iter_num == 2
+    assert load_checkpoint(trained / "ckpt.pt", for_training=True).iter_num == 2
     assert not os.path.lexists(trained / "ckpt.pt.tmp")
 
 
@@ -316,7 +316,7 @@ def test_a_bare_state_dict_is_named_as_such(tiny_model, char_data, tmp_path):
 
 def test_a_weights_only_checkpoint_samples_but_does_not_resume(tiny_model, char_data, tmp_path):
     checkpoint_of(tiny_model).save(tmp_path / "ckpt.pt")
-    assert Checkpoint.load(tmp_path / "ckpt.pt").model_config["n_layer"] == 1
+    assert load_checkpoint(tmp_path / "ckpt.pt").model_config["n_layer"] == 1
     with pytest.raises(UserError, match="has no optimizer, rng; it is not a resumable"):
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={tmp_path}")
 
@@ -327,12 +327,12 @@ def test_a_checkpoint_from_before_the_version_field_is_upgraded_and_a_newer_form
     assert contents["version"] == 2
     del contents["version"]  # as every file written before the field was
     torch.save(contents, tmp_path / "old.pt")
-    old = Checkpoint.load(tmp_path / "old.pt")
+    old = load_checkpoint(tmp_path / "old.pt")
     assert old.version == 2 and old.iter_num == 5
     assert all(torch.equal(old.model[k], v) for k, v in tiny_model.state_dict().items())
     torch.save({**contents, "version": 3}, tmp_path / "new.pt")
     with pytest.raises(UserError, match="new.pt is checkpoint format 3, newer than this code reads \\(2\\)"):
-        Checkpoint.load(tmp_path / "new.pt")
+        load_checkpoint(tmp_path / "new.pt")
 
 
 def test_bench_and_sample_check_where_they_write_before_any_work(tmp_path):

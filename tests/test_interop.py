@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 import export_hf
 import sample
 import train
-from engine.checkpoint import Checkpoint
+from engine.reader import load_checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
 from core.errors import UserError
 from model import GPT, GPTConfig
@@ -112,7 +112,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the
                         gelu="none" if kind == "char" else "tanh")
     hf_dir = tmp_path / "hf"
     assert export_hf.main([f"--out_dir={out}", f"--hf_dir={hf_dir}"]) == 0
-    ours = Checkpoint.load(out / "ckpt.pt").build_model().eval()
+    ours = load_checkpoint(out / "ckpt.pt").build_model().eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
     for loaded in (GPT2LMHeadModel.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir)):
         assert loaded.config.vocab_size == ours.config.vocab_size  # the padding is undone
@@ -128,7 +128,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the
 
 
 def test_sampling_a_character_export_by_directory_is_refused_rather_than_decoded_as_bpe(char_data, trained, tmp_path):
-    hf_dir = export_hf.export(Checkpoint.load(trained(char_data) / "ckpt.pt"), tmp_path / "hf")
+    hf_dir = export_hf.export(load_checkpoint(trained(char_data) / "ckpt.pt"), tmp_path / "hf")
     with pytest.raises(UserError, match="vocabulary, not GPT-2's; sample.py reads Hugging Face directories with GPT-2"):
         sample.main([f"--init_from={hf_dir}", "--device=cpu"])
 
@@ -137,7 +137,7 @@ def test_sampling_a_character_export_by_directory_is_refused_rather_than_decoded
 def test_pipeline_greedy_text_equals_sample_py_greedy_text(kind, prompt, char_data, bpe_data, trained, tmp_path):
     # char: a train.py run's out_dir, exported as a user exports it; bpe: the same for a fresh model
     out = trained(char_data) if kind == "char" else fresh_out_dir(tmp_path / "run", bpe_data)
-    hf_dir = export_hf.export(Checkpoint.load(out / "ckpt.pt"), tmp_path / "hf")
+    hf_dir = export_hf.export(load_checkpoint(out / "ckpt.pt"), tmp_path / "hf")
     sample.main([f"--out_dir={out}", f"--start={prompt}", "--temperature=0", "--max_new_tokens=12",
                  "--num_samples=1", "--device=cpu", "--dtype=float32", f"--json={tmp_path / 'sample.json'}"])
     ours = json.loads((tmp_path / "sample.json").read_text())["texts"][0]
@@ -161,8 +161,8 @@ def test_the_exported_tokenizer_encodes_and_decodes_as_this_repos(kind, char_dat
 
 def test_a_model_without_biases_exports_with_zero_biases_and_the_same_logits(char_data, trained, tmp_path):
     out = trained(char_data, "--bias=False")  # nanoGPT's default
-    hf_dir = export_hf.export(Checkpoint.load(out / "ckpt.pt"), tmp_path / "hf")
-    ours = Checkpoint.load(out / "ckpt.pt").build_model().eval()
+    hf_dir = export_hf.export(load_checkpoint(out / "ckpt.pt"), tmp_path / "hf")
+    ours = load_checkpoint(out / "ckpt.pt").build_model().eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
     with torch.no_grad():
         theirs = GPT2LMHeadModel.from_pretrained(hf_dir).eval()(ids).logits
@@ -171,11 +171,11 @@ def test_a_model_without_biases_exports_with_zero_biases_and_the_same_logits(cha
 
 def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, trained, tmp_path):
     out = trained(char_data)
-    checkpoint = Checkpoint.load(out / "ckpt.pt")
+    checkpoint = load_checkpoint(out / "ckpt.pt")
     checkpoint.meta = {"tokenizer": "sentencepiece", "vocab_size": checkpoint.meta["vocab_size"]}
     with pytest.raises(UserError, match=r"names tokenizer 'sentencepiece'; only GPT-2 BPE and character "):
         export_hf.export(checkpoint, tmp_path / "hf")
-    checkpoint = Checkpoint.load(out / "ckpt.pt")
+    checkpoint = load_checkpoint(out / "ckpt.pt")
     checkpoint.model_config["window"] = 8
     with pytest.raises(UserError, match=r"attends through a window of 8 tokens, which Hugging Face's GPT-2 cannot"):
         export_hf.export(checkpoint, tmp_path / "hf")
@@ -258,7 +258,7 @@ def hf_reference(state: dict, vocab_size: int, activation: str) -> GPT2LMHeadMod
 def test_a_nanogpt_checkpoint_computes_nanogpts_logits(char_data, tmp_path):
     chars = chars_of(char_data)
     folder, raw = nanogpt_out_dir(tmp_path / "nano", chars)
-    ours = Checkpoint.load(folder / "ckpt.pt").build_model().eval()
+    ours = load_checkpoint(folder / "ckpt.pt").build_model().eval()
     ids = torch.randint(0, len(chars), (2, 32))
     with torch.no_grad():
         exact = hf_reference(raw["model"], len(chars), "gelu")(ids).logits
@@ -269,7 +269,7 @@ def test_a_nanogpt_checkpoint_computes_nanogpts_logits(char_data, tmp_path):
 
 def test_nanogpts_padded_gpt2_vocabulary_reads_as_the_real_one_padded(tmp_path):
     folder, raw = nanogpt_out_dir(tmp_path / "nano", None, vocab_size=50304)  # nanoGPT's GPT-2 default
-    checkpoint = Checkpoint.load(folder / "ckpt.pt")
+    checkpoint = load_checkpoint(folder / "ckpt.pt")
     ours = checkpoint.build_model().eval()
     assert checkpoint.meta["tokenizer"] == "gpt2" and (ours.config.vocab_size, ours.config.padded_vocab_size) == (
         50257, 50304)
@@ -282,7 +282,7 @@ def test_nanogpts_padded_gpt2_vocabulary_reads_as_the_real_one_padded(tmp_path):
 def test_a_nanogpt_out_dir_resumes_with_its_optimizer_state_and_keeps_the_original(char_data, tmp_path):
     folder, raw = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
     original = (folder / "ckpt.pt").read_bytes()
-    converted = Checkpoint.load(folder / "ckpt.pt", for_training=True)
+    converted = load_checkpoint(folder / "ckpt.pt", for_training=True)
     assert converted.iter_num == 7 and converted.best_val_loss == 2.5
     by_number = raw["optimizer"]["state"]
     assert torch.equal(converted.optimizer["state"]["transformer.wte.weight"]["exp_avg"], by_number[0]["exp_avg"])
@@ -291,7 +291,7 @@ def test_a_nanogpt_out_dir_resumes_with_its_optimizer_state_and_keeps_the_origin
     train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}", "--max_iters=10",
                        "--eval_interval=10", "--always_save_checkpoint=True"])
     assert sorted(metrics(folder, "train/loss")) == [8, 9, 10]  # continued from nanoGPT's iteration 7
-    assert Checkpoint.load(folder / "ckpt.pt", for_training=True).iter_num == 10
+    assert load_checkpoint(folder / "ckpt.pt", for_training=True).iter_num == 10
     assert (folder / "ckpt.nanogpt.pt").read_bytes() == original
 
 
@@ -322,7 +322,7 @@ def test_a_meta_pkl_of_other_plain_types_is_refused(char_data, tmp_path):
     folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
     (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 3, "itos": {0: 1.5}}))
     with pytest.raises(UserError, match="holds types other than dicts, lists, strings and ints"):
-        Checkpoint.load(folder / "ckpt.pt")
+        load_checkpoint(folder / "ckpt.pt")
 
 
 def test_a_nanogpt_character_model_without_its_meta_pkl_names_the_file_to_copy(char_data, tmp_path):
@@ -355,14 +355,14 @@ def test_a_nanogpt_run_resumes_from_its_out_dir_and_its_data_folder(char_data, t
     train.main(TINY + [f"--data_dir={data}", "--init_from=resume", f"--out_dir={out}", "--max_iters=9",
                        "--eval_interval=9"])
     assert sorted(metrics(out, "train/loss")) == [8, 9]
-    assert Checkpoint.load(out / "ckpt.pt").meta == {"tokenizer": "char", "vocab_size": len(chars_of(char_data)),
+    assert load_checkpoint(out / "ckpt.pt").meta == {"tokenizer": "char", "vocab_size": len(chars_of(char_data)),
                                                      "chars": chars_of(char_data)}
 
 
 def test_a_new_run_on_a_nanogpt_data_folder_takes_its_vocabulary_and_samples_with_it(char_data, trained, tmp_path):
     data = nanogpt_data_dir(tmp_path / "data", char_data)
     out = trained(data)
-    checkpoint = Checkpoint.load(out / "ckpt.pt")
+    checkpoint = load_checkpoint(out / "ckpt.pt")
     assert checkpoint.model_config["vocab_size"] == len(chars_of(char_data))  # not GPT-2's 50257
     assert checkpoint.meta["chars"] == chars_of(char_data)
     sample.main([f"--out_dir={out}", "--start=To be", "--max_new_tokens=5", "--num_samples=1", "--device=cpu",

@@ -18,7 +18,7 @@ import export_hf
 import sample
 import train
 from conftest import REPO, SHARDED, TINY, TWO_RANKS, metrics, run_train
-from engine.checkpoint import Checkpoint
+from engine.reader import load_checkpoint
 from core.errors import UserError
 
 
@@ -58,13 +58,13 @@ def test_a_sharded_run_keeps_the_newest_steps_and_resumes_exactly(char_data, tmp
 def test_readers_read_a_sharded_checkpoint_as_the_single_file_of_the_same_run(char_data, tmp_path, straight, capsys):
     out = tmp_path / "out"  # the folder docs/training.md's conversion names
     tiny(char_data, out, "--max_iters=6", *SHARDED)
-    single, sharded = Checkpoint.load(straight / "ckpt.pt"), Checkpoint.load(out / "ckpt.pt")
+    single, sharded = load_checkpoint(straight / "ckpt.pt"), load_checkpoint(out / "ckpt.pt")
     assert sharded.iter_num == single.iter_num == 6 and sharded.model_config == single.model_config
     assert sharded.model.keys() == single.model.keys()
     assert all(torch.equal(sharded.model[k], single.model[k]) for k in single.model)
-    for_training = Checkpoint.load(out / "ckpt.pt", for_training=True)  # its tensors stay put: read in place
+    for_training = load_checkpoint(out / "ckpt.pt", for_training=True)  # its tensors stay put: read in place
     assert for_training.model is None and for_training.shards == str(out / "step-000006")
-    assert Checkpoint.load(out / "step-000004").iter_num == 4  # a step folder named directly
+    assert load_checkpoint(out / "step-000004").iter_num == 4  # a step folder named directly
 
     capsys.readouterr()
     assert sample.main([f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=10",
@@ -87,7 +87,7 @@ def test_readers_read_a_sharded_checkpoint_as_the_single_file_of_the_same_run(ch
     conversion = re.search(r"`(python -c [^`]+)`", docs_line)[1]  # as written there, run beside out/
     program, *args = shlex.split(conversion)  # this interpreter for `python`, as the README's tests run theirs
     subprocess.run([sys.executable, *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
-    converted = Checkpoint.load(out / "single.pt")
+    converted = load_checkpoint(out / "single.pt")
     assert converted.iter_num == 6 and all(torch.equal(converted.model[k], single.model[k]) for k in single.model)
     assert converted.optimizer is None  # the weights and settings: the optimizer state stays in the shards
 
@@ -96,9 +96,9 @@ def test_switching_format_on_resume_reads_the_newer_checkpoint(char_data, tmp_pa
     out = tmp_path / "run"
     tiny(char_data, out, "--max_iters=2")  # ckpt.pt at step 2
     tiny(char_data, out, "--max_iters=4", "--init_from=resume", *SHARDED)  # read ckpt.pt, wrote step-000004
-    assert Checkpoint.load(out / "ckpt.pt").iter_num == 4  # the pointer is newer than ckpt.pt
+    assert load_checkpoint(out / "ckpt.pt").iter_num == 4  # the pointer is newer than ckpt.pt
     tiny(char_data, out, "--max_iters=6", "--init_from=resume")  # and back: ckpt.pt at 6 is the newer
-    assert Checkpoint.load(out / "ckpt.pt").iter_num == 6
+    assert load_checkpoint(out / "ckpt.pt").iter_num == 6
     assert [losses(out)[i] for i in range(1, 7)] == [losses(straight)[i] for i in range(1, 7)]
 
 
@@ -108,9 +108,9 @@ def test_a_half_written_step_is_never_read_and_goes_at_the_next_save(char_data, 
     half = out / "step-000010"
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"half a shard")  # no .metadata: its save never finished
-    assert Checkpoint.load(out / "ckpt.pt").iter_num == 4
+    assert load_checkpoint(out / "ckpt.pt").iter_num == 4
     with pytest.raises(UserError, match="step-000010 is not a whole sharded checkpoint"):
-        Checkpoint.load(half)
+        load_checkpoint(half)
     tiny(char_data, out, "--max_iters=6", "--init_from=resume", *SHARDED)
     assert steps(out) == ["step-000004", "step-000006"]
     assert [losses(out)[i] for i in (5, 6)] == [losses(straight)[i] for i in (5, 6)]
@@ -125,9 +125,9 @@ def test_another_runs_sharded_checkpoint_is_protected_until_overwrite(char_data,
     assert str(refused.value) == (f"{out} already holds another run's checkpoint (iter 4, val loss {val:.4g}); "
                                   f"continue it with --init_from=resume, pass another --out_dir=, or replace it "
                                   f"with --overwrite=True.")
-    assert steps(out) == ["step-000002", "step-000004"] and Checkpoint.load(out / "ckpt.pt").iter_num == 4
+    assert steps(out) == ["step-000002", "step-000004"] and load_checkpoint(out / "ckpt.pt").iter_num == 4
     tiny(char_data, out, "--max_iters=2", "--overwrite=True", *SHARDED)  # replaces step 2, then drops step 4
-    assert steps(out) == ["step-000002"] and Checkpoint.load(out / "ckpt.pt").iter_num == 2
+    assert steps(out) == ["step-000002"] and load_checkpoint(out / "ckpt.pt").iter_num == 2
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -144,7 +144,7 @@ def test_a_full_disk_loses_no_step(char_data, tmp_path, monkeypatch, async_save)
     with pytest.raises(UserError, match=r"could not write the checkpoint .*step-000004 \(rank 0: No space left on "
                                         r"device\); the previous one .* is kept"):
         tiny(char_data, out, "--max_iters=4", "--init_from=resume", f"--async_save={async_save}", *SHARDED)
-    assert (out / "latest").read_text() == "step-000002" and Checkpoint.load(out / "ckpt.pt").iter_num == 2
+    assert (out / "latest").read_text() == "step-000002" and load_checkpoint(out / "ckpt.pt").iter_num == 2
 
 
 # A run killed (SIGKILL, as the OOM killer or a scheduler does) while its step-4 shards are half written.
@@ -184,7 +184,7 @@ def test_kill_9_during_a_save_keeps_the_previous_step_and_the_resume_exact(char_
                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert (out / "latest").read_text() == "step-000002" and not (out / "step-000004" / ".metadata").exists()
-    assert Checkpoint.load(out / "ckpt.pt", for_training=True).iter_num == 2
+    assert load_checkpoint(out / "ckpt.pt", for_training=True).iter_num == 2
     run_train(args + ["--max_iters=6", "--init_from=resume"])  # launched as the killed run was
     assert [losses(out)[i] for i in range(3, 7)] == [losses(straight_launched)[i] for i in range(3, 7)]
     assert steps(out) == ["step-000004", "step-000006"]

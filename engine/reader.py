@@ -1,0 +1,126 @@
+"""
+Reading checkpoints: the one path every reader takes (a resume, sample.py, export_hf.py, the docs' conversion), for
+every format - ckpt.pt, a sharded step folder written by engine/sharded.py (read through DCP), nanoGPT's ckpt.pt and
+this project's older files, which become the current format in upgrade(). A run that only writes never imports it.
+
+    model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
+"""
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from core.errors import UserError
+from engine.checkpoint import FORMAT_VERSION, POINTER, TRAIN, Checkpoint, is_whole, sharded_folder
+
+TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
+
+
+def describe_checkpoint(path: Path) -> str:
+    """A few words on the run a checkpoint holds ('iter 3000, val loss 1.600'), read without loading its tensors;
+    'an unreadable checkpoint' when it cannot be read."""
+    try:
+        contents = read(path, sharded_folder(path), parts=set(), mmap=True)
+        return f"iter {int(contents['iter_num'])}, val loss {float(contents['best_val_loss']):.4g}"
+    except Exception:
+        return "an unreadable checkpoint"
+
+
+def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | None = None) -> Checkpoint:
+    """The checkpoint at `path` (ckpt.pt, or out_dir's newer sharded one; a step folder named directly), on the CPU,
+    or one sentence on why it cannot be read. `for_training`: it must also hold the optimizer and RNG state that
+    resuming needs. `data_dir`: the training data, where a nanoGPT checkpoint's vocabulary (meta.pkl) is looked for
+    first."""
+    path = Path(path)
+    shards = sharded_folder(path)
+    if not path.is_file() and shards is None:
+        raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
+    try:  # a sharded one for training: each rank reads its tensors in place later (train.restore)
+        contents = read(path, shards, parts=set() if for_training else {"model"}, mmap=False)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
+                        f"checkpoint of this project - restore it or train again.") from None
+    if not isinstance(contents, dict):
+        raise UserError(f"{path} holds a {type(contents).__name__}, not a checkpoint written by train.py.")
+    if contents and all(torch.is_tensor(v) for v in contents.values()):
+        raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
+                        f"with 'model' and 'model_config', as train.py writes them.")
+    # nanoGPT's files carry no RNG state: a resumed run starts fresh streams
+    training_state = ("optimizer",) if is_nanogpt(contents) else TRAINING_STATE
+    contents = upgrade(contents, path, for_training, data_dir)
+    required = ("model_config",) if shards and for_training else (
+        ("model", "model_config") + (training_state if for_training else ()))
+    missing = [k for k in required if contents.get(k) is None]
+    if missing:
+        raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
+                        f"checkpoint written by train.py.")
+    known = {f.name for f in dataclasses.fields(Checkpoint)}
+    return Checkpoint(**{"model": None, **{k: v for k, v in contents.items() if k in known}},
+                      shards=str(shards) if shards and for_training else None)
+
+
+def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:
+    """A checkpoint's contents on the CPU: ckpt.pt's, or a sharded step's TRAIN part and `parts` ('model')."""
+    if shards is None:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    return read_step(shards, parts)
+
+
+def is_nanogpt(contents: dict) -> bool:
+    """nanoGPT's ckpt.pt: its shape under model_args, where this project's files have model_config."""
+    return "model_args" in contents and "model_config" not in contents
+
+
+def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | None) -> dict:
+    """The one place older files become the current format: nanoGPT's layout (nanogpt.py: only a run that resumes
+    converts its optimizer state, and keeps nanoGPT's file, which its first save replaces, as ckpt.nanogpt.pt) and
+    this project's files from before the version field (version 1: the same fields). A file from a newer version of
+    this project is refused."""
+    if is_nanogpt(contents):
+        from interop import nanogpt  # the conversion is read only for nanoGPT's files
+        contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
+    version = contents.get("version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise UserError(f"{path} is checkpoint format {version}, newer than this code reads ({FORMAT_VERSION}); "
+                        f"update this repository to read it.")
+    return {**contents, "version": FORMAT_VERSION}
+
+
+# -----------------------------------------------------------------------------
+# a sharded step, as DCP wrote it
+
+def read_step(folder: Path, parts: set[str]) -> dict:
+    """The named parts of a step ('model', 'optimizer'; TRAIN always) as a Checkpoint's fields, full tensors on the
+    CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
+    if not is_whole(folder):
+        raise UserError(f"{folder} is not a whole sharded checkpoint (no .metadata: its save never finished); "
+                        f"resume from the step {folder.parent / POINTER} names.")
+    import torch.distributed.checkpoint as dcp  # DCP: only a sharded checkpoint reads its files
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state: dict = {}
+    try:
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(folder),
+                         planner=_EmptyStateDictLoadPlanner(keys=parts | {TRAIN}), no_dist=True)
+    except CheckpointException as e:  # DCP's, a BaseException: each rank's error with its traceback
+        error = next(iter(e.failures.values()))[0]
+        raise UserError(f"checkpoint {folder} cannot be read ({type(error).__name__}); it is corrupt or not a "
+                        f"checkpoint of this project - restore it or train again.") from None
+    return {**state.pop(TRAIN), **state}
+
+
+def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
+    """A step's weights read into the model as it is placed (each rank reads only what it holds: its FSDP2 shards,
+    or a whole replica) and its optimizer state shaped for set_optimizer_state_dict (returned: the caller keeps its
+    own peak learning rates). Collective under torchrun."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    return state["optimizer"]
