@@ -126,7 +126,7 @@ def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Ca
             y.backward(q.detach())  # any incoming gradient costs the same
             return y.detach()
         return train_step
-    from attention import decode_form
+    from decode import decode_form
     cache = torch.cat([k, k.new_zeros(k.size(0), k.size(1), w.block_size - w.seq_len, k.size(-1))], dim=2)
     span = masks.Span(torch.zeros(1, dtype=torch.long, device=q.device),
                       torch.full((1,), w.seq_len, device=q.device))  # the prompt written, the step reads it
@@ -134,7 +134,7 @@ def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Ca
     @torch.no_grad()
     def sample_step() -> torch.Tensor:
         y = fn(q, k, v, mask, 0.0)
-        fn(q[:, :, -1:], cache, cache, decode_form(attn, span, w.block_size), 0.0)
+        fn(q[:, :, -1:], cache, cache, decode_form(attn in attention.FLEX, span, w.block_size), 0.0)
         return y
     return sample_step
 
