@@ -204,23 +204,19 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
 def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,
                      after_round: Optional[Callable[[dict], None]] = None,
                      before: Optional[dict] = None) -> dict[str, list[float]]:
-    """Milliseconds of each call, `iters` times: every iteration runs all calls in turn (starting one further
-    along each time), so drift and neighbours' load hit them alike. The device is synchronized around each.
-    A call that runs out of memory is dropped, its reason put in `failed`. `after_round` sees the times so far;
+    """Milliseconds of each call, `iters` rounds of runtime.round_robin, the device synchronized around each call.
+    A call that runs out of memory drops out, its reason put in `failed`. `after_round` sees the times so far;
     `before[key]`, if given, runs untimed before each call of key (say, making its FlashAttention build active)."""
-    ms = {key: [] for key in calls if key not in failed}
-    for i in range(iters):
-        keys = [k for k in ms if k not in failed]
-        for key in keys[i % len(keys):] + keys[:i % len(keys)] if keys else []:
-            try:
-                (before or {}).get(key, lambda: None)()
-                ms[key].append(runtime.time_call(calls[key], rt)[1] * 1e3)
-            except Exception as e:
-                failed[key] = out_of_memory(e, rt)
+    def time_one(key: str) -> Optional[float]:
+        try:
+            (before or {}).get(key, lambda: None)()
+            return runtime.time_call(calls[key], rt)[1] * 1e3
+        except Exception as e:
+            failed[key] = out_of_memory(e, rt)
+            return None
+        finally:
             bar.update()
-        if after_round is not None:
-            after_round({key: v for key, v in ms.items() if key not in failed})
-    return {key: v for key, v in ms.items() if key not in failed}
+    return runtime.round_robin([key for key in calls if key not in failed], iters, time_one, after_round)
 
 
 def out_of_memory(e: Exception, rt: Runtime) -> str:

@@ -14,7 +14,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -275,6 +275,26 @@ def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
     result = call()
     rt.synchronize()
     return result, time.perf_counter() - t0
+
+
+def round_robin(keys: list, rounds: int, time_one: Callable[[object], Optional[float]],
+                after_round: Optional[Callable[[dict], None]] = None) -> dict[object, list[float]]:
+    """The one round-robin timer (bench's rows, attn=auto's candidates): every round times each key once in turn,
+    starting one further along each time, so drift and neighbours' load hit them alike. `time_one(key)` returns the
+    seconds of one call, or None when the key drops out (it is not run again, nor returned). `after_round` sees the
+    times so far."""
+    times, dropped = {key: [] for key in keys}, set()
+    for i in range(rounds):
+        live = [key for key in times if key not in dropped]
+        for key in live[i % len(live):] + live[:i % len(live)] if live else []:
+            seconds = time_one(key)
+            if seconds is None:
+                dropped.add(key)
+            else:
+                times[key].append(seconds)
+        if after_round is not None:
+            after_round({key: v for key, v in times.items() if key not in dropped})
+    return {key: v for key, v in times.items() if key not in dropped}
 
 
 # -- scripts ------------------------------------------------------------------------------------------

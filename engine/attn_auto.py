@@ -28,6 +28,7 @@ import attention
 import masks
 from core.errors import UserError
 from core.flops import peak_flops_cache
+from core import runtime
 from core.runtime import Runtime, compile_isolated, time_call
 
 FALLBACK = "sdpa"  # what runs when measuring fails: PyTorch's own choice
@@ -196,15 +197,11 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
 
 
 def round_robin(calls: dict, w: Workload, budget_s: float, timer: Callable, estimate: dict) -> dict[str, list[float]]:
-    """Milliseconds of each call per round: as many rounds as the budget left holds (by the warm-up's times), at
-    least one and at most MAX_ROUNDS; each round starts one candidate further along."""
+    """Milliseconds of each call per round of runtime.round_robin: as many rounds as the budget left holds (by the
+    warm-up's times), at least one and at most MAX_ROUNDS."""
     per_round = sum(estimate.get(a, 0.0) for a in calls) or 1e-3
     rounds = max(1, min(MAX_ROUNDS, int(budget_s / per_round)))
-    names, ms = list(calls), {a: [] for a in calls}
-    for i in range(rounds):
-        for attn in names[i % len(names):] + names[:i % len(names)] if names else []:
-            ms[attn].append(1e3 * timer(attn, calls[attn]))
-    return ms
+    return runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * timer(attn, calls[attn]))
 
 
 def cache_file() -> Path:
