@@ -163,6 +163,9 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
         setattr(cfg, key, as_list(getattr(cfg, key), int))
         if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
             raise UserError(f"{key} must be positive whole numbers, comma-separated; got {getattr(cfg, key)!r}.")
+    if any("doc" in m for m in cfg.mask) and cfg.mode != "generate":  # a bad --doc_data is said before any row runs
+        document_ids(cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens),
+                     cfg.seed)
     return cfg, rt
 
 

@@ -27,7 +27,7 @@ import torch
 
 from core import runtime
 from engine.sharded import saver_for
-from core.configurator import configure, one_of
+from core.configurator import as_list, comma_list_of, configure, one_of
 from model import GPT, GPTConfig
 
 n_layer, n_head, n_embd = 24, 16, 1024   # GPT-2 medium (355M): the largest whose single-file save fits 24 GiB
@@ -36,7 +36,7 @@ formats = "single,sharded,async"         # async: sharded with async_save
 saves = 2                                # per format; the table shows the first's pause and the last's
 out_dir = "bench_results/checkpoint_cost"
 LIMITS = {"saves": "[1, inf)", "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)",
-          "parallel": one_of("ddp", "fsdp")}
+          "parallel": one_of("ddp", "fsdp"), "formats": comma_list_of("single", "sharded", "async")}
 PAGE = 4096
 
 
@@ -79,11 +79,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     optimizer.zero_grad(set_to_none=True)
     fields = dict(model_config={}, iter_num=1, best_val_loss=1.0, rng=None, settings={}, meta=None)
     rows = []
-    for name in cfg.formats.split(","):
+    for name in dict.fromkeys(as_list(cfg.formats)):
         out = Path(cfg.out_dir) / f"{name}_{rt.world_size}"
         saver = saver_for("single" if name == "single" else "sharded", out, 1, name == "async", rt)
         pauses, steady = [], rss_bytes()
-        for save in range(saves):  # the first save of a process also pays for touching its buffers' pages
+        for save in range(cfg.saves):  # the first save of a process also pays for touching its buffers' pages
             pause, peak_saving = peak_rss_during(lambda: saver.save(model, [optimizer], {**fields, "iter_num": save}))
             whole, peak_writing = peak_rss_during(saver.close)  # async: the writer thread's part
             pauses.append(pause)

@@ -13,9 +13,10 @@ running any code.
 import contextlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -96,3 +97,24 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
         what = "is a file, not a folder" if path.is_file() else f"cannot be written to ({e.strerror or e})"
         wanted = "a writable folder" if setting.endswith("dir") else "a path in a writable folder"
         raise UserError(f"{setting} {path} {what}; pass --{setting}= {wanted}.") from None
+
+
+def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dict:
+    """A cache this project writes in the user's cache folder (a JSON object of entries), as far as it can be used.
+    Whatever cannot (the file unreadable or not JSON, another shape, entries that fail entry_ok) is left out and
+    said in one line on stderr: the caller measures again, and its next write replaces the file."""
+    if not path.exists():
+        return {}
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        known, problem = {}, f"it cannot be read as JSON ({type(e).__name__})"
+    else:
+        problem = None if isinstance(known, dict) else f"it holds a JSON {type(known).__name__}, not an object"
+    usable = {key: entry for key, entry in known.items() if entry_ok(entry)} if isinstance(known, dict) else {}
+    if problem is None and len(usable) < len(known):
+        problem = f"{len(known) - len(usable)} of its {len(known)} entries are not {what}"
+    if problem is not None:
+        print(f"note: {path} is not what this project wrote ({problem}); measuring again, and the file is "
+              f"rewritten with the result.", file=sys.stderr)
+    return usable

@@ -6,12 +6,14 @@ rate measured on the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only em
 """
 
 import functools
+import math
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from core import files
 from core.runtime import Runtime, time_call
 
 
@@ -33,10 +35,7 @@ def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
     only lower an MFU, as it lowers the speed it measures."""
     key = f"{rt.name}, {rt.dtype}, torch {torch.__version__}"
     cache = peak_flops_cache()
-    try:
-        known = json.loads(cache.read_text()) if cache.exists() else {}
-    except (OSError, ValueError):
-        known = {}
+    known = files.read_cache(cache, is_flops, "a positive number of FLOP/s")
     measured = best_matmul_flops(rt, repeats)
     if measured > known.get(key, 0.0):
         known[key] = measured
@@ -46,6 +45,10 @@ def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
         except OSError:
             pass  # a read-only home: this run's own figure stands
     return known[key]
+
+
+def is_flops(entry) -> bool:
+    return isinstance(entry, (int, float)) and not isinstance(entry, bool) and math.isfinite(entry) and entry > 0
 
 
 def peak_flops_cache() -> Path:

@@ -28,7 +28,7 @@ import attention
 import masks
 from core.errors import UserError
 from core.flops import peak_flops_cache
-from core import runtime
+from core import files, runtime
 from core.runtime import Runtime, compile_isolated, time_call
 
 FALLBACK = "sdpa"  # what runs when measuring fails: PyTorch's own choice
@@ -204,6 +204,12 @@ def round_robin(calls: dict, w: Workload, budget_s: float, timer: Callable, esti
     return runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * timer(attn, calls[attn]))
 
 
+def is_decision(entry) -> bool:
+    """An entry of the decision cache as choose() writes it, naming an implementation this code has."""
+    return (isinstance(entry, dict) and entry.get("pick") in attention.ATTENTION
+            and isinstance(entry.get("rows"), list) and all(isinstance(row, dict) for row in entry["rows"]))
+
+
 def cache_file() -> Path:
     return peak_flops_cache().with_name("attn_auto.json")
 
@@ -214,10 +220,7 @@ def choose(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = Fal
     measured now (measure_fn: by default measure) and added to the cache."""
     budget_s, measure_fn = check_budget(budget_s), measure_fn or measure
     path = path or cache_file()
-    try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        known = {}
+    known = files.read_cache(path, is_decision, "decisions attn=auto wrote")
     if not refresh and w.key() in known:
         hit = known[w.key()]
         return Decision(hit["pick"], hit["rows"], w, cached=True)
@@ -264,16 +267,14 @@ def choose_for_training(model, cfg, rt: Runtime, checkpoint=None) -> dict:
     w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
                     compiled=cfg.compile)
     saved = (checkpoint.settings.get("attn_auto") if checkpoint is not None else None) or {}
-    if saved.get("attn_auto/workload") == w.key():
-        decision = Decision(saved["attn_auto/pick"], [], w, cached=True)
-        table = {**saved, "attn_auto/cached": True}
-    else:
-        decision = choose_across_ranks(w, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
-        table = {**decision.metrics(), "attn_auto/workload": w.key()}
-    if rt.is_master:
-        print(decision.line() if decision.rows else f"attn=auto: {decision.pick}, as the checkpoint decided for "
-                                                     f"{w.describe()}")
-    return table
+    if saved.get("attn_auto/workload") == w.key() and saved.get("attn_auto/pick") in attention.ATTENTION:
+        if rt.is_master:
+            print(f"attn=auto: {saved['attn_auto/pick']}, as the checkpoint decided for {w.describe()}")
+        return {**saved, "attn_auto/cached": True}
+    decision = choose_across_ranks(w, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
+    if rt.is_master and decision.rows:  # a fallback (no rows) said its own line
+        print(decision.line())
+    return {**decision.metrics(), "attn_auto/workload": w.key()}
 
 
 def choose_for_model(model, training: bool = False, dtype: Optional[torch.dtype] = None, batch_size: int = 1) -> str:

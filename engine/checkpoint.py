@@ -69,12 +69,14 @@ class Checkpoint:
 
 def sharded_folder(path: Path) -> Path | None:
     """The sharded checkpoint to read for `path`: path itself when it is a folder (a step); for out_dir/ckpt.pt, the
-    step out_dir/latest names when there is no ckpt.pt or the pointer was written after it (a format switched)."""
+    step out_dir/latest names when there is no ckpt.pt or the pointer was written after it (a format switched).
+    Where the pointer names no step (empty, not text), the pointer itself: reader.load_checkpoint says what is wrong."""
     pointer = path.parent / POINTER
     if path.is_dir():
         return path
     if pointer.is_file() and (not path.is_file() or pointer.stat().st_mtime > path.stat().st_mtime):
-        return path.parent / pointer.read_text().strip()
+        name = pointer.read_bytes().decode("utf-8", errors="replace").strip()
+        return path.parent / name if re.fullmatch(r"step-\d+", name) else pointer
     return None
 
 

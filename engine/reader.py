@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
-from engine.checkpoint import FORMAT_VERSION, POINTER, TRAIN, Checkpoint, is_whole, sharded_folder
+from engine.checkpoint import FORMAT_VERSION, POINTER, TRAIN, Checkpoint, is_whole, sharded_folder, steps_in
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
 
@@ -36,6 +36,8 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
     shards = sharded_folder(path)
     if not path.is_file() and shards is None:
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
+    if shards is not None:
+        check_step(shards, path.parent / POINTER)
     try:  # a sharded one for training: each rank reads its tensors in place later (train.restore)
         contents = read(path, shards, parts=set() if for_training else {"model"}, mmap=False)
     except UserError:
@@ -92,12 +94,45 @@ def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | Non
 # -----------------------------------------------------------------------------
 # a sharded step, as DCP wrote it
 
+def check_step(folder: Path, pointer: Path) -> None:
+    """One sentence, if the step to read is not there whole: what is wrong with the pointer or the folder, and what
+    can be read instead (fallback)."""
+    if folder == pointer:  # sharded_folder: the pointer names no step
+        held = pointer.read_bytes()
+        text = held.decode("utf-8", errors="replace").strip()
+        what = ("is empty" if not text else "holds no text (binary bytes)" if "\ufffd" in text
+                else f"holds {text[:40]!r}, not a step folder's name")
+        raise UserError(f"{pointer} {what}; {fallback(pointer.parent)}")
+    if not folder.is_dir():
+        raise UserError(f"{pointer} names {folder.name}, which is not in {folder.parent}; {fallback(folder.parent)}")
+    if not is_whole(folder):
+        raise UserError(f"{folder} has no .metadata (its save never finished, or the file was lost); "
+                        f"{fallback(folder.parent, folder)}")
+
+
+def fallback(out: Path, failed: Path | None = None) -> str:
+    """What can be read instead of a damaged step: the newest whole one before it (named, and how to point at it),
+    else a fresh run. Nothing is deleted: the damaged files are the user's to keep or remove."""
+    step = int(failed.name.removeprefix("step-")) if failed is not None else None
+    whole = [f for n, f in sorted(steps_in(out).items()) if f != failed and is_whole(f) and (step is None or n < step)]
+    if whole:
+        return (f"the newest whole step before it is {whole[-1]}: point {out / POINTER} at it (echo {whole[-1].name} "
+                f"> {out / POINTER}) and run again")
+    return f"no whole step is left in {out}: start a fresh run there with --overwrite=True, or pass another --out_dir="
+
+
+def unreadable(folder: Path, error: BaseException) -> UserError:
+    """DCP's CheckpointException (a BaseException holding each rank's error) as the sentence of a damaged step."""
+    failures = getattr(error, "failures", None)
+    cause = next(iter(failures.values()))[0] if failures else error
+    reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
+    return UserError(f"{folder}'s shards cannot be read ({type(cause).__name__}{': ' + reason if reason else ''}); "
+                     f"{fallback(folder.parent, folder)}")
+
+
 def read_step(folder: Path, parts: set[str]) -> dict:
     """The named parts of a step ('model', 'optimizer'; TRAIN always) as a Checkpoint's fields, full tensors on the
     CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
-    if not is_whole(folder):
-        raise UserError(f"{folder} is not a whole sharded checkpoint (no .metadata: its save never finished); "
-                        f"resume from the step {folder.parent / POINTER} names.")
     import torch.distributed.checkpoint as dcp  # DCP: only a sharded checkpoint reads its files
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
@@ -106,10 +141,8 @@ def read_step(folder: Path, parts: set[str]) -> dict:
     try:
         _load_state_dict(state, storage_reader=dcp.FileSystemReader(folder),
                          planner=_EmptyStateDictLoadPlanner(keys=parts | {TRAIN}), no_dist=True)
-    except CheckpointException as e:  # DCP's, a BaseException: each rank's error with its traceback
-        error = next(iter(e.failures.values()))[0]
-        raise UserError(f"checkpoint {folder} cannot be read ({type(error).__name__}); it is corrupt or not a "
-                        f"checkpoint of this project - restore it or train again.") from None
+    except (CheckpointException, Exception) as e:  # DCP's is a BaseException: each rank's error with its traceback
+        raise unreadable(folder, e) from None
     return {**state.pop(TRAIN), **state}
 
 
@@ -120,7 +153,11 @@ def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict)
+    from torch.distributed.checkpoint.api import CheckpointException
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
-    dcp.load(state, checkpoint_id=folder)
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except (CheckpointException, Exception) as e:  # a shard damaged after the step was read for its settings
+        raise unreadable(folder, e) from None
     set_model_state_dict(model, state["model"])
     return state["optimizer"]

@@ -31,10 +31,26 @@ from core.runtime import Runtime
 
 
 
-def failure_text(error: CheckpointException, folder: Path) -> str:
-    ranks = "; ".join(f"rank {r}: {getattr(e, 'strerror', None) or e}" for r, (e, _) in sorted(error.failures.items()))
+def os_cause(error: BaseException) -> str:
+    """What a failed write tells a user: the OSError under it (the disk is full, a file size limit was hit) rather
+    than PyTorch's internal text, which is all a short write leaves on top ("[enforce fail at inline_container.cc]
+    unexpected pos")."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if "unexpected pos" in text or "enforce fail" in text:
+        return "a shard was cut short: the disk is full or the file size limit (ulimit -f) was reached"
+    return text
+
+
+def failure_text(error: BaseException, folder: Path) -> str:
+    failures = getattr(error, "failures", None) or {0: (error, None)}  # DCP's CheckpointException: every rank's
+    ranks = "; ".join(f"rank {r}: {os_cause(e)}" for r, (e, _) in sorted(failures.items()))
     return (f"could not write the checkpoint {folder} ({ranks}); the previous one ({folder.parent / POINTER}) is "
-            f"kept - free disk space or pass --out_dir= another folder, then resume.")
+            f"kept - free disk space, raise the file size limit or pass --out_dir= another folder, then resume.")
 
 
 class ShardedSaver:
@@ -77,9 +93,7 @@ class ShardedSaver:
         folder = step_folder(self.out, step)
         try:
             if done.exception() is not None:
-                error = done.exception()
-                self.failure = (failure_text(error, folder) if isinstance(error, CheckpointException)
-                                else f"could not write the checkpoint {folder} ({error}).")
+                self.failure = failure_text(done.exception(), folder)
             elif self.rt.is_master:
                 self.commit(step)
         except UserError as e:
