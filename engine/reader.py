@@ -116,8 +116,8 @@ def fallback(out: Path, failed: Path | None = None) -> str:
     step = int(failed.name.removeprefix("step-")) if failed is not None else None
     whole = [f for n, f in sorted(steps_in(out).items()) if f != failed and is_whole(f) and (step is None or n < step)]
     if whole:
-        return (f"the newest whole step before it is {whole[-1]}: point {out / POINTER} at it (echo {whole[-1].name} "
-                f"> {out / POINTER}) and run again")
+        return (f"the newest whole step{' before it' if failed else ''} is {whole[-1]}: point {out / POINTER} at it "
+                f"(echo {whole[-1].name} > {out / POINTER}) and run again")
     return f"no whole step is left in {out}: start a fresh run there with --overwrite=True, or pass another --out_dir="
 
 
