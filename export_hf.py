@@ -141,6 +141,7 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
         if is_bpe(checkpoint.meta):  # the slow GPT2Tokenizer's files too, as on the hub (hash-checked by gpt2_bpe)
             shutil.copyfile(gpt2_files_dir() / "encoder.json", staging / "vocab.json")
             shutil.copyfile(gpt2_files_dir() / "vocab.bpe", staging / "merges.txt")
+        files.with_umask_permissions(staging)  # a shared model folder: readable as any other tool's output
         if hf_dir.exists():
             hf_dir.rmdir()  # empty, checked above
         staging.rename(hf_dir)

@@ -25,7 +25,7 @@ from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
 from attention import ATTENTION
-from engine.metrics import MetricsLog, StepTimer
+from engine.metrics import MetricsLog, StepTimer, check_wandb
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
@@ -207,8 +207,6 @@ def gradient_sync(model: torch.nn.Module, sync: bool):
     return nullcontext()
 
 
-# -- logging and evaluation ------------------------------------------------------------------------------
-
 @torch.no_grad()
 def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
     """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), averaged over
@@ -303,13 +301,12 @@ class Trainer:
         self.log.log({**metrics, **self.rt.memory_metrics()})
 
 
-def tokens_per_iter(cfg: Settings) -> int:
-    return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
+def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
+    return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
 
 def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool]:
-    """The settings, the runtime and whether this run resumes (decided once), with everything checked that needs no
-    data or model: the parallel layout, and (unless only evaluating) out_dir (claim_out_dir)."""
+    """Settings, runtime, whether this run resumes (decided once), and all checked that needs no data or model."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     resuming = cfg.init_from == "resume"
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
@@ -319,6 +316,8 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool]:
     if cfg.gradient_accumulation_steps % rt.world_size:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                         f"the {rt.world_size} ranks; make it a multiple of the world size.")
+    if cfg.wandb_log:  # before anything is written: a run that cannot log leaves no empty out_dir behind
+        runtime.on_master(check_wandb, rt.device)
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite), rt.device)
     return cfg, rt, resuming
@@ -358,8 +357,9 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
             done = trainer.iter_num >= cfg.max_iters or out_of_time
             due = trainer.iter_num % cfg.eval_interval == 0 or done
             if due and trainer.iter_num != resumed_at:
-                timer.pause()
-                trainer.evaluate_and_save(lr, timer.total)
+                timer.pause()  # the lr both of iter N's lines show: the rate of the step that made iter N's weights
+                last_lr = cfg.learning_rate * lr_multiplier(max(0, trainer.iter_num - 1), cfg)
+                trainer.evaluate_and_save(last_lr, timer.total)
             if done:
                 break
             # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds

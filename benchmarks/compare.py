@@ -170,6 +170,7 @@ class Run:
     compile: bool
     x: Optional[torch.Tensor] = None  # (1, T) the teacher-forced text
     ref_logits: Optional[torch.Tensor] = None  # (T, vocab_size) float64 logits of x through attn='manual'
+    held_out: Optional[tuple] = None  # (windows (N, T + 1), where they came from): each implementation's loss on them
 
     def problem(self, attn: str, dtype: str, config: GPTConfig) -> Optional[str]:
         return attention_problem(attn, self.rt.device_type, runtime.DTYPES[dtype], 0.0, config.head_size, False,
@@ -195,7 +196,8 @@ def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
     result = {"samples": cached, "identical_to_first": cached == first,
               "first_divergence": first_divergence(first, cached), "cache_equals_no_cache": cached == plain,
               "tokens_per_s": tokens_per_s(t_cached, sampling),
-              "tokens_per_s_no_cache": tokens_per_s(t_plain, sampling), "logits": {}}
+              "tokens_per_s_no_cache": tokens_per_s(t_plain, sampling), "logits": {},
+              "held_out_loss": held_out_loss(model, run.held_out[0])[0]}
     for dt in ("float32", run.reduced):
         problem = run.problem(model.config.attn, dt, model.config)
         result["logits"][dt] = ({"skipped": problem} if problem else
@@ -203,10 +205,12 @@ def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
     return result
 
 
-def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped: dict[str, str]) -> dict:
+def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped: dict[str, str],
+                data: Optional[Path] = None) -> dict:
     """Every runnable implementation in turn, its samples printed as they come; returns all the numbers."""
     ids = numerics_ids(tok, run.prompt, model.config.block_size)
     run.x = torch.tensor([ids], dtype=torch.long, device=run.rt.device)  # (1, T)
+    run.held_out = held_out_windows(data, run.x, model.config.block_size, max_tokens=4096)  # the same for each
     ref_device = "cpu" if run.rt.device_type == "mps" else run.rt.device  # MPS has no float64
     ref_model = with_attn(model, "manual").double().to(ref_device)
     run.ref_logits = forced_logits(ref_model, run.x.to(ref_device), Runtime(ref_device, "float32")).to(run.rt.device)
@@ -214,6 +218,7 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
     layer = model.config.n_layer // 2
     qkv = layer_qkv(model, run.x, layer)
     report = {"order": names, "skipped": skipped, "implementations": {}, "numerics_tokens": len(ids),
+              "held_out": run.held_out[1],
               "reduced_dtype": run.reduced,
               "appendix_a": {"layer": layer, "head_size": model.config.head_size,
                              **{dt: appendix_a(qkv, dt) for dt in ("float32", run.reduced)}}}
@@ -256,7 +261,8 @@ def print_comparison(run: Run, report: dict) -> None:
     print(f"\n== generation: {sampling.num_samples} sample(s) x {sampling.max_new_tokens} new tokens in one batch, "
           f"seed {sampling.seed}, {run.rt.dtype} on {run.rt.device}{', compiled' if run.compile else ''}; "
           f"tokens compared with {first}'s")
-    print(f"{'attn':<10} {'tokens':<30} {'tok/s cache':>12} {'tok/s no cache':>15}  cache = no cache")
+    print(f"{'attn':<10} {'tokens':<30} {'tok/s cache':>12} {'tok/s no cache':>15} {'held-out loss':>14}  "
+          f"cache = no cache   (held-out: {run.held_out[1]}, fp32)")
     for name in report["order"]:
         if name in report["skipped"]:
             print(f"{name:<10} skipped: {report['skipped'][name]}")
@@ -267,8 +273,8 @@ def print_comparison(run: Run, report: dict) -> None:
         if div is not None:  # name the first earlier implementation that drew the same tokens
             twin = next((o for o in list(gens)[1:list(gens).index(name)] if gens[o]["samples"] == g["samples"]), None)
             tokens += f", = {twin}" if twin else ""
-        print(f"{name:<10} {tokens:<30} {g['tokens_per_s']:>12.1f} "
-              f"{g['tokens_per_s_no_cache']:>15.1f}  {'yes' if g['cache_equals_no_cache'] else 'NO'}")
+        print(f"{name:<10} {tokens:<30} {g['tokens_per_s']:>12.1f} {g['tokens_per_s_no_cache']:>15.1f} "
+              f"{g['held_out_loss']:>14.4f}  {'yes' if g['cache_equals_no_cache'] else 'NO'}")
     print(f"\n== teacher-forced logits on {report['numerics_tokens']} tokens vs float64 manual "
           f"(scaled = max|dlogit| / max(1, max|ref logit|); KL(ref||impl) in nats/token, mean over positions)")
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -358,7 +364,7 @@ def compare(spec: str, model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampli
     With quantize, also the weights study, through the first implementation that ran."""
     run = Run(rt, reduced_dtype(rt), sampling, prompt, compile)
     names, skipped = resolve_compare(spec, run, model.config)
-    report = run_compare(model, tok, run, names, skipped)
+    report = run_compare(model, tok, run, names, skipped, data)
     print_comparison(run, report)
     if quantize:
         report["weights"] = weights_study(with_attn(model, next(iter(report["implementations"]))), run, quantize, data)

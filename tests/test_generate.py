@@ -207,6 +207,18 @@ def test_bf16_weights_halve_the_bytes():
         weight_bytes(small_model()), rel=0.02)  # the bool causal mask does not halve
 
 
+def test_torchao_is_installed_only_by_those_who_quantize(monkeypatch):
+    """transformers imports torchao wherever it is installed, and torchao's load warnings then follow every program
+    that imports transformers (the README's Hugging Face snippet): a user installs it for int8, and is told so."""
+    requirement = lambda line: line.split("#")[0].strip()  # noqa: E731
+    assert "torchao" not in [requirement(line) for line in (REPO / "requirements.txt").read_text().splitlines()]
+    assert "torchao" in [requirement(line) for line in (REPO / "requirements-dev.txt").read_text().splitlines()]
+    for name in ("torchao", "torchao.quantization"):
+        monkeypatch.setitem(sys.modules, name, None)  # as where it is not installed
+    with pytest.raises(UserError, match=r"^--quantize=int8 needs torchao; pip install torchao\.$"):
+        for_inference(small_model(), "cpu", torch.float32, "int8")
+
+
 @pytest.mark.slow  # a fresh interpreter: torchao's import-time output can only be seen once per process
 def test_importing_torchao_prints_nothing():
     code = ("import torch; from engine.generate import generate, quantize_int8; from model import GPT, GPTConfig; "

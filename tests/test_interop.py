@@ -2,6 +2,8 @@
 computes the same logits and greedy text; an out_dir as nanoGPT writes it resumes and samples here."""
 
 import json
+import os
+import stat
 import pickle
 import subprocess
 import sys
@@ -131,6 +133,19 @@ def test_sampling_a_character_export_by_directory_is_refused_rather_than_decoded
     hf_dir = export_hf.export(load_checkpoint(trained(char_data) / "ckpt.pt"), tmp_path / "hf")
     with pytest.raises(UserError, match="vocabulary, not GPT-2's; sample.py reads Hugging Face directories with GPT-2"):
         sample.main([f"--init_from={hf_dir}", "--device=cpu"])
+
+
+def test_an_export_gets_the_permissions_any_other_tool_would_give_it(char_data, trained, tmp_path):
+    """A shared model folder, a container, another user: readable, as the umask says (it was drwx------ with a
+    -rw------- model.safetensors, from the temporary folder it is staged in)."""
+    umask = os.umask(0o022)
+    try:
+        hf_dir = export_hf.export(load_checkpoint(trained(char_data) / "ckpt.pt"), tmp_path / "hf")
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [hf_dir, *hf_dir.rglob("*")]}
+    assert modes.pop("hf") == 0o755 and "model.safetensors" in modes
+    assert set(modes.values()) == {0o644}, modes
 
 
 @pytest.mark.parametrize("kind, prompt", [("char", "To be, or"), ("bpe", "The king said")])

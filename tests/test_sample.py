@@ -165,6 +165,18 @@ def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(ch
         assert set(report["appendix_a"][dt]["pairwise"]) == {"a-b", "a-c", "a-d", "b-c", "b-d", "c-d"}
 
 
+def test_compare_reports_each_implementations_held_out_loss_as_the_readme_promises(char_ckpt, tmp_path, capsys):
+    """README: --compare gives "held-out loss"; it once did only with --quantize=int8. The same weights through each
+    implementation score the same text within fp32's rounding."""
+    out = run_sample(capsys, f"--out_dir={char_ckpt}", "--compare=manual,sdpa", "--dtype=float32", "--num_samples=1",
+                     "--max_new_tokens=4", f"--json={tmp_path / 'c.json'}")
+    report = json.loads((tmp_path / "c.json").read_text())
+    losses = {name: g["held_out_loss"] for name, g in report["implementations"].items()}
+    assert set(losses) == {"manual", "sdpa"} and all(0 < loss < 10 for loss in losses.values())
+    assert abs(losses["manual"] - losses["sdpa"]) < 1e-4
+    assert "held-out loss" in out and f"{losses['sdpa']:.4f}" in out and report["held_out"] in out
+
+
 def test_reference_logits_are_large_enough_for_a_relative_bound(char_ckpt):
     model, tok, _, _ = sample.load_model("resume", str(char_ckpt), None)
     x = torch.tensor([compare.numerics_ids(tok, tok.encode("T"), model.config.block_size)])

@@ -1,6 +1,7 @@
 """train.py and configurator.py: DDP matches one process, resume is exact, metrics reach wandb, bad input is one line."""
 
 import glob
+import io
 import json
 import sys
 from pathlib import Path
@@ -106,6 +107,7 @@ def test_metrics_reach_wandb_keyed_by_iteration(char_data, tmp_path, monkeypatch
     """What train.py hands wandb, in process; the slow test below checks what a real offline wandb run records."""
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # a run wandb can log (without it and a login: the test below)
     train.main(TINY + [f"--data_dir={char_data}", "--max_iters=4", "--eval_interval=2", "--wandb_log=True",
                        f"--out_dir={tmp_path}"])
     assert wandb.finished == 1 and len(wandb.configs) == 1
@@ -115,6 +117,41 @@ def test_metrics_reach_wandb_keyed_by_iteration(char_data, tmp_path, monkeypatch
     for step, logged in wandb.logged.items():  # what metrics.jsonl holds, the iteration as wandb's step
         assert logged == {k: v for k, v in json_rows_at(tmp_path, step).items() if k != "iter"}, step
     assert all("tokens_per_s" in wandb.logged[i] and "mfu" in wandb.logged[i] for i in (1, 2, 3, 4))
+
+
+def test_wandb_without_a_login_is_one_sentence_before_anything_is_written(char_data, tmp_path, monkeypatch):
+    """config/train_gpt2.py sets wandb_log=True: on a machine without a login wandb.init once ended the run with a
+    25-line traceback and left an empty out_dir. No key, no ~/.netrc entry, no terminal to ask at."""
+    pytest.importorskip("wandb")
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    (tmp_path / "netrc").write_text("machine example.com login me password secret\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"^wandb_log=True, but wandb has no login here \(no WANDB_API_KEY, no "
+                                        r"api.wandb.ai entry in ~/.netrc, no terminal to ask at\): run `wandb login` "
+                                        r"once, log offline with WANDB_MODE=offline .*or pass --wandb_log=False\.$"):
+        train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--wandb_log=True", f"--out_dir={out}"])
+    assert not out.exists()
+    from engine.metrics import check_wandb
+    for key, value in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)):
+        with monkeypatch.context() as m:
+            m.setenv(key, value)
+            check_wandb()  # wandb can log: offline, not at all, or with a key
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "x" * 40 + "\n")
+    check_wandb()  # `wandb login`'s entry
+
+
+def test_an_iterations_train_and_val_lines_show_the_same_learning_rate(char_data, tmp_path):
+    """Both show the rate of the step that made that iteration's weights (they once disagreed mid-warmup)."""
+    train.main(TINY + [f"--data_dir={char_data}", "--max_iters=6", "--eval_interval=2", "--warmup_iters=4",
+                       f"--out_dir={tmp_path}"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_lr = {r["iter"]: r["lr"] for r in rows if "train/loss" in r}
+    val_lr = {r["iter"]: r["lr"] for r in rows if "val/loss" in r}
+    assert set(val_lr) == {0, 2, 4, 6} and len(set(train_lr.values())) > 3  # the rate moves: warmup, then decay
+    assert all(val_lr[i] == train_lr[i] for i in (2, 4, 6)), (train_lr, val_lr)
 
 
 @pytest.mark.slow  # wandb starts its own service process
