@@ -114,6 +114,8 @@ class SingleFileSaver:
                                 optimizer=get_optimizer_state_dict(model, optimizers, options=FULL_STATE), **fields)
         # rank 0 writes; if it cannot (a full disk), every rank stops with it rather than wait at the next step
         runtime.on_master(lambda: checkpoint.save(self.path), self.rt.device)
+        if self.rt.is_master:
+            print(f"saved {self.path} (iter {fields['iter_num']})", flush=True)
 
     def close(self) -> None:
         pass  # nothing is written after save returns

@@ -121,6 +121,7 @@ class ShardedSaver:
         with files.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
                                   advice="free disk space, then resume") as tmp:
             tmp[POINTER].write_text(folder.name)
+        print(f"saved {folder} (iter {step}; {self.out / POINTER} names it)", flush=True)
         steps = steps_in(self.out)
         kept = [n for n in sorted(steps) if n <= step and is_whole(steps[n])][-self.keep:]
         for n, old in steps.items():
