@@ -217,7 +217,8 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             audits[key] = functools.partial(trainer.eager_pass, a)
             before[key] = functools.partial(use_flash_build, FLASH_BUILDS.get(a))
     peak = flops.peak_flops(rt)
-    with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr) as bar:
+    # disable=None: no bar where stderr is a file or a pipe (there a bar's redraws pile up into one long line)
+    with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr, disable=None) as bar:
         measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),
                                  audits if cfg.compile else None, before)
     for key, m in measured.items():
@@ -238,7 +239,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     free_memory(rt)
     if cfg.max_batch:
         for row in tqdm([r for r in rows.values() if r["status"] == "ok" and r["attn"] != "auto"], desc="max batch",
-                        file=sys.stderr):
+                        file=sys.stderr, disable=None):
             row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"]),
                                               cfg.max_batch_limit)
     return list(rows.values())
@@ -264,7 +265,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
              for m in cfg.mask]
     rows = []
     total = len(cases) * len(cfg.attn) * (cfg.warmup + 1 + cfg.iters)
-    with tqdm(total=total, desc="attention", file=sys.stderr) as bar:
+    with tqdm(total=total, desc="attention", file=sys.stderr, disable=None) as bar:
         for hs, T, backward, mask in cases:
             shape = (cfg.attn_batch, cfg.attn_heads, T, hs)  # (B, nh, T, hs)
             q, k, v = (torch.randn(shape, device=rt.device, dtype=rt.torch_dtype, requires_grad=backward)
@@ -325,7 +326,8 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
                 f"finish")
     rows = len(cfg.attn) * len(cfg.mask) * (len(cfg.padding) if cfg.mode == "train" else 2 * len(cfg.attn_seq_lens) *
                                             len(cfg.attn_head_sizes))
-    return f"{cfg.mode}: {rows} rows x ({cfg.warmup} warm-up + {cfg.iters} timed) runs"
+    return (f"{cfg.mode}: {rows} rows; each that runs here takes {cfg.warmup} warm-up + 1 profiled + {cfg.iters} timed "
+            f"runs (the bar counts them), the others are listed with the reason")
 
 
 def environment(rt: Runtime, argv: list[str]) -> dict:
@@ -375,6 +377,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"! {row['attn']} ran {row['kernel']} ({', '.join(row['kernel_ops']) or 'no SDPA op'}), not "
                   f"{' or '.join(row['kernel_expected'])}: a fused kernel refused these settings and PyTorch fell "
                   f"back without a word (dropout, a mask, the dtype or the head size)")
+    if cfg.mode == "train" and not rt.is_cuda and len(cfg.padding) == 2:
+        print("note: on a CPU padding the vocabulary buys nothing (no tensor-core tiles for the alignment to help) and "
+              "costs the extra rows of lm_head; on a GPU it is the post's fast path (docs/bench.md)")
     save(rows, complete=True)
     chart(out / f"{cfg.mode}.png", rows, cfg, env)
     print(f"wrote {out / (cfg.mode + '.json')} and {out / (cfg.mode + '.png')}")

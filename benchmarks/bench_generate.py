@@ -144,7 +144,8 @@ def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
             calls[key] = counted(row.generation(row.new_tokens), tallies[key])
             calls[key + "#prefill"] = counted(row.generation(1), tallies[key])  # the prompt, and one token drawn
             before[key] = before[key + "#prefill"] = row.make_active
-        with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr) as bar:
+        with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr,
+                  disable=None) as bar:
             first = first_calls(rows, described, rt, bar, progress, tallies)
             audit(rows, described, rt, bar)
             progress()
@@ -208,6 +209,11 @@ def generate_chart(ax, rows: list[dict], cfg) -> str:
     ax.set_xticks(np.arange(len(groups)), groups, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylim(top=ax.get_ylim()[1] * 4)  # headroom for the legend above the tallest bars
+    # a decade or two of tokens/s: label 1, 2 and 5 of each decade, so the axis is read without counting gridlines
+    from matplotlib.ticker import FuncFormatter, LogLocator  # drawing only: chart() has picked the backend
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.grid(axis="y", alpha=0.3)
     ax.set_ylabel("tokens/s (median; higher is better)")
     return (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, block {cfg.seq_len}: {cfg.new_tokens} new tokens after "
             f"{cfg.prompt_len}, batch {cfg.gen_batch}, greedy")

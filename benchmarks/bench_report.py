@@ -58,7 +58,8 @@ def attn_cell(row: dict) -> str:
 
 TRAIN_COLUMNS = {
     "attn": attn_cell,
-    "vocab": lambda r: str(r.get("vocab", "padded" if r["pad_vocab"] else "unpadded")),
+    "vocab": lambda r: f"{r['vocab']} {'padded' if r['pad_vocab'] else 'unpadded'}" if "vocab" in r
+    else ("padded" if r["pad_vocab"] else "unpadded"),
     "mask": lambda r: r["mask"],
     "ms/iter": lambda r: f"{r['ms_per_iter']:.1f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.1f}",
@@ -110,7 +111,8 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     title = generate_chart(ax, rows, cfg) if cfg.mode == "generate" else ms_chart(ax, rows, cfg)
-    ax.set_title(f"{env['device_name']}, {cfg.dtype}\n{title}", fontsize=9)
+    precision = f"weights {', '.join(cfg.weights)}" if cfg.mode == "generate" else cfg.dtype  # a bar per weights
+    ax.set_title(f"{env['device_name']}, {precision}\n{title}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

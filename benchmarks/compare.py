@@ -296,6 +296,8 @@ def print_comparison(run: Run, report: dict) -> None:
              for pair in a["float32"]["pairwise"]]
     for label, cells in rows:
         print(f"{label:<12}" + "".join(f"{value:>16.2e}{str(close):>10}" for value, close in cells))
+    print("(the post's Appendix A: the same attention scaled in different places rounds differently; allclose is "
+          "torch.allclose's default rtol 1e-5, atol 1e-8, so False at ~1e-7 is rounding, not other attention)")
 
 
 

@@ -1,1 +1,2 @@
-"""The foundation: errors, settings (configurator, --help), runtime, files and datasets, the tokenizer, FLOP counts and GPU peaks, and what the kernels need. It imports only itself and outside packages."""
+"""The foundation: errors, settings (configurator, --help), runtime, files and datasets, the tokenizer, FLOP counts
+and GPU peaks, and what the kernels need. It imports only itself and outside packages."""

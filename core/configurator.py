@@ -143,6 +143,18 @@ class Settings(SimpleNamespace):
         return dict(vars(self))
 
 
+def closest_config(path: Path) -> str:
+    """The next step for a config file that is not there: the closest name in its folder, else what is there."""
+    folder = path.parent if path.parent != Path(".") and path.parent.is_dir() else Path("config")
+    there = sorted(p.name for p in folder.glob("*.py")) if folder.is_dir() else []
+    close = difflib.get_close_matches(path.name, there, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {folder / close[0]}?"
+    if there:
+        return f"pass the path of an existing one ({folder}/ holds {', '.join(there)})."
+    return "pass the path of an existing config file, like config/train_shakespeare_char.py."
+
+
 def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> Settings:
     """The settings of a script whose defaults are the plain globals of `namespace`, with config files and
     --key=value overrides applied and checked against `limits`. `namespace` itself is left untouched, so a
@@ -165,8 +177,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             continue
         path = Path(arg)
         if not path.is_file():
-            raise UserError(f"config file '{arg}' not found; pass the path of an existing config file, "
-                            f"like config/train_shakespeare_char.py.")
+            raise UserError(f"config file '{arg}' not found; {closest_config(path)}")
         scope: dict = {}
         try:
             exec(compile(path.read_text(), str(path), "exec"), scope)

@@ -23,7 +23,8 @@ def check_wandb() -> None:
     try:
         import wandb  # noqa: F401
     except ImportError:
-        raise UserError("wandb_log=True needs the wandb package: pip install wandb, or pass --wandb_log=False.") from None
+        raise UserError("wandb_log=True needs the wandb package: pip install wandb, or pass --wandb_log=False.") \
+            from None
     if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
         return
     host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
@@ -52,7 +53,8 @@ class MetricsLog:
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return
-        text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        text = "  ".join(f"{k} {100 * v:.2f}%" if k == "mfu" else f"{k} {v:.4g}" if isinstance(v, float)
+                         else f"{k} {v}" for k, v in metrics.items())  # mfu: a percent, as bench's (JSON: a fraction)
         print(text, flush=True)
         if self.path is not None:
             with open(self.path, "a") as f:

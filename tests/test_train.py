@@ -202,7 +202,8 @@ def test_quickstart_config_loss_falls_and_compile_trains_with_compilation_left_o
 
 def test_a_missing_data_dir_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match=f"data_dir {tmp_path / 'nothing'} does not exist"):
-        train.main(TINY + ["--dataset=openwebtext", f"--data_dir={tmp_path / 'nothing'}"])
+        train.main(TINY + ["--dataset=openwebtext", f"--data_dir={tmp_path / 'nothing'}",
+                           f"--out_dir={tmp_path / 'out'}"])
 
 
 def test_vocab_mismatch_between_data_and_checkpoint_is_refused(char_data, tmp_path):
@@ -313,8 +314,11 @@ def test_config_files_apply_in_order_and_are_checked_too(tmp_path):
         configure(settings_namespace(), [str(tmp_path / "bad.py")])
     with pytest.raises(UserError) as missing:
         configure(settings_namespace(), ["nope.py"])
-    assert str(missing.value) == ("config file 'nope.py' not found; pass the path of an existing config file, like "
-                                  "config/train_shakespeare_char.py.")
+    assert str(missing.value).startswith("config file 'nope.py' not found; pass the path of an existing one "
+                                         "(config/ holds eval_gpt2.py, ")  # the folder's config files, named
+    with pytest.raises(UserError, match=r"^config file 'config/train_shakespeare_char_cp.py' not found; did you mean "
+                                        r"config/train_shakespeare_char_cpu.py\?$"):  # the closest, not the GPU one
+        configure(settings_namespace(), ["config/train_shakespeare_char_cp.py"])
 
 
 def test_the_gpt2_recipe_pads_the_vocabulary_as_the_posts_fast_path():

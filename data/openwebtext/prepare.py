@@ -185,7 +185,7 @@ def write_split(tokenized: datasets.Dataset, path: Path, name: str) -> int:
     arr = np.memmap(path, dtype=files.TOKEN_DTYPE, mode="w+", shape=(total,))
     n_shards = min(MAX_WRITE_SHARDS, tokenized.num_rows)
     idx = 0
-    for i in tqdm(range(n_shards), desc=f"writing {name}"):
+    for i in tqdm(range(n_shards), desc=f"writing {name}", disable=None):
         shard = tokenized.shard(num_shards=n_shards, index=i, contiguous=True).with_format("numpy")
         chunk = np.concatenate(list(shard["ids"]))
         arr[idx : idx + len(chunk)] = chunk
