@@ -159,11 +159,16 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
     """The settings of a script whose defaults are the plain globals of `namespace`, with config files and
     --key=value overrides applied and checked against `limits`. `namespace` itself is left untouched, so a
     script's main() can run again in the same process with its defaults. `--help` or `-h` anywhere in argv prints
-    settings_help.help_text() and exits 0 before anything else is read."""
+    settings_help.help_text() and exits 0 before anything runs: each setting as the rest of the command line sets it
+    (config files, overrides), or its default where that line has a mistake (which a run would then name)."""
     if "--help" in argv or "-h" in argv:
         from core import settings_help  # only when asked for: the scripts' start-up does not carry it
         allowed = {key: allowed_text(spec) for key, spec in (limits or {}).items()}
-        settings_help.print_help(namespace, settings(namespace), allowed)
+        try:
+            values = configure(namespace, [a for a in argv if a not in ("--help", "-h")], limits).as_dict()
+        except UserError:
+            values = settings(namespace)
+        settings_help.print_help(namespace, values, allowed)
         raise SystemExit(0)
     namespace = dict(namespace)
     defaults = settings(namespace)  # types are checked against these, whatever a config file set before

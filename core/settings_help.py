@@ -36,8 +36,9 @@ def help_text(namespace: dict, defaults: dict, allowed: dict[str, str]) -> str:
         rows.append((header, f"{key} = {defaults[key]!r}", _described(comment, allowed.get(key))))
     summary = " ".join((namespace.get("__doc__") or "").strip().split("\n\n")[0].split())  # the first paragraph
     out = [*textwrap.wrap(summary, HELP_WIDTH), "", f"usage: {_command(path)} [CONFIG_FILE ...] [--key=value ...]",
-           "The settings with their defaults and [allowed values]; set them in a config file (Python assignments) "
-           "or with --key=value."]
+           "The settings as this command line sets them (the defaults, unless config files or --key=value come "
+           "before --help) and their [allowed values]; set them in a config file (Python assignments) or with "
+           "--key=value."]
     column = min(36, max((len(setting) for _, setting, _ in rows), default=0) + 4)
     group = None
     for header, setting, text in rows:

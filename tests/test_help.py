@@ -152,10 +152,16 @@ def test_openwebtext_help_reads_as_its_settings_do(capsys):
     assert ("system", "num_proc", "None worker processes; None: min(8, half the CPU cores) [at least 1]") in owt
 
 
-def test_help_anywhere_in_argv_wins_over_config_files_and_bad_settings(tmp_path, monkeypatch, capsys):
+def test_help_shows_what_the_command_line_sets_and_answers_a_line_with_mistakes_too(tmp_path, monkeypatch, capsys):
+    """`python train.py config/X.py --help` shows X's values (it once showed the defaults: no way to see what a
+    command line resolves to before running it); a line with a mistake still gets help, with the defaults."""
     monkeypatch.chdir(tmp_path)
     plain = run_help(train, ["--help"], capsys)
-    assert run_help(train, [str(REPO / "config" / "train_shakespeare_char_cpu.py"), "--help"], capsys) == plain
+    resolved = run_help(train, [str(REPO / "config" / "train_shakespeare_char_cpu.py"), "--n_layer=3", "--help"],
+                        capsys)
+    rows = {name: rest for _, name, rest in help_sections(resolved)}
+    assert rows["out_dir"].startswith("'out-shakespeare-char-cpu' ") and rows["n_layer"].startswith("3 ")
+    assert {name: rest for _, name, rest in help_sections(plain)}["n_layer"].startswith("12 ")
     assert run_help(train, ["--no_such_setting=1", "no_such_config.py", "-h"], capsys) == plain
     assert list(tmp_path.iterdir()) == []
 
