@@ -12,16 +12,21 @@ from core.configurator import Settings
 
 
 def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:
-    """A plain-text table; a skipped row (or one that ran out of memory) shows why in place of the numbers, after
-    the columns that name it (attn, vocab or case, and mask)."""
+    """A plain-text table; a row that was skipped (or ran out of memory) shows a numbered reason in place of its
+    numbers, after the columns that name it (attn, vocab or case, and mask), each reason written out once below the
+    table (on a CPU, half the rows are GPU-only kernels sharing a few reasons)."""
     formats = list(columns.values())
     labels = 3 if "mask" in columns else 2
+    why = lambda row: f"{row['status']}: {row['reason']}"  # noqa: E731
+    reasons = list(dict.fromkeys(why(row) for row in rows if row["status"] != "ok"))
     cells = [[f(row) for f in formats] if row["status"] == "ok"
-             else [f(row) for f in formats[:labels]] + [f"{row['status']}: {row['reason']}"] for row in rows]
+             else [f(row) for f in formats[:labels]] + [f"{row['status']} ({reasons.index(why(row)) + 1})"]
+             for row in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells if len(c) == len(formats) or i < labels])
               for i, h in enumerate(columns)]
-    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
-    return "\n".join([line(list(columns)), line(["-" * w for w in widths])] + [line(c) for c in cells])
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()  # noqa: E731
+    notes = [f"({i}) {reason}" for i, reason in enumerate(reasons, 1)]
+    return "\n".join([line(list(columns)), line(["-" * w for w in widths])] + [line(c) for c in cells] + notes)
 
 
 def kernel_cell(row: dict) -> str:

@@ -502,3 +502,16 @@ def test_the_generate_tables_baseline_is_named_for_what_it_is():
                kernel_ok=True, kernel_expected=["flash"], same_tokens_as_no_cache=True)
     header = format_table([row], GENERATE_COLUMNS).splitlines()[0]
     assert "vs nanoGPT (sdpa, no cache)" in header
+
+
+def test_skipped_rows_share_a_numbered_reason_written_once_below_the_table():
+    """A CPU sweep skips half its rows for a few reasons (GPU-only kernels): one line each, not one per row."""
+    from benchmarks.bench_report import TRAIN_COLUMNS, format_table
+    cuda_only = "the cuDNN kernel is CUDA-only"
+    rows = [dict(attn=a, pad_vocab=pad, vocab=8191 + pad, mask="causal", status="skipped", reason=cuda_only)
+            for a in ("cudnn", "efficient") for pad in (False, True)]
+    rows.append(dict(attn="flex", pad_vocab=False, vocab=8191, mask="causal", status="skipped", reason="no backward"))
+    table = format_table(rows, TRAIN_COLUMNS).splitlines()
+    assert [line.split()[-2:] for line in table[2:7]] == [["skipped", "(1)"]] * 4 + [["skipped", "(2)"]]
+    assert table[7:] == [f"(1) skipped: {cuda_only}", "(2) skipped: no backward"]
+    assert "8192 padded" in table[3]  # one form for the vocab column: the size, and whether it was padded
