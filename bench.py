@@ -203,8 +203,9 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
         problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
                                     cfg.seq_len, masked=m != "causal")
         key = row_key(a, pad, m)
-        rows[key] = dict(attn=a, pad_vocab=pad, mask=m, eager_reference=eager_reference(a, problem, cfg, rt),
-                         status="skipped" if problem else "ok", reason=problem)
+        vocab = -(-cfg.vocab_size // 64) * 64 if pad else cfg.vocab_size  # GPTConfig.padded_vocab_size's rule
+        rows[key] = dict(attn=a, pad_vocab=pad, vocab=vocab, mask=m, status="skipped" if problem else "ok",
+                         eager_reference=eager_reference(a, problem, cfg, rt), reason=problem)
         if problem is None:
             if (pad, m) not in trainers:
                 trainers[pad, m] = build_trainer(cfg, rt, a, pad, cfg.batch_size, m)

@@ -63,8 +63,7 @@ def attn_cell(row: dict) -> str:
 
 TRAIN_COLUMNS = {
     "attn": attn_cell,
-    "vocab": lambda r: f"{r['vocab']} {'padded' if r['pad_vocab'] else 'unpadded'}" if "vocab" in r
-    else ("padded" if r["pad_vocab"] else "unpadded"),
+    "vocab": lambda r: f"{r['vocab']} {'padded' if r['pad_vocab'] else 'unpadded'}",
     "mask": lambda r: r["mask"],
     "ms/iter": lambda r: f"{r['ms_per_iter']:.1f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.1f}",
