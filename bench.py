@@ -41,6 +41,7 @@ from benchmarks.bench_train import Trainer, build_trainer, fits  # noqa: F401 - 
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from core.runtime import Runtime
+from model import GPTConfig
 
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone;
@@ -203,7 +204,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
         problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
                                     cfg.seq_len, masked=m != "causal")
         key = row_key(a, pad, m)
-        vocab = -(-cfg.vocab_size // 64) * 64 if pad else cfg.vocab_size  # GPTConfig.padded_vocab_size's rule
+        vocab = GPTConfig(vocab_size=cfg.vocab_size, pad_vocab=pad).padded_vocab_size  # skipped rows' too
         rows[key] = dict(attn=a, pad_vocab=pad, vocab=vocab, mask=m, status="skipped" if problem else "ok",
                          eager_reference=eager_reference(a, problem, cfg, rt), reason=problem)
         if problem is None:

@@ -117,10 +117,10 @@ def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dic
     try:
         known = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        known, problem = {}, f"it cannot be read as JSON ({type(e).__name__})"
+        known, problem = None, f"it cannot be read as JSON ({type(e).__name__})"
     else:
         problem = None if isinstance(known, dict) else f"it holds a JSON {type(known).__name__}, not an object"
-    usable = {key: entry for key, entry in known.items() if entry_ok(entry)} if isinstance(known, dict) else {}
+    usable = {key: entry for key, entry in known.items() if entry_ok(entry)} if problem is None else {}
     if problem is None and len(usable) < len(known):
         problem = f"{len(known) - len(usable)} of its {len(known)} entries are not {what}"
     if problem is not None:
