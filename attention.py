@@ -75,6 +75,19 @@ def _forced_backend(backend: SDPBackend) -> AttentionFn:
     return attention
 
 
+def _cudnn() -> AttentionFn:
+    forced = _forced_backend(SDPBackend.CUDNN_ATTENTION)
+
+    def cudnn_attention(q, k, v, mask, dropout_p):
+        # cuDNN refuses a key length of 1 ("cudnn SDPA does not support key/value sequence length 1"), which the first
+        # step of cache-free generation from a one-token prompt asks for. The one key visible then takes all the
+        # weight, so its value is the exact answer, the one every kernel gives.
+        if k.size(-2) == 1 and mask is None and dropout_p == 0.0:
+            return v  # (B, nh, 1, hs)
+        return forced(q, k, v, mask, dropout_p)
+    return cudnn_attention
+
+
 # The FlashAttention build behind SDPA's flash backend, by attn: PyTorch's own (FA2), or one that torch 2.13 plugs into
 # the dispatcher in its place (FA3, FA4; core/kernels.py switches). The choice is process-wide, so an eager call makes
 # sure its own build is active (one function call unless another row switched it); compiled code calls the aten op,
@@ -195,7 +208,7 @@ ATTENTION: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "flash": _flash_with(None),
     "efficient": _forced_backend(SDPBackend.EFFICIENT_ATTENTION),
-    "cudnn": _forced_backend(SDPBackend.CUDNN_ATTENTION),
+    "cudnn": _cudnn(),
     "math": _forced_backend(SDPBackend.MATH),
     "flex": _flex(None),
     "varlen": varlen_attention,

@@ -451,8 +451,8 @@ def test_generate_defaults_on_a_gpu_compile_two_rows_and_say_how_long_that_takes
     assert (cfg.attn, cfg.weights, cfg.cache, cfg.n_layer, cfg.new_tokens) == (
         ["manual", "sdpa"], ["bfloat16"], ["none", "cache", "compiled"], 12, 127)
     assert bench.sweep_plan(cfg, rt).startswith(
-        "generate: 6 rows, 2 of them compiled, 3 timed rounds of 127 tokens; each compiled row compiles once (45-60 s "
-        "on an H200 at GPT-2 124M), so compiling alone takes about 1.5-2.0 min")
+        "generate: 6 rows, 2 of them compiled, 3 timed rounds of 127 tokens; each compiled row compiles once (7-60 s "
+        "on an H200 at GPT-2 124M), so compiling alone takes about 0.2-2.0 min")
 
 
 def test_generate_mode_refuses_unknown_weights_and_caches_in_one_sentence(tmp_path):

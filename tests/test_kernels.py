@@ -16,6 +16,7 @@ from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
 from core import kernels, runtime
 from core.runtime import Runtime
+from engine.generate import generate
 from model import GPT, GPTConfig, UserError
 
 OPTIONAL = ("flash3", "flash4", "flex_flash")
@@ -219,6 +220,22 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
     err = capsys.readouterr().err.strip()
     assert err.startswith("warning: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err
     assert err.count("\n") == 0
+
+
+def test_cudnn_generates_from_a_one_token_prompt_without_a_cache(monkeypatch):
+    # on CUDA cuDNN refuses a key length of 1 ("No available kernel"), the first step of cache-free generation from
+    # a one-token prompt (the GPU suite met it on an H200); one visible key's value is the answer every kernel gives
+    def cudnn_as_cuda_runs_it(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        if k.size(-2) == 1:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return attention.manual_attention(q, k, v, attn_mask, dropout_p)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", cudnn_as_cuda_runs_it)
+    monkeypatch.setattr(attention, "attention_problem", lambda *args, **kw: None)  # the probe: cuDNN runs here
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=32)).eval()
+    one = torch.tensor([[3], [5]])
+    manual = generate(model.set_attention("manual"), one, 6, temperature=0.0, use_cache=False)
+    assert torch.equal(generate(model.set_attention("cudnn"), one, 6, temperature=0.0, use_cache=False), manual)
 
 
 # -- the audit: flex's eager reference is named -------------------------------------------------------------
