@@ -294,6 +294,24 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
                  decode_step=decode_step)
 
 
+def attention_pass(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
+                   backward: bool) -> Callable[[], torch.Tensor]:
+    """One pass of an implementation as every check and measurement makes it (the probe below, attn=auto's timing,
+    bench's attention mode): the forward alone under no_grad, or forward and backward with q's values as the
+    incoming gradient (any values cost the same), leaf gradients dropped after so repeated calls hold no more."""
+    def run() -> torch.Tensor:
+        if not backward:
+            with torch.no_grad():
+                return fn(q, k, v, mask, dropout_p)
+        y = fn(q, k, v, mask, dropout_p)
+        y.backward(q.detach())
+        for t in (q, k, v):
+            if t.is_leaf:
+                t.grad = None
+        return y.detach()
+    return run
+
+
 def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
            needs_grad: bool, seq_len: int, masked_decode: bool = False, masked: bool = False,
            decode_step: bool = True) -> Optional[str]:
@@ -324,10 +342,8 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
                 if masked:
                     docs = (torch.arange(T, device=device_type) >= T // 2).long()[None]  # (1, T): two documents
                     mask = mask_form(attn, docs, T // 4, 1, T, device_type)
-                y = ATTENTION[attn](q, k, v, mask, dropout_p)
-                if needs_grad:
-                    y.sum().backward()
-                elif decode_step:
+                attention_pass(ATTENTION[attn], q, k, v, mask, dropout_p, needs_grad)()
+                if not needs_grad and decode_step:
                     ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
         except (RuntimeError, NotImplementedError, BuildUnavailable) as e:
             from core import kernels  # read only when a kernel refuses

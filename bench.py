@@ -22,7 +22,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -33,7 +33,7 @@ from core import runtime
 from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
 from core.configurator import Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
-from attention import ATTENTION, FLASH_BUILDS, FLEX, attention_problem, reset_compiled_flex
+from attention import ATTENTION, FLASH_BUILDS, FLEX, attention_pass, attention_problem, reset_compiled_flex
 from core.kernels import use_flash_build
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
@@ -249,17 +249,6 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
 
 # -- attention-only mode -----------------------------------------------------------------------------------
 
-def attention_call(fn, q, k, v, mask, dropout_p: float, backward: bool) -> Callable[[], None]:
-    def call() -> None:
-        if not backward:
-            with torch.no_grad():
-                fn(q, k, v, mask, dropout_p)
-            return
-        fn(q, k, v, mask, dropout_p).backward(q.detach())  # q doubles as the incoming gradient: any values do
-        q.grad = k.grad = v.grad = None
-    return call
-
-
 def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     """One row per head size x sequence length x pass (fwd, fwd+bwd) x mask x attn: time, added memory, kernel, the
     share of the score matrix computed. Each row's mask is built before it is timed: this times the kernel."""
@@ -290,8 +279,8 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                     if docs is not None:
                         here[a]["boundaries_per_block"] = boundaries_per_block(docs)
                     masking = row_mask(a, docs, window, cfg.attn_batch, T, rt.device)  # None: causal
-                    calls[a] = attention_call(functions[a], q, k, v, masking, cfg.dropout, backward)
-                    audits[a] = attention_call(ATTENTION[a], q, k, v, masking, cfg.dropout, backward)
+                    calls[a] = attention_pass(functions[a], q, k, v, masking, cfg.dropout, backward)
+                    audits[a] = attention_pass(ATTENTION[a], q, k, v, masking, cfg.dropout, backward)
                     before[a] = functools.partial(use_flash_build, FLASH_BUILDS.get(a))
                 else:
                     bar.update(cfg.warmup + 1 + cfg.iters)
