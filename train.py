@@ -215,13 +215,13 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
     out = {}
     for split in ("train", "val") if cfg.eval_train else ("val",):
         batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank)
-        losses = []
+        total = torch.zeros((), device=rt.device)
         for x, y in batches.micro_batches(split, cfg.eval_iters):  # this rank's own batches, seeded by rank
             with rt.autocast():
-                _, loss = model(x.to(rt.device), y.to(rt.device))
-            losses.append(loss.item())
+                _, loss = model(*rt.to_device(x, y))
+            total += loss.float()
         out["val/loss" if split == "val" else "train/eval_loss"] = runtime.mean_across_ranks(
-            sum(losses) / len(losses), rt.device)
+            total.item() / cfg.eval_iters, rt.device)  # one read per split
     model.train()
     return out
 
@@ -246,16 +246,17 @@ class Trainer:
     best_val_loss: float = math.inf
 
     def step(self, micro_steps: int) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; returns their mean loss (on the device)."""
+        """One optimizer step over this rank's micro-batches, queued on the device and not waited for (nothing here
+        reads a value back; fp16's GradScaler alone reads its inf check). Returns their mean loss, on the device."""
         loss_sum = torch.zeros((), device=self.rt.device)
         micro_batches = self.batches.micro_batches("train", micro_steps, self.rt.rank, self.rt.world_size)
-        for micro, (x, y) in enumerate(micro_batches):
+        x, y = self.rt.to_device(*micro_batches[0])
+        for micro in range(micro_steps):
             with gradient_sync(self.model, sync=micro == micro_steps - 1):
-                if self.rt.is_cuda:  # pinned memory lets the copy overlap with compute
-                    x, y = x.pin_memory(), y.pin_memory()
                 with self.rt.autocast():
-                    _, loss = self.model(x.to(self.rt.device, non_blocking=True),
-                                         y.to(self.rt.device, non_blocking=True))
+                    _, loss = self.model(x, y)
+                if micro + 1 < micro_steps:  # the next micro-batch is copied while the forward runs, as nanoGPT does
+                    x, y = self.rt.to_device(*micro_batches[micro + 1])
                 self.scaler.scale(loss / micro_steps).backward()
             loss_sum += loss.detach()
         if self.cfg.grad_clip > 0:
@@ -285,14 +286,15 @@ class Trainer:
             model_config=dataclasses.asdict(self.raw_model.config), iter_num=self.iter_num,
             best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
 
-    def log_step(self, loss: float, lr: float, timer: StepTimer, peak_flops: float) -> None:
-        """The training line: loss averaged over ranks, and speed over the timed steps since the last one."""
-        seconds, steps = timer.read_and_reset()
-        loss = runtime.mean_across_ranks(loss, self.rt.device)
+    def log_step(self, it: int, loss: torch.Tensor, lr: float, timer: StepTimer, peak_flops: float) -> None:
+        """Iteration `it`'s training line: its loss averaged over ranks (the read that waits for its step), and the
+        speed over the timed steps since the last line."""
+        loss = runtime.mean_across_ranks(loss.item(), self.rt.device)
+        seconds, steps = timer.lap(it)
         if not math.isfinite(loss):
-            raise UserError(f"training loss is {loss} at iter {self.iter_num}; training diverged (try a lower "
+            raise UserError(f"training loss is {loss} at iter {it}; training diverged (try a lower "
                             f"learning_rate or grad_clip); the last good checkpoint in {self.cfg.out_dir} is kept.")
-        metrics = {"iter": self.iter_num, "train/loss": loss, "lr": lr}
+        metrics = {"iter": it, "train/loss": loss, "lr": lr}
         if steps:  # none when the only step since the last line was the compiling one
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
             mfu = self.raw_model.model_flops_utilization(tokens_per_s / self.rt.world_size, peak_flops,
@@ -340,22 +342,30 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
 
 def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating (and saving) every eval_interval steps and at the end; a
-    resumed run (resumed_at: its step) was evaluated and saved there before it stopped, so not again."""
+    resumed run (resumed_at: its step) was evaluated and saved there before it stopped, so not again. Nothing waits
+    on the device between log points, and a log line is written once the next step is queued, so even at
+    log_interval=1 the device always has the next step to run while the host reads the last one's loss."""
     cfg, rt = trainer.cfg, trainer.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
     timer = StepTimer(rt)
     steps_run = 0  # optimizer steps taken by this process
+    unlogged = None  # (iter, loss on the device, lr) of a log point, written after the next step is queued
     try:
         while True:
             multiplier = lr_multiplier(trainer.iter_num, cfg)
             set_learning_rates(trainer.optimizers, multiplier)
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
-            # every rank must stop at the same step, so one rank's clock running out stops them all
-            out_of_time = cfg.max_seconds > 0 and runtime.mean_across_ranks(
+            # every rank must stop at the same step, so one rank's clock running out stops them all; that takes a
+            # collective, so under torchrun the clock is compared where the ranks meet anyway: at log points
+            check_clock = cfg.max_seconds > 0 and (unlogged is not None or not rt.is_distributed)
+            out_of_time = check_clock and runtime.mean_across_ranks(
                 float(timer.total >= cfg.max_seconds), rt.device) > 0
             done = trainer.iter_num >= cfg.max_iters or out_of_time
             due = trainer.iter_num % cfg.eval_interval == 0 or done
+            if due and unlogged is not None:  # the training line before the evaluation's
+                trainer.log_step(*unlogged, timer, peak_flops)
+                unlogged = None
             if due and trainer.iter_num != resumed_at:
                 timer.pause()  # the lr both of iter N's lines show: the rate of the step that made iter N's weights
                 last_lr = cfg.learning_rate * lr_multiplier(max(0, trainer.iter_num - 1), cfg)
@@ -363,16 +373,14 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
             if done:
                 break
             # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
-            timed = not (cfg.compile and steps_run == 0)
-            if timed and not timer.running:
-                timer.start()
+            if not (cfg.compile and steps_run == 0) and not timer.running:
+                timer.start(trainer.iter_num)
             loss = trainer.step(micro_steps)
-            if timed:
-                timer.step()
             steps_run += 1
             trainer.iter_num += 1
-            if trainer.iter_num % cfg.log_interval == 0:
-                trainer.log_step(loss.item(), lr, timer, peak_flops)
+            if unlogged is not None:  # its read waits for the step before this one only
+                trainer.log_step(*unlogged, timer, peak_flops)
+            unlogged = (trainer.iter_num, loss, lr) if trainer.iter_num % cfg.log_interval == 0 else None
     finally:
         trainer.saver.close()  # an asynchronous save still writing finishes first
         trainer.log.close()

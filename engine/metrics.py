@@ -68,39 +68,43 @@ class MetricsLog:
 
 
 class StepTimer:
-    """Wall time of training steps only: pause it around evaluation and checkpointing."""
+    """Wall time of training steps, kept without waiting on the device between log points. start and pause
+    (around evaluation and checkpointing) synchronize; a lap is read right after the host read a value that step
+    `it` produced (its loss), which waits for that step alone while the next one is already queued: so the
+    seconds between two laps are the device's time for the steps between them."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.total = 0.0                    # seconds of training so far, for max_seconds
-        self.window, self.steps = 0.0, 0    # since the last read, for ms per step
-        self._t0 = None
+        self.banked = 0.0                   # seconds of training before the last start
+        self._t0 = None                     # when the timer last started, while it runs
+        self._lap = None                    # (time, iter) of the last lap or start
 
     @property
     def running(self) -> bool:
         return self._t0 is not None
 
-    def start(self) -> None:
+    @property
+    def total(self) -> float:
+        """Seconds of training so far, for max_seconds: the host's clock, which runs at most a step or so ahead."""
+        return self.banked + (time.perf_counter() - self._t0 if self.running else 0.0)
+
+    def start(self, it: int) -> None:
         self.rt.synchronize()
         self._t0 = time.perf_counter()
+        self._lap = (self._t0, it)
 
     def pause(self) -> None:
-        if self._t0 is not None:
+        if self.running:
             self.rt.synchronize()
-            seconds = time.perf_counter() - self._t0
-            self.total += seconds
-            self.window += seconds
-            self._t0 = None
+            self.banked += time.perf_counter() - self._t0
+            self._t0 = self._lap = None
 
-    def step(self) -> None:
-        self.steps += 1
-
-    def read_and_reset(self) -> tuple[float, int]:
-        """(seconds, steps) since the last read; a running timer keeps running."""
-        running = self.running
-        self.pause()
-        seconds, steps = self.window, self.steps
-        self.window, self.steps = 0.0, 0
-        if running:
-            self.start()
+    def lap(self, it: int) -> tuple[float, int]:
+        """(seconds, steps) from the last lap or start to the end of step `it`; (0, 0) when the timer was not
+        running across them (the compiling step is not timed)."""
+        if self._lap is None:
+            return 0.0, 0
+        now = time.perf_counter()
+        seconds, steps = now - self._lap[0], it - self._lap[1]
+        self._lap = (now, it)
         return seconds, steps

@@ -178,6 +178,39 @@ def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
     assert 0 < last < 100000 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == last
 
 
+def test_no_step_waits_on_the_device_between_log_points(char_data, tmp_path, monkeypatch):
+    """On a GPU every read of a computed value (item, tolist, float, bool, numpy, cpu) and every synchronize makes
+    the host wait for the device, which then idles while the host launches the next step. A stand-in records each
+    one the project's code makes (core/dataset.py's reads of host-side offsets are no device reads), and the
+    launch of each training step: reads come only after a log point's next step is queued (its line is written
+    then), or at the end's evaluation. Micro-batches copied one ahead are in play (accumulation 2)."""
+    events = []
+    real_step = train.Trainer.step
+    monkeypatch.setattr(train.Trainer, "step", lambda self, micro: events.append("step") or real_step(self, micro))
+    project, host_data = str(REPO), str(REPO / "core" / "dataset.py")
+
+    def counted(real):
+        def read(tensor, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(project) and caller != host_data and "/tests/" not in caller:
+                events.append("read")
+            return real(tensor, *args, **kwargs)
+        return read
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    monkeypatch.setattr(runtime.Runtime, "synchronize", lambda self: events.append("read"))
+    assert train.main(TINY + [f"--data_dir={char_data}", "--max_iters=12", "--log_interval=4", "--eval_interval=100",
+                              "--gradient_accumulation_steps=2", f"--out_dir={tmp_path}"]) == 0
+    reads_after_step, step = {}, 0
+    for event in events:
+        step += event == "step"
+        reads_after_step[step] = reads_after_step.get(step, 0) + (event == "read")
+    # iter 4's line is read once step 5 is queued, iter 8's once step 9 is; iter 12 is the end: its line, evaluation
+    assert {s for s, reads in reads_after_step.items() if reads and s > 0} == {5, 9, 12}
+    assert sorted(metrics(tmp_path, "train/loss")) == [4, 8, 12] and sorted(metrics(tmp_path, "ms_per_iter")) == [
+        4, 8, 12]
+
+
 def test_eval_train_off_evaluates_val_alone_on_the_same_batches(char_data, tmp_path):
     both, val_only = tmp_path / "both", tmp_path / "val_only"
     common = TINY + [f"--data_dir={char_data}", "--max_iters=4", "--eval_interval=2"]
