@@ -5,6 +5,7 @@ PyTorch's "Accelerating Large Language Models with Accelerated Transformers" pos
     python bench.py                                        # training steps, every attn x padding off/on
     python bench.py --attn=manual,flash --seq_len=512 --batch_size=4
     python bench.py --max_batch=True                       # also the largest batch each row fits
+    python bench.py --loss=chunked,whole                   # the chunked loss against the whole logits: memory, time
     python bench.py --dropout=0.1                          # watch sdpa leave the fused kernel (flagged "!")
     python bench.py --mode=attention                       # the attention op alone, over sequence lengths
     python bench.py --mode=attention --mask=causal,doc,window  # what documents and a window cost each kernel
@@ -56,6 +57,8 @@ n_embd = None
 vocab_size = None         # tokens in the vocabulary; padding rounds it up to a multiple of 64
 dropout = 0.0             # > 0 shows the post's silent fallback: on CPU, sdpa's fused kernel refuses dropout
 bias = True
+loss = "chunked"          # train mode: "chunked" (model.ChunkedLMHeadLoss: never the whole logits), "whole" (the
+                          # (B*T, V) logits and F.cross_entropy, nanoGPT's) or "chunked,whole": a row of each
 # masks (bench_masks.py): a row per attn x mask; causal alone by default
 mask = "causal"           # comma list of causal, doc (document-causal), window, doc+window
 window = 256              # the window rows' sliding window, in tokens
@@ -103,7 +106,7 @@ LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vo
           "iters": "[1, inf)", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)", "attn_batch": "[1, inf)",
           "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)", "prompt_len": "[1, inf)",
           "new_tokens": "[1, inf)", "gen_batch": "[1, inf)", "mode": one_of("train", "attention", "generate"),
-          "padding": comma_list_of("off", "on"), "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
+          "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"), "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
           "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",
           "doc_len": "[0, inf)", "attn": comma_list_of("all", *ATTENTION), "attn_auto_budget": "(0, inf)"}
 
@@ -160,6 +163,7 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     cfg.mask = list(dict.fromkeys(as_list(cfg.mask)))  # checked against LIMITS' words
     words = as_list(cfg.padding or ("off" if generating else "off,on"))  # checked against LIMITS' words
     cfg.padding = [w == "on" for w in dict.fromkeys(words)]
+    cfg.loss = list(dict.fromkeys(as_list(cfg.loss)))  # checked against LIMITS' words
     for key in ("attn_seq_lens", "attn_head_sizes"):
         setattr(cfg, key, as_list(getattr(cfg, key), int))
         if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
@@ -190,27 +194,29 @@ def eager_reference(attn: str, problem: Optional[str], cfg: Settings, rt: Runtim
 
 # -- train mode ------------------------------------------------------------------------------------------
 
-def row_key(attn: str, pad_vocab: bool, mask: str) -> str:
-    """A training row's name (its trace file's too): manual_unpadded, flex_padded_doc+window, ..."""
-    return f"{attn}_{'padded' if pad_vocab else 'unpadded'}" + ("" if mask == "causal" else f"_{mask}")
+def row_key(attn: str, pad_vocab: bool, mask: str, loss: str = "chunked") -> str:
+    """A training row's name (its trace file's too): manual_unpadded, flex_padded_doc+window, sdpa_padded_whole..."""
+    return (f"{attn}_{'padded' if pad_vocab else 'unpadded'}" + ("" if mask == "causal" else f"_{mask}") +
+            ("" if loss == "chunked" else f"_{loss}"))
 
 
 def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
-    """One row per attn x padding x mask: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the share of
+    """One row per attn x padding x mask x loss: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the share of
     the score matrix computed, skip reason."""
     head_size, tokens = cfg.n_embd // cfg.n_head, cfg.batch_size * cfg.seq_len
     rows, trainers, calls, audits, before = {}, {}, {}, {}, {}
-    for a, m, pad in ((a, m, pad) for a in cfg.attn for m in cfg.mask for pad in cfg.padding):
+    for a, m, pad, loss in ((a, m, pad, loss) for a in cfg.attn for m in cfg.mask for pad in cfg.padding
+                            for loss in cfg.loss):
         problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
                                     cfg.seq_len, masked=m != "causal")
-        key = row_key(a, pad, m)
+        key = row_key(a, pad, m, loss)
         vocab = GPTConfig(vocab_size=cfg.vocab_size, pad_vocab=pad).padded_vocab_size  # skipped rows' too
-        rows[key] = dict(attn=a, pad_vocab=pad, vocab=vocab, mask=m, status="skipped" if problem else "ok",
+        rows[key] = dict(attn=a, pad_vocab=pad, vocab=vocab, mask=m, loss=loss, status="skipped" if problem else "ok",
                          eager_reference=eager_reference(a, problem, cfg, rt), reason=problem)
         if problem is None:
-            if (pad, m) not in trainers:
-                trainers[pad, m] = build_trainer(cfg, rt, a, pad, cfg.batch_size, m)
-            trainer = trainers[pad, m]
+            if (pad, m, loss) not in trainers:
+                trainers[pad, m, loss] = build_trainer(cfg, rt, a, pad, cfg.batch_size, m, loss)
+            trainer = trainers[pad, m, loss]
             rows[key].update(vocab=trainer.model.config.padded_vocab_size,
                              **fractions(a, trainer.docs, trainer.model.config.window, cfg.seq_len, rt.device))
             if trainer.docs is not None:
@@ -226,24 +232,24 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     for key, m in measured.items():
         row = audited_row(rows[key], m, rows[key]["attn"], rt)
         if row["status"] == "ok":
-            trainer = trainers[row["pad_vocab"], row["mask"]]
+            trainer = trainers[row["pad_vocab"], row["mask"], row["loss"]]
             row["mem/peak_gb"] = (trainer.resident_bytes() + row.pop("added_bytes")) / 1e9
             row["tokens_per_s"] = tokens / (row["ms_per_iter"] / 1e3)
             row["mfu"] = trainer.model.model_flops_utilization(row["tokens_per_s"], peak, cfg.seq_len)
     for row in rows.values():
-        base = rows.get(row_key("manual", row["pad_vocab"], row["mask"]), {})
+        base = rows.get(row_key("manual", row["pad_vocab"], row["mask"], row["loss"]), {})
         if row["status"] == "ok" and base.get("status") == "ok":
             row["speedup_vs_manual"] = paired_speedup(base, row)
     if cfg.auto:  # what attn=auto would pick, beside the fastest row measured here
         from benchmarks.bench_auto import auto_rows
-        rows.update({f"auto_{r['pad_vocab']}_{r['mask']}": r for r in auto_rows(rows, trainers, cfg, rt)})
+        rows.update({f"auto_{r['pad_vocab']}_{r['mask']}_{r['loss']}": r for r in auto_rows(rows, trainers, cfg, rt)})
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
     free_memory(rt)
     if cfg.max_batch:
         for row in tqdm([r for r in rows.values() if r["status"] == "ok" and r["attn"] != "auto"], desc="max batch",
                         file=sys.stderr, disable=None):
-            row["max_batch"] = max_batch_size(lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"]),
-                                              cfg.max_batch_limit)
+            row["max_batch"] = max_batch_size(
+                lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"], row["loss"]), cfg.max_batch_limit)
     return list(rows.values())
 
 
@@ -316,8 +322,8 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
                 f"tokens; each compiled row compiles once ({low}-{high} s on {where}), so compiling alone takes about "
                 f"{compiled * low / 60:.1f}-{compiled * high / 60:.1f} min; rows are saved to {cfg.out_dir} as they "
                 f"finish")
-    rows = len(cfg.attn) * len(cfg.mask) * (len(cfg.padding) if cfg.mode == "train" else 2 * len(cfg.attn_seq_lens) *
-                                            len(cfg.attn_head_sizes))
+    rows = len(cfg.attn) * len(cfg.mask) * (len(cfg.padding) * len(cfg.loss) if cfg.mode == "train" else
+                                            2 * len(cfg.attn_seq_lens) * len(cfg.attn_head_sizes))
     return (f"{cfg.mode}: {rows} rows; each that runs here takes {cfg.warmup} warm-up + 1 profiled + {cfg.iters} timed "
             f"runs (the bar counts them), the others are listed with the reason")
 

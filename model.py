@@ -46,6 +46,7 @@ class GPTConfig:
     doc_mask: bool = False    # attend within a document only: end-of-text (eot_token) opens the next one
     window: int = 0           # attend to at most the last `window` tokens (itself included); 0: no limit
     eot_token: int = -1       # the dataset's end-of-text id (-1: it has none), what doc_mask splits on
+    chunked_loss: bool = True  # training with targets: lm_head and the loss over row chunks (ChunkedLMHeadLoss)
 
     def __post_init__(self):
         if self.attn not in ATTENTION:
@@ -84,6 +85,52 @@ class GPTConfig:
     @property
     def padded_vocab_size(self) -> int:
         return math.ceil(self.vocab_size / 64) * 64 if self.pad_vocab else self.vocab_size
+
+
+# rows of logits per chunk: 2^26 fp32 elements (256 MB; 1334 rows of GPT-2's padded 50304, so 7 chunks for a step
+# of 8,192 tokens): small beside the whole logits, and few chunks, since each adds lm_head's weight gradient once
+LOSS_CHUNK_ELEMENTS = 2 ** 26
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """lm_head and the mean cross-entropy over rows of x, one chunk of rows at a time, so the (N, V) logits and
+    their gradient never exist whole: each chunk's logits give its loss and, at once, its gradients (softmax minus
+    one-hot), which backward only scales. The three matmuls of lm_head's forward and backward, done in the forward;
+    nothing recomputed. Targets of -1 are ignored, as in F.cross_entropy(ignore_index=-1); `bias` (-inf on padded
+    ids, or None) keeps padded ids out of the softmax. Matmuls run in `dtype` (autocast's), sums in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, dtype: torch.dtype):  # x (N, C), weight (V, C), targets (N,)
+        rows = max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
+        valid = targets != -1
+        count = valid.sum()
+        w = weight.to(dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with torch.autocast(x.device.type, enabled=False):
+            for start in range(0, x.size(0), rows):
+                xs, ts = x[start:start + rows].to(dtype), targets[start:start + rows]
+                logits = (xs @ w.t()).float()  # (n, V)
+                if bias is not None:
+                    logits += bias
+                log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+                del logits
+                hit, ids = valid[start:start + rows], ts.clamp(min=0)[:, None]  # (n,), (n, 1)
+                loss -= torch.where(hit, log_probs.gather(1, ids).squeeze(1), 0.0).sum()
+                # d(the chunk's summed loss)/d(logits): softmax minus one-hot, in place; ignored rows add nothing
+                minus_one = torch.full_like(ids, -1, dtype=log_probs.dtype)
+                grad = log_probs.exp_().scatter_add_(1, ids, minus_one).mul_(hit[:, None]).to(dtype)
+                grad_x[start:start + rows] = grad @ w
+                grad_weight += grad.t() @ xs  # bf16/fp16 products summed over chunks in fp32
+        ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype), count)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return grad_x * scale.to(grad_x.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None
 
 
 class CausalSelfAttention(nn.Module):
@@ -205,7 +252,13 @@ class GPT(nn.Module):
         if targets is None and not all_positions:
             x = x[:, [-1], :]  # (B, 1, C): only the next token is needed
         padded = self.config.padded_vocab_size > self.config.vocab_size
-        logits = F.linear(x, self.lm_head.weight, self.vocab_bias if padded else None)  # (B, T, V)
+        bias = self.vocab_bias if padded else None
+        if targets is not None and self.config.chunked_loss and not all_positions and self.training \
+                and torch.is_grad_enabled():  # training: the logits are never whole (eval mode gives them)
+            loss = ChunkedLMHeadLoss.apply(x.reshape(-1, x.size(-1)), self.lm_head.weight, bias, targets.reshape(-1),
+                                           self.compute_dtype())  # (B*T, C) rows
+            return None, loss
+        logits = F.linear(x, self.lm_head.weight, bias)  # (B, T, V)
         if targets is None:
             return logits, None
         # reshape, not view: targets may be any (B, T) tensor, a strided slice such as x[:, 1:] included

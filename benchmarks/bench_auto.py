@@ -10,12 +10,12 @@ from core.runtime import Runtime
 
 
 def auto_rows(rows: dict, trainers: dict, cfg, rt: Runtime) -> list[dict]:
-    """One row per (padding, mask) with a measured row: the pick's measurements, labelled auto, with `auto_pick`,
+    """One row per (padding, mask, loss) with a measured row: the pick's measurements, labelled auto, with `auto_pick`,
     `fastest`, `pick_vs_fastest` (the pick's time over the fastest's, paired) and `within_noise`."""
     out = []
-    for (pad, mask), trainer in trainers.items():
+    for (pad, mask, loss), trainer in trainers.items():
         ran = {r["attn"]: r for r in rows.values()
-               if r["pad_vocab"] == pad and r["mask"] == mask and r["status"] == "ok"}
+               if (r["pad_vocab"], r["mask"], r["loss"]) == (pad, mask, loss) and r["status"] == "ok"}
         if not ran:
             continue
         workload = Workload.of(trainer.model.config, rt, cfg.batch_size, cfg.seq_len, training=True,
@@ -23,7 +23,7 @@ def auto_rows(rows: dict, trainers: dict, cfg, rt: Runtime) -> list[dict]:
         decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
         fastest = min(ran.values(), key=lambda r: r["ms_per_iter"])
         if decision.pick not in ran:  # picked one the sweep did not run (--attn named others)
-            out.append(dict(attn="auto", pad_vocab=pad, mask=mask, status="skipped", auto_pick=decision.pick,
+            out.append(dict(attn="auto", pad_vocab=pad, mask=mask, loss=loss, status="skipped", auto_pick=decision.pick,
                             reason=f"auto picked {decision.pick}, which this sweep did not run"))
             continue
         pick = ran[decision.pick]

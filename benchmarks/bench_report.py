@@ -63,7 +63,8 @@ def attn_cell(row: dict) -> str:
 
 TRAIN_COLUMNS = {
     "attn": attn_cell,
-    "vocab": lambda r: f"{r['vocab']} {'padded' if r['pad_vocab'] else 'unpadded'}",
+    "vocab": lambda r: f"{r['vocab']} {'padded' if r['pad_vocab'] else 'unpadded'}" + (
+        ", whole logits" if r.get("loss") == "whole" else ""),
     "mask": lambda r: r["mask"],
     "ms/iter": lambda r: f"{r['ms_per_iter']:.1f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.1f}",
@@ -128,8 +129,9 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
     masked = len(cfg.mask) > 1 or cfg.mask != ["causal"]
     if cfg.mode == "train":
-        series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if masked else ""): {"pad_vocab": p, "mask": m}
-                  for p in cfg.padding for m in cfg.mask}
+        series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if masked else "") +
+                  (f", {loss} loss" if len(cfg.loss) > 1 else ""): {"pad_vocab": p, "mask": m, "loss": loss}
+                  for p in cfg.padding for m in cfg.mask for loss in cfg.loss}
         title = (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, B={cfg.batch_size}, T={cfg.seq_len}: ms per training "
                  f"step (lower is better)")
     elif masked:  # one bar per mask, at the longest sequence

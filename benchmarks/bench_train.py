@@ -67,10 +67,11 @@ class Trainer:
 
 
 def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int,
-                  mask: str = "causal") -> Trainer:
+                  mask: str = "causal", loss: str = "chunked") -> Trainer:
     torch.manual_seed(cfg.seed)  # the same weights whatever the row
     doc_mask, window = mask_settings(mask, cfg.window)
-    config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab},
+    config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab,
+                              "chunked_loss": loss == "chunked"},
                              dict(attn=attn, doc_mask=doc_mask, window=window, eot_token=cfg.vocab_size - 1))
     model = GPT(config).to(rt.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
@@ -82,12 +83,13 @@ def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_
     return Trainer(model, cfg.compile, optimizer, rt.grad_scaler(), batch.to(rt.device), rt, docs)
 
 
-def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal") -> bool:
+def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal",
+         loss: str = "chunked") -> bool:
     """Whether training at this batch size fits: two full steps (the second carries AdamW's state) without
     running out of memory of any kind; on CPU also resident plus peak step memory within mem_budget_gb."""
     trainer = None
     try:
-        trainer = build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask)
+        trainer = build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask, loss)
         trainer.step(attn)
         if rt.is_cuda:
             trainer.step(attn)

@@ -7,13 +7,15 @@ back and in turn, several times; the wall time from launch to the first logged v
     python -m benchmarks.time_to_loss --runs=5 --target=1.95 --full=False   # stop each run at the target
     python -m benchmarks.time_to_loss --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
     python -m benchmarks.time_to_loss --compare=attn --full=False   # the quickstart through each attn, and auto
-    python -m benchmarks.time_to_loss --compare=attn_masked --target=6.5 --full=False  # masks.md's recipe, likewise
+    python -m benchmarks.time_to_loss --compare=attn_masked --full=False  # masks.md's recipe, likewise
+    python -m benchmarks.time_to_loss --compare=gpu          # on a GPU: nanoGPT's shakespeare_char vs the fast recipe
 
 Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
 recipes run one after the other), then the median over rounds: the machine's drift hits both alike.
 """
 
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -22,19 +24,21 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
 
 from core import files
 from core import runtime
 from core.configurator import configure, one_of
 
 compare = "quickstart"        # which recipes (RECIPE_SETS): quickstart (nanoGPT's CPU recipe vs ours), doc_mask, attn,
-                              # attn_masked
-target = 1.89                 # the validation loss to reach
-runs = 3                      # rounds; each runs every recipe once
+                              # attn_masked, gpu (nanoGPT's shakespeare_char vs config/train_shakespeare_char_fast.py)
+target = None                 # the validation loss to reach; None: the set's own (TARGETS)
+runs = None                   # rounds, each running every recipe once; None: 3, or 1 for gpu (about 5 min on an H100)
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
+extra = ""                    # train.py settings added to every recipe, e.g. a scaled-down run on a CPU (docs/quickstart.md)
 out_dir = "bench_results"
 LIMITS = {"target": "(0, inf)", "runs": "[1, inf)",
-          "compare": one_of("quickstart", "doc_mask", "attn", "attn_masked")}
+          "compare": one_of("quickstart", "doc_mask", "attn", "attn_masked", "gpu")}
 
 # The recipes, as command-line arguments to train.py. nanoGPT's is its README's CPU command, flag for flag, plus
 # what nanoGPT's code fixes and this repo makes a setting: its exact-erf GELU and fp32 on a CPU.
@@ -63,8 +67,12 @@ MASKED = ["config/train_shakespeare_char_cpu.py", "--dataset=shakespeare", "--do
           "--block_size=256", "--batch_size=8", "--max_iters=40", "--lr_decay_iters=40", "--early_decay_iters=0",
           "--eval_interval=20", "--log_interval=10"]
 ATTN_MASKED = {name: MASKED + args[1:] for name, args in ATTN.items()}
+# nanoGPT's best-known GPU recipe as its README launches it (its val 1.4697 in ~3 min on an A100), and the fast one.
+GPU = {"nanoGPT shakespeare_char": ["config/train_shakespeare_char.py"],
+       "fast": ["config/train_shakespeare_char_fast.py"]}
 RECIPE_SETS = {"quickstart": RECIPES, "doc_mask": {"causal": SCENES, "doc_mask": SCENES + ["--doc_mask=True"]},
-               "attn": ATTN, "attn_masked": ATTN_MASKED}
+               "attn": ATTN, "attn_masked": ATTN_MASKED, "gpu": GPU}
+TARGETS = {"quickstart": 1.89, "attn": 1.89, "doc_mask": 6.5, "attn_masked": 6.5, "gpu": 1.47}
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.05  # how often a run's metrics.jsonl is read: the timing's resolution
 
@@ -111,11 +119,14 @@ def summary(values: list[Optional[float]], digits: int = 1) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    cfg.target = TARGETS[cfg.compare] if cfg.target is None else cfg.target
+    cfg.runs = (1 if cfg.compare == "gpu" else 3) if cfg.runs is None else cfg.runs
     out = Path(cfg.out_dir)
     files.check_writable_dir(out)
-    machine = runtime.Runtime("cpu", "float32").name  # the CPU with its threads and capability (AVX2, AMX, ...)
+    on_gpu = cfg.compare == "gpu" and torch.cuda.is_available()
+    machine = runtime.Runtime("cuda:0" if on_gpu else "cpu", "float32").name  # the GPU, or the CPU and its kind
     print(f"on {machine}", flush=True)
-    recipes = RECIPE_SETS[cfg.compare]
+    recipes = {name: args + shlex.split(cfg.extra) for name, args in RECIPE_SETS[cfg.compare].items()}
     names = list(recipes)
     rounds = []
     for i in range(cfg.runs):

@@ -168,6 +168,17 @@ def test_sdpa_fits_a_larger_batch_than_manual_at_a_long_sequence_under_a_cpu_mem
     assert 1 <= rows[("manual",)]["max_batch"] < rows[("sdpa",)]["max_batch"]
 
 
+def test_the_chunked_loss_row_takes_less_memory_and_fits_a_larger_batch_than_the_whole_logits(tmp_path):
+    # a wide vocabulary at a narrow model: the (B*T, V) logits, their softmax and gradient are most of a step's memory
+    result = run_bench(tmp_path, "--attn=manual", "--padding=on", "--loss=chunked,whole", "--vocab_size=8191",
+                       "--max_batch=True", "--mem_budget_gb=0.05", "--max_batch_limit=64", "--iters=1", "--warmup=0")
+    rows = rows_by(result, "loss")
+    chunked, whole = rows[("chunked",)], rows[("whole",)]
+    assert chunked["vocab"] == whole["vocab"] == 8192
+    assert chunked["mem/peak_gb"] < 0.75 * whole["mem/peak_gb"]
+    assert 1 <= whole["max_batch"] < chunked["max_batch"]
+
+
 def test_attention_mode_measures_forward_and_backward_and_manual_needs_more_memory(tmp_path):
     result = run_bench(tmp_path, "--mode=attention", "--attn=manual,flash,flex", "--attn_seq_lens=128",
                        "--attn_head_sizes=16", "--attn_heads=2")
@@ -344,7 +355,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
         def resident_bytes(self):
             return 0
 
-    def build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask="causal"):
+    def build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask="causal", loss="chunked"):
         assert all(probe() is None for probe in probes)  # the previous probe's trainer is gone
         trainer = Trainer(batch_size)
         probes.append(weakref.ref(trainer))
@@ -357,7 +368,7 @@ def test_max_batch_takes_two_full_steps_catches_every_oom_flavour_and_frees_each
 
 
 def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatch):
-    def build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask="causal"):
+    def build_trainer(cfg, rt, attn, pad_vocab, batch_size, mask="causal", loss="chunked"):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     monkeypatch.setattr(bench_train, "build_trainer", build_trainer)  # what fits() builds each probe with
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
@@ -473,9 +484,10 @@ def test_the_train_chart_keeps_every_implementation_name_legible_at_a_gpus_full_
     h200 = {"manual": (73.7, 60.8), "sdpa_mask": (42.1, 29.4), "sdpa": (40.2, 27.2), "flash": (40.6, 27.7),
             "efficient": (42.9, 30.1), "cudnn": (39.5, 27.1), "math": (70.4, 57.8), "flex": (45.4, 32.1),
             "varlen": (43.0, 32.4), "auto": (40.2, 27.2)}
-    rows = [dict(attn=a, pad_vocab=pad, mask="causal", status="ok", ms_per_iter=ms[pad], ms_p25=ms[pad] * 0.99,
+    rows = [dict(attn=a, pad_vocab=pad, mask="causal", loss="chunked", status="ok", ms_per_iter=ms[pad], ms_p25=ms[pad] * 0.99,
                  ms_p75=ms[pad] * 1.01) for a, ms in h200.items() for pad in (False, True)]
-    cfg = SimpleNamespace(mode="train", mask=["causal"], padding=[False, True], attn=list(h200), n_layer=12,
+    cfg = SimpleNamespace(mode="train", mask=["causal"], padding=[False, True], loss=["chunked"], attn=list(h200),
+                          n_layer=12,
                           n_embd=768, batch_size=8, seq_len=1024, dtype="bfloat16")
     fig, ax = plt.subplots()
     ms_chart(ax, rows, cfg)

@@ -274,7 +274,7 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
     config = GPTConfig(block_size=1024, vocab_size=512, n_layer=2, n_head=4, n_embd=256, eot_token=0, **mask)
     model = GPT(config).cuda()
     x = documents_on_cuda()
-    ref_logits, ref_loss = model.set_attention("manual")(x, x)
+    ref_logits, ref_loss = model.set_attention("manual")(x, x, all_positions=True)  # the unchunked loss, fp32
     ref_loss.backward()
     ref_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
     for attn in ATTENTION:
@@ -285,7 +285,9 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
                     model.set_attention(attn)(x, x)
             continue
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits, loss = model.set_attention(attn)(x, x)
+            _, loss = model.set_attention(attn)(x, x)  # training mode: the chunked loss (ChunkedLMHeadLoss) on CUDA
+            with torch.no_grad():
+                logits, _ = model(x, all_positions=True)
         loss.backward()
         scaled = ((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max()).item()
         assert scaled <= BF16_TOLERANCE, (attn, scaled)

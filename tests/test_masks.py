@@ -61,7 +61,7 @@ def reference_run(model: GPT, idx, targets):
         return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     for block in ref.transformer.h:  # what each layer calls: the model's resolved implementation, replaced
         block.attn.attention = softmax_attention
-    logits, loss = ref(idx, targets)
+    logits, loss = ref(idx, targets, all_positions=True)  # the whole logits and F.cross_entropy: no chunks
     loss.backward()
     return logits.detach(), {n: p.grad for n, p in ref.named_parameters()}
 
@@ -78,10 +78,11 @@ def test_every_implementation_and_mask_matches_a_float64_reference(attn, mask):
     targets = torch.roll(idx, -1, dims=1)
     ref_logits, ref_grads = reference_run(model, idx, targets)
     trains = attn in CPU_TRAINABLE
-    with torch.set_grad_enabled(trains):
-        logits, loss = model(idx, targets)
+    with torch.no_grad():
+        logits, _ = model(idx, all_positions=True)
     assert rel_err(logits, ref_logits) <= 1e-5
-    if trains:
+    if trains:  # in training mode with targets the loss is chunked (ChunkedLMHeadLoss): its gradients, checked here
+        _, loss = model(idx, targets)
         loss.backward()
         for name, p in model.named_parameters():
             assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name

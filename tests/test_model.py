@@ -4,8 +4,12 @@ import copy
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 import masks
+import model as model_module
+from benchmarks.measure import profiled_run
+from core.runtime import Runtime
 
 from engine.generate import generate
 from interop.hf import convert_hf_state_dict
@@ -45,9 +49,11 @@ def batch(seed=1, B=3, T=32, vocab=101):
 def logits_and_grads(model: GPT, x, y, autocast_dtype=None):
     model.zero_grad()
     with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits, loss = model(x, y)
+        _, loss = model(x, y)  # training mode: the chunked loss, no logits
+        with torch.no_grad():
+            logits, _ = model(x, all_positions=True)
     loss.backward()
-    return logits.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
+    return logits.double(), {n: p.grad.double() for n, p in model.named_parameters()}
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -161,7 +167,8 @@ def test_targets_may_be_a_strided_slice_of_the_token_tensor():
     tokens = batch(T=33)[0]  # (B, T + 1)
     x, y = tokens[:, :-1], tokens[:, 1:]  # both views with row stride 33: neither is contiguous
     assert not y.is_contiguous()
-    logits, loss = model(x, y)
+    _, loss = model(x, y)
+    logits, _ = model(x, all_positions=True)
     expected = -logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).mean()  # mean next-token NLL, by hand
     assert torch.allclose(loss, expected, rtol=0, atol=1e-6)
 
@@ -353,9 +360,9 @@ def test_dropout_applies_in_training_only():
     model = tiny_model("sdpa", dropout=0.5)
     x, y = batch()
     model.eval()
-    assert torch.equal(model(x, y)[0], model(x, y)[0])
+    assert torch.equal(model(x, all_positions=True)[0], model(x, all_positions=True)[0])
     model.train()
-    assert not torch.equal(model(x, y)[0], model(x, y)[0])
+    assert not torch.equal(model(x, all_positions=True)[0], model(x, all_positions=True)[0])
 
 
 def test_unknown_attn_lists_the_valid_names():
@@ -402,3 +409,85 @@ def test_the_flops_per_token_estimate_matches_what_torch_counts_in_a_training_st
     with FlopCounterMode(display=False) as counter:
         model(x, y)[1].backward()
     assert model.flops_per_token() * 2 * 32 == pytest.approx(counter.get_total_flops(), rel=0.03)
+
+
+# -- the loss: lm_head and the cross-entropy over chunks of rows ---------------------------------------------
+
+@pytest.fixture
+def short_chunks(monkeypatch):
+    """Chunks of 40 rows at vocab 128: the 96 rows of a (3, 32) batch end in a short chunk."""
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", 40 * 128)
+
+
+def test_the_chunked_loss_and_gradients_match_a_float64_reference_with_padding_and_ignored_targets(short_chunks):
+    model = tiny_model(pad_vocab=True)  # 101 ids padded to 128: the padded ids' -inf bias stays in the softmax
+    x, y = batch()
+    y[0, :5] = -1  # ignored, as F.cross_entropy(ignore_index=-1) ignores them
+    reference = copy.deepcopy(model).double()
+    _, expected = reference(x, y, all_positions=True)  # the whole logits and F.cross_entropy
+    expected.backward()
+    logits, loss = model(x, y)
+    loss.backward()
+    assert logits is None and loss.dtype == torch.float32
+    assert abs(loss.item() - expected.item()) <= 1e-6 * expected.item()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert rel_err(p.grad.double(), q.grad) <= 1e-5, name
+
+
+def test_the_chunked_loss_under_bf16_autocast_matches_the_whole_logits_loss(short_chunks):
+    model = tiny_model(pad_vocab=True)
+    x, y = batch()
+    whole = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, y)
+        _, expected = whole(x, y, all_positions=True)
+    (loss * 3.0).backward()  # a scaled loss (GradScaler, accumulation) scales the gradients saved in forward
+    (expected * 3.0).backward()
+    assert abs(loss.item() - expected.item()) <= 1e-2  # both bf16 matmuls, fp32 sums in another order
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        assert rel_err(p.grad.double(), q.grad.double()) <= 3e-2, name
+
+
+def test_logits_with_targets_come_back_in_eval_mode_without_gradients_or_with_all_positions():
+    """nanoGPT's model(idx, targets) returns (logits, loss). Training with gradients, the logits are never made
+    whole, so they come back None; a caller that needs them calls in eval mode or under no_grad (evaluation
+    does), or passes all_positions=True (the whole logits and their loss, nanoGPT's memory)."""
+    model = tiny_model()
+    x, y = batch()
+    assert model(x, y)[0] is None
+    assert model(x, y, all_positions=True)[0].shape == (3, 32, 101)
+    with torch.no_grad():
+        assert model(x, y)[0].shape == (3, 32, 101)
+    assert model.eval()(x, y)[0].shape == (3, 32, 101)
+    assert tiny_model(chunked_loss=False)(x, y)[0].shape == (3, 32, 101)  # the switch, for measuring
+
+
+def test_the_chunked_loss_never_holds_the_whole_logits(monkeypatch):
+    rows, vocab, width = 1024, 4096, 64
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", 128 * vocab)  # 8 chunks
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=g, requires_grad=True)
+    targets = torch.randint(vocab, (rows,), generator=g)
+    whole_logits = rows * vocab * 4  # bytes in fp32
+    rt = Runtime("cpu", "float32")
+    _, whole = profiled_run(lambda: F.cross_entropy(x @ weight.t(), targets).backward(), rt)
+    _, chunked = profiled_run(
+        lambda: model_module.ChunkedLMHeadLoss.apply(x, weight, None, targets, torch.float32).backward(), rt)
+    assert whole >= 2 * whole_logits  # the logits, and their gradient or softmax beside them
+    assert chunked < whole_logits / 2  # a chunk's logits and softmax, the gradients of x and of the weight
+
+
+@pytest.mark.slow
+def test_a_compiled_training_step_takes_the_chunked_loss_without_graph_breaks(short_chunks):
+    torch._dynamo.reset()
+    model = tiny_model(pad_vocab=True)
+    x, y = batch()
+    eager = copy.deepcopy(model)
+    _, loss = torch.compile(model, fullgraph=True)(x, y)  # fullgraph: a graph break raises
+    loss.backward()
+    _, expected = eager(x, y)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-5
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name

@@ -215,7 +215,39 @@ def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(tmp_p
     assert f"{runtime.cpu_capability()}): median" in table  # the CPU's capability names every figure
 
 
-@pytest.mark.parametrize("recipes", ["quickstart", "doc_mask", "attn"])
+def test_the_gpu_comparison_reads_its_own_target_and_runs_one_round(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import time_to_loss
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "train.py").write_text(FAKE_TRAIN)
+    monkeypatch.setattr(time_to_loss, "ROOT", tmp_path / "root")
+    monkeypatch.setitem(time_to_loss.RECIPE_SETS, "gpu", {
+        "nanoGPT": ["--eval_interval=250"], "fast": ["--eval_interval=100"]})
+    assert time_to_loss.main(["--compare=gpu", "--full=False", "--extra=--losses=4.2,1.5,1.45",
+                              f"--out_dir={tmp_path}"]) == 0
+    report = json.loads((tmp_path / "time_to_loss.json").read_text())
+    assert report["config"]["target"] == 1.47 and len(report["rounds"]) == 1  # nanoGPT's 1.4697, one round
+    assert report["recipes"]["fast"] == ["--eval_interval=100", "--losses=4.2,1.5,1.45"]  # --extra goes to each
+    run = report["rounds"][0]
+    assert (run["nanoGPT"]["iter"], run["fast"]["iter"]) == (500, 200)  # the third evaluation: 1.45 <= 1.47
+
+
+@pytest.mark.slow
+def test_the_gpu_comparison_runs_both_recipes_on_a_cpu_scaled_down(char_data, tmp_path):
+    import json
+
+    from benchmarks import time_to_loss
+    tiny = (f"--data_dir={char_data} --device=cpu --compile=False --dtype=float32 --n_layer=1 --n_head=2 "
+            f"--n_embd=32 --block_size=32 --batch_size=4 --max_iters=10 --lr_decay_iters=10 --warmup_iters=2 "
+            f"--eval_interval=5 --eval_iters=2")
+    assert time_to_loss.main(["--compare=gpu", "--target=10", f"--extra={tiny}", f"--out_dir={tmp_path}"]) == 0
+    run = json.loads((tmp_path / "time_to_loss.json").read_text())["rounds"][0]
+    for recipe in ("nanoGPT shakespeare_char", "fast"):  # reached at the first evaluation, then run to the end
+        assert run[recipe]["iter"] == 0 and run[recipe]["final_iter"] == 10 and run[recipe]["final_loss"] < 10
+
+
+@pytest.mark.parametrize("recipes", ["quickstart", "doc_mask", "attn", "attn_masked", "gpu"])
 def test_every_time_to_loss_recipe_is_a_valid_train_py_command_line(recipes, monkeypatch):
     from benchmarks import time_to_loss
     monkeypatch.chdir(time_to_loss.ROOT)  # config files are named from the repository root, where runs start
