@@ -210,3 +210,18 @@ def test_the_profiler_banner_stays_off_the_console_and_other_stderr_lines_get_th
     err = capfd.readouterr().err
     assert "aten::add" in ops
     assert "USDT" not in err and "a real warning" in err
+
+
+def test_batches_reach_a_gpu_from_pinned_memory_without_the_host_waiting(monkeypatch):
+    # CUDA stood in for: each host batch is pinned, then copied with non_blocking=True, so the copy queues behind the
+    # step already launched and the host goes on; a CPU run copies plainly (pinning needs a GPU)
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin") or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, device, non_blocking=False: calls.append(
+        (device, non_blocking)) or t)
+    x, y = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    assert runtime.Runtime("cuda:0", "bfloat16").to_device(x, y) == (x, y)
+    assert calls == ["pin", ("cuda:0", True), "pin", ("cuda:0", True)]
+    calls.clear()
+    runtime.Runtime("cpu", "float32").to_device(x, y)
+    assert calls == [("cpu", False), ("cpu", False)]
