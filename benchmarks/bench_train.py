@@ -15,6 +15,7 @@ from benchmarks.measure import free_memory, out_of_memory, profiled_run
 from core import runtime
 from core.configurator import Settings
 from core.runtime import Runtime
+from engine.optimizers import optimizer_step
 from model import GPT, GPTConfig
 
 
@@ -37,9 +38,7 @@ class Trainer:
         with self.rt.autocast():
             _, loss = self.compiled_forward(attn)(*self.batch)
         self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)  # gradients die with the step, so they count as step memory
+        optimizer_step(self.model, [self.optimizer], self.scaler, grad_clip=0.0)  # train.py's update, unclipped
 
     def compiled_forward(self, attn: str) -> Callable:
         """The model's forward for `attn`'s row: compiled apart for each attn, with a recompile budget of its own

@@ -1,0 +1,85 @@
+"""
+The optimizers of a training run, in one place: which ones (AdamW, or Muon for the blocks' matrices and AdamW for the
+rest), their state from a checkpoint, the learning-rate schedule every group follows, and the update a step ends
+with (unscale, clip, step, zero the gradients), which train.py and bench.py's rows both take.
+"""
+
+import math
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+from core.configurator import Settings
+from core.errors import UserError
+from core.runtime import Runtime
+from engine.checkpoint import Checkpoint
+from model import GPT
+
+
+def lr_multiplier(it: int, cfg: Settings) -> float:
+    """The schedule, as a fraction of each group's peak rate: linear warmup for warmup_iters, cosine decay to
+    min_lr / learning_rate until lr_decay_iters, then that floor. With early_decay_iters the cosine comes in two
+    stages: to early_decay_to by early_decay_iters (the loss a short run would reach, reached early), then on."""
+    floor = cfg.min_lr / cfg.learning_rate
+    if not cfg.decay_lr:
+        return 1.0
+    if it < cfg.warmup_iters:
+        return (it + 1) / (cfg.warmup_iters + 1)
+    if it > cfg.lr_decay_iters:
+        return floor
+    if cfg.warmup_iters < cfg.early_decay_iters < cfg.lr_decay_iters:
+        if it <= cfg.early_decay_iters:
+            return cosine((it - cfg.warmup_iters) / (cfg.early_decay_iters - cfg.warmup_iters), 1.0, cfg.early_decay_to)
+        return cosine((it - cfg.early_decay_iters) / (cfg.lr_decay_iters - cfg.early_decay_iters), cfg.early_decay_to,
+                      floor)
+    return cosine((it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters), 1.0, floor)
+
+
+def cosine(fraction: float, start: float, end: float) -> float:
+    """From start (fraction 0) to end (fraction 1) along half a cosine."""
+    return end + 0.5 * (1.0 + math.cos(math.pi * fraction)) * (start - end)
+
+
+def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
+    """AdamW, or Muon and AdamW; a resumed run keeps the optimizer its checkpoint's state belongs to. Every parameter
+    group records its peak rate as `initial_lr` (Muon's muon_lr, AdamW's learning_rate): the schedule scales it."""
+    saved = checkpoint.settings.get("optimizer", "adamw") if checkpoint is not None else cfg.optimizer
+    if saved != cfg.optimizer:
+        raise UserError(f"the checkpoint's optimizer state is {saved}'s; resume with --optimizer={saved}.")
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "adamw":
+        optimizers = [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]
+    else:
+        from engine.muon import muon_optimizers  # only a Muon run reads the optimizer's code
+        optimizers = muon_optimizers(model, cfg.weight_decay, cfg.learning_rate, cfg.muon_lr or cfg.learning_rate,
+                                     cfg.muon_momentum, betas, rt.device_type, rt.orthogonalize_dtype)
+    for group in (g for optimizer in optimizers for g in optimizer.param_groups):
+        group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def load_optimizer_state(model: GPT, optimizers: list, state: dict, options: StateDictOptions) -> None:
+    """A checkpoint's optimizer state; the peak rates stay this run's settings (a saved group's would win)."""
+    peaks = [group["initial_lr"] for optimizer in optimizers for group in optimizer.param_groups]
+    set_optimizer_state_dict(model, optimizers, state, options=options)
+    for group, peak in zip((g for optimizer in optimizers for g in optimizer.param_groups), peaks):
+        group["initial_lr"] = peak
+
+
+def set_learning_rates(optimizers: list, multiplier: float) -> None:  # each group's own peak x the schedule
+    for group in (g for optimizer in optimizers for g in optimizer.param_groups):
+        group["lr"] = group["initial_lr"] * multiplier
+
+
+def optimizer_step(model: torch.nn.Module, optimizers: list, scaler: torch.amp.GradScaler, grad_clip: float) -> None:
+    """The end of a step: gradients unscaled and clipped at grad_clip (0: not clipped; the norm is never read back),
+    each optimizer stepped, the scaler updated, the gradients dropped (set_to_none: they count as step memory)."""
+    if grad_clip > 0:
+        for optimizer in optimizers:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    for optimizer in optimizers:
+        scaler.step(optimizer)
+    scaler.update()
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
