@@ -246,8 +246,9 @@ def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
 
-def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool]:
-    """Settings, runtime, whether this run resumes (decided once), and all checked that needs no data or model."""
+def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path]:
+    """Settings, runtime, whether this run resumes (decided once) and the data's folder (prepared if it is an
+    embedded dataset), with all checked that needs no model, before out_dir is made."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     resuming = cfg.init_from == "resume"
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
@@ -259,9 +260,11 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool]:
                         f"the {rt.world_size} ranks; make it a multiple of the world size.")
     if cfg.wandb_log:  # before anything is written: a run that cannot log leaves no empty out_dir behind
         runtime.on_master(check_wandb, rt.device)
+    data_dir = dataset_dir(cfg.data_dir, cfg.dataset)  # missing data, likewise
+    runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
         runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite), rt.device)
-    return cfg, rt, resuming
+    return cfg, rt, resuming, data_dir
 
 
 def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
@@ -340,11 +343,9 @@ def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, rt, resuming = start(argv)
+    cfg, rt, resuming, data_dir = start(argv)
     from engine.sharded import saver_for  # the writer of either format (DCP's beside ckpt.pt's)
     saver = saver_for(cfg.checkpoint_format, Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
-    data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
-    runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     meta = files.read_meta(data_dir)
 
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)

@@ -233,10 +233,11 @@ def test_quickstart_config_loss_falls_and_compile_trains_with_compilation_left_o
 
 # -- bad input --------------------------------------------------------------------------------------------
 
-def test_a_missing_data_dir_is_refused_by_name(tmp_path):
+def test_a_missing_data_dir_is_refused_by_name_before_out_dir_is_made(tmp_path):
     with pytest.raises(UserError, match=f"data_dir {tmp_path / 'nothing'} does not exist"):
         train.main(TINY + ["--dataset=openwebtext", f"--data_dir={tmp_path / 'nothing'}",
                            f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_vocab_mismatch_between_data_and_checkpoint_is_refused(char_data, tmp_path):
