@@ -106,7 +106,8 @@ LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vo
           "iters": "[1, inf)", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)", "attn_batch": "[1, inf)",
           "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)", "prompt_len": "[1, inf)",
           "new_tokens": "[1, inf)", "gen_batch": "[1, inf)", "mode": one_of("train", "attention", "generate"),
-          "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"), "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
+          "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"),
+          "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
           "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",
           "doc_len": "[0, inf)", "attn": comma_list_of("all", *ATTENTION), "attn_auto_budget": "(0, inf)"}
 
@@ -201,8 +202,8 @@ def row_key(attn: str, pad_vocab: bool, mask: str, loss: str = "chunked") -> str
 
 
 def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
-    """One row per attn x padding x mask x loss: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the share of
-    the score matrix computed, skip reason."""
+    """One row per attn x padding x mask x loss: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the
+    share of the score matrix computed, skip reason."""
     head_size, tokens = cfg.n_embd // cfg.n_head, cfg.batch_size * cfg.seq_len
     rows, trainers, calls, audits, before = {}, {}, {}, {}, {}
     for a, m, pad, loss in ((a, m, pad, loss) for a in cfg.attn for m in cfg.mask for pad in cfg.padding
@@ -249,7 +250,8 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
         for row in tqdm([r for r in rows.values() if r["status"] == "ok" and r["attn"] != "auto"], desc="max batch",
                         file=sys.stderr, disable=None):
             row["max_batch"] = max_batch_size(
-                lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"], row["loss"]), cfg.max_batch_limit)
+                lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"], row["loss"]),
+                cfg.max_batch_limit)
     return list(rows.values())
 
 

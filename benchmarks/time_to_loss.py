@@ -35,7 +35,7 @@ compare = "quickstart"        # which recipes (RECIPE_SETS): quickstart (nanoGPT
 target = None                 # the validation loss to reach; None: the set's own (TARGETS)
 runs = None                   # rounds, each running every recipe once; None: 3, or 1 for gpu (about 5 min on an H100)
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
-extra = ""                    # train.py settings added to every recipe, e.g. a scaled-down run on a CPU (docs/quickstart.md)
+extra = ""                    # train.py settings added to every recipe, e.g. a scaled-down CPU run (docs/quickstart.md)
 out_dir = "bench_results"
 LIMITS = {"target": "(0, inf)", "runs": "[1, inf)",
           "compare": one_of("quickstart", "doc_mask", "attn", "attn_masked", "gpu")}

@@ -484,8 +484,8 @@ def test_the_train_chart_keeps_every_implementation_name_legible_at_a_gpus_full_
     h200 = {"manual": (73.7, 60.8), "sdpa_mask": (42.1, 29.4), "sdpa": (40.2, 27.2), "flash": (40.6, 27.7),
             "efficient": (42.9, 30.1), "cudnn": (39.5, 27.1), "math": (70.4, 57.8), "flex": (45.4, 32.1),
             "varlen": (43.0, 32.4), "auto": (40.2, 27.2)}
-    rows = [dict(attn=a, pad_vocab=pad, mask="causal", loss="chunked", status="ok", ms_per_iter=ms[pad], ms_p25=ms[pad] * 0.99,
-                 ms_p75=ms[pad] * 1.01) for a, ms in h200.items() for pad in (False, True)]
+    rows = [dict(attn=a, pad_vocab=pad, mask="causal", loss="chunked", status="ok", ms_per_iter=ms[pad],
+                 ms_p25=ms[pad] * 0.99, ms_p75=ms[pad] * 1.01) for a, ms in h200.items() for pad in (False, True)]
     cfg = SimpleNamespace(mode="train", mask=["causal"], padding=[False, True], loss=["chunked"], attn=list(h200),
                           n_layer=12,
                           n_embd=768, batch_size=8, seq_len=1024, dtype="bfloat16")
