@@ -38,7 +38,7 @@ from attention import ATTENTION, FLASH_BUILDS, FLEX, attention_pass, attention_p
 from core.kernels import use_flash_build
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
-from benchmarks.bench_train import Trainer, build_trainer, fits  # noqa: F401 - Trainer: bench.Trainer for tests
+from benchmarks.bench_train import Workbench, build_trainer, fits  # noqa: F401 - Workbench: for tests
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from core.runtime import Runtime

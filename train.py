@@ -11,7 +11,6 @@ Every setting below can be set in a config file or overridden with --key=value.
 import dataclasses
 import math
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -26,8 +25,7 @@ from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_mis
 from core.errors import UserError
 from attention import ATTENTION
 from engine.metrics import MetricsLog, StepTimer, check_wandb
-from engine.optimizers import (load_optimizer_state, lr_multiplier, make_optimizers, optimizer_step,
-                               set_learning_rates)
+from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
@@ -145,15 +143,6 @@ def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
     return parallel.wrap(model, cfg.parallel, cfg.compile, rt)
 
 
-def gradient_sync(model: torch.nn.Module, sync: bool):
-    """Gradient accumulation: reduce gradients across ranks only on the last micro-step."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
-    elif hasattr(model, "no_sync") and not sync:  # DDP
-        return model.no_sync()
-    return nullcontext()
-
-
 @torch.no_grad()
 def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
     """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), averaged over
@@ -176,14 +165,11 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
 # -- training ------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class Trainer:
-    """What the loop works with: settings, runtime, model (raw and wrapped), optimizers, data, log, progress."""
+class Run:
+    """What the loop works with: settings, runtime, the Trainer (model, optimizers, the step), data, log, progress."""
     cfg: Settings
     rt: Runtime
-    raw_model: GPT
-    model: torch.nn.Module               # compiled, DDP- or FSDP-wrapped
-    optimizers: list[torch.optim.Optimizer]  # AdamW; or Muon and AdamW
-    scaler: torch.amp.GradScaler
+    trainer: Trainer
     batches: Batches
     data_dir: Path
     meta: dict | None
@@ -193,25 +179,14 @@ class Trainer:
     best_val_loss: float = math.inf
 
     def step(self, micro_steps: int) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches, queued on the device and not waited for (nothing here
-        reads a value back; fp16's GradScaler alone reads its inf check). Returns their mean loss, on the device."""
-        loss_sum = torch.zeros((), device=self.rt.device)
-        micro_batches = self.batches.micro_batches("train", micro_steps, self.rt.rank, self.rt.world_size)
-        x, y = self.rt.to_device(*micro_batches[0])
-        for micro in range(micro_steps):
-            with gradient_sync(self.model, sync=micro == micro_steps - 1):
-                with self.rt.autocast():
-                    _, loss = self.model(x, y)
-                if micro + 1 < micro_steps:  # the next micro-batch is copied while the forward runs, as nanoGPT does
-                    x, y = self.rt.to_device(*micro_batches[micro + 1])
-                self.scaler.scale(loss / micro_steps).backward()
-            loss_sum += loss.detach()
-        optimizer_step(self.model, self.optimizers, self.scaler, self.cfg.grad_clip)
-        return loss_sum / micro_steps
+        """One optimizer step over this rank's share of the global batch, queued on the device and not waited for;
+        returns the mean loss, on the device."""
+        rt = self.rt
+        return self.trainer.step(self.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
-        losses = estimate_loss(self.model, self.cfg, self.data_dir, self.rt)
+        losses = estimate_loss(self.trainer.forward, self.cfg, self.data_dir, self.rt)
         self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
         val_loss = losses["val/loss"]
         if not math.isfinite(val_loss):
@@ -221,8 +196,9 @@ class Trainer:
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
         rng = rng_state(self.batches.generator, self.rt)  # collective: each rank gathers every rank's RNG state
-        self.saver.save(self.raw_model, self.optimizers, dict(
-            model_config=dataclasses.asdict(self.raw_model.config), iter_num=self.iter_num,
+        model = self.trainer.model
+        self.saver.save(model, self.trainer.optimizers, dict(
+            model_config=dataclasses.asdict(model.config), iter_num=self.iter_num,
             best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
 
     def log_step(self, it: int, loss: torch.Tensor, lr: float, timer: StepTimer, peak_flops: float) -> None:
@@ -236,7 +212,7 @@ class Trainer:
         metrics = {"iter": it, "train/loss": loss, "lr": lr}
         if steps:  # none when the only step since the last line was the compiling one
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
-            mfu = self.raw_model.model_flops_utilization(tokens_per_s / self.rt.world_size, peak_flops,
+            mfu = self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size, peak_flops,
                                                          self.cfg.block_size)
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s, mfu=mfu)
         self.log.log({**metrics, **self.rt.memory_metrics()})
@@ -282,12 +258,12 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
                         f"or replace it with --overwrite=True.")
 
 
-def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
+def train_loop(run: Run, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating (and saving) every eval_interval steps and at the end; a
     resumed run (resumed_at: its step) was evaluated and saved there before it stopped, so not again. Nothing waits
     on the device between log points, and a log line is written once the next step is queued, so even at
     log_interval=1 the device always has the next step to run while the host reads the last one's loss."""
-    cfg, rt = trainer.cfg, trainer.rt
+    cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
     timer = StepTimer(rt)
@@ -295,50 +271,51 @@ def train_loop(trainer: Trainer, resumed_at: int | None) -> None:
     unlogged = None  # (iter, loss on the device, lr) of a log point, written after the next step is queued
     try:
         while True:
-            multiplier = lr_multiplier(trainer.iter_num, cfg)
-            set_learning_rates(trainer.optimizers, multiplier)
+            multiplier = lr_multiplier(run.iter_num, cfg)
+            set_learning_rates(run.trainer.optimizers, multiplier)
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
             # every rank must stop at the same step, so one rank's clock running out stops them all; that takes a
             # collective, so under torchrun the clock is compared where the ranks meet anyway: at log points
             check_clock = cfg.max_seconds > 0 and (unlogged is not None or not rt.is_distributed)
             out_of_time = check_clock and runtime.mean_across_ranks(
                 float(timer.total >= cfg.max_seconds), rt.device) > 0
-            done = trainer.iter_num >= cfg.max_iters or out_of_time
-            due = trainer.iter_num % cfg.eval_interval == 0 or done
+            done = run.iter_num >= cfg.max_iters or out_of_time
+            due = run.iter_num % cfg.eval_interval == 0 or done
             if due and unlogged is not None:  # the training line before the evaluation's
-                trainer.log_step(*unlogged, timer, peak_flops)
+                run.log_step(*unlogged, timer, peak_flops)
                 unlogged = None
-            if due and trainer.iter_num != resumed_at:
+            if due and run.iter_num != resumed_at:
                 timer.pause()  # the lr both of iter N's lines show: the rate of the step that made iter N's weights
-                last_lr = cfg.learning_rate * lr_multiplier(max(0, trainer.iter_num - 1), cfg)
-                trainer.evaluate_and_save(last_lr, timer.total)
+                last_lr = cfg.learning_rate * lr_multiplier(max(0, run.iter_num - 1), cfg)
+                run.evaluate_and_save(last_lr, timer.total)
             if done:
                 break
             # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
             if not (cfg.compile and steps_run == 0) and not timer.running:
-                timer.start(trainer.iter_num)
-            loss = trainer.step(micro_steps)
+                timer.start(run.iter_num)
+            loss = run.step(micro_steps)
             steps_run += 1
-            trainer.iter_num += 1
+            run.iter_num += 1
             if unlogged is not None:  # its read waits for the step before this one only
-                trainer.log_step(*unlogged, timer, peak_flops)
-            unlogged = (trainer.iter_num, loss, lr) if trainer.iter_num % cfg.log_interval == 0 else None
+                run.log_step(*unlogged, timer, peak_flops)
+            unlogged = (run.iter_num, loss, lr) if run.iter_num % cfg.log_interval == 0 else None
     finally:
-        trainer.saver.close()  # an asynchronous save still writing finishes first
-        trainer.log.close()
+        run.saver.close()  # an asynchronous save still writing finishes first
+        run.log.close()
 
 
-def restore(trainer: Trainer, checkpoint: Checkpoint) -> int:
+def restore(run: Run, checkpoint: Checkpoint) -> int:
     """Where a resumed run stood, in one place: step, best val loss, optimizer state, RNG streams (the weights are in
     the model already; sharded: each rank reads its own part now). Returns the step it resumes at."""
     state, options = checkpoint.optimizer, FULL_STATE
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part into the model as it is placed
         from engine.reader import load_into
-        state, options = load_into(trainer.raw_model, trainer.optimizers, Path(checkpoint.shards)), StateDictOptions()
-    load_optimizer_state(trainer.raw_model, trainer.optimizers, state, options)
+        state = load_into(run.trainer.model, run.trainer.optimizers, Path(checkpoint.shards))
+        options = StateDictOptions()
+    load_optimizer_state(run.trainer.model, run.trainer.optimizers, state, options)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
-        restore_rng(checkpoint.rng, trainer.batches.generator, trainer.rt)
-    trainer.iter_num, trainer.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
+        restore_rng(checkpoint.rng, run.batches.generator, run.rt)
+    run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
     return checkpoint.iter_num
 
 
@@ -379,18 +356,19 @@ def main(argv: list[str] | None = None) -> int:
                   "resolved_muon_dtype": rt.orthogonalize if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
-    trainer = Trainer(cfg, rt, raw_model, model, optimizers, rt.grad_scaler(), batches, data_dir, meta,
+    trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, forward=model)
+    run = Run(cfg, rt, trainer, batches, data_dir, meta,
                       MetricsLog(cfg, run_config, enabled=rt.is_master), saver)
-    resumed_at = restore(trainer, checkpoint) if checkpoint is not None else None
+    resumed_at = restore(run, checkpoint) if checkpoint is not None else None
     if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
-        trainer.log.log({"iter": trainer.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})
+        run.log.log({"iter": run.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})
     del checkpoint  # free its copy of the weights and optimizer state before training
     if rt.is_master:
         muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
               f"{rt.name}{muon}, world size {rt.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
 
-    train_loop(trainer, resumed_at)
+    train_loop(run, resumed_at)
     return 0
 
 

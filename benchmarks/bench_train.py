@@ -1,7 +1,7 @@
 """
-bench.py's train mode, the machinery of one row: a model, its optimizer and batch shared by the rows of one vocab
-setting and mask (each row switching the attention and taking real training steps, compiled apart per attn), and
-whether a batch size fits.
+bench.py's train mode, the machinery of one row: a model, its Trainer and batch shared by the rows of one vocab
+setting, mask and loss (each row switching the attention and taking train.py's real training steps, compiled apart
+per attn), and whether a batch size fits.
 """
 
 import functools
@@ -15,30 +15,30 @@ from benchmarks.measure import free_memory, out_of_memory, profiled_run
 from core import runtime
 from core.configurator import Settings
 from core.runtime import Runtime
-from engine.optimizers import optimizer_step
+from engine.trainer import Trainer
 from model import GPT, GPTConfig
 
 
 @dataclass
-class Trainer:
-    """One model, optimizer and batch, shared by every attn row of one vocab setting: a row switches the
-    attention and takes real training steps. Rows sharing weights keep one model's memory, not one per row."""
-    model: GPT
+class Workbench:
+    """One model and its Trainer (engine/trainer.py: train.py's step), with one batch, shared by every attn row of
+    one vocab setting, mask and loss: a row switches the attention and takes real training steps. Rows sharing
+    weights keep one model's memory, not one per row."""
+    trainer: Trainer
     compile: bool                        # each attn's forward compiled apart (compiled_forward)
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
     batch: torch.Tensor                  # (2, B, T): inputs and targets
-    rt: Runtime
     docs: Optional[torch.Tensor] = None  # (B, T) the inputs' document ids, with doc_mask
     forwards: dict = field(default_factory=dict)  # attn -> its compiled forward
 
+    @property
+    def model(self) -> GPT:
+        return self.trainer.model
+
     def step(self, attn: str) -> None:
-        """One training step through `attn`: forward, backward, optimizer step."""
+        """One training step through `attn`: forward, backward, optimizer step (unclipped)."""
         self.model.set_attention(attn, check=False)  # the sweep asked attention_problem, row by row
-        with self.rt.autocast():
-            _, loss = self.compiled_forward(attn)(*self.batch)
-        self.scaler.scale(loss).backward()
-        optimizer_step(self.model, [self.optimizer], self.scaler, grad_clip=0.0)  # train.py's update, unclipped
+        self.trainer.forward = self.compiled_forward(attn)
+        self.trainer.step([(self.batch[0], self.batch[1])])
 
     def compiled_forward(self, attn: str) -> Callable:
         """The model's forward for `attn`'s row: compiled apart for each attn, with a recompile budget of its own
@@ -53,20 +53,18 @@ class Trainer:
     def eager_pass(self, attn: str) -> None:
         """Forward and backward through the uncompiled model, no update: what the kernel audit profiles."""
         self.model.set_attention(attn, check=False)
-        with self.rt.autocast():
+        with self.trainer.rt.autocast():
             _, loss = self.model(*self.batch)
         loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
     def resident_bytes(self) -> int:
         """Tensors that live across steps: weights, buffers, optimizer state, the batch."""
-        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        tensors = [*self.model.parameters(), *self.model.buffers(), *state, self.batch]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.trainer.resident_bytes() + self.batch.numel() * self.batch.element_size()
 
 
 def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int,
-                  mask: str = "causal", loss: str = "chunked") -> Trainer:
+                  mask: str = "causal", loss: str = "chunked") -> Workbench:
     torch.manual_seed(cfg.seed)  # the same weights whatever the row
     doc_mask, window = mask_settings(mask, cfg.window)
     config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab,
@@ -79,7 +77,7 @@ def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_
     docs = document_ids(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
     if doc_mask:  # the inputs carry end-of-text where the documents of real blocks begin
         batch[0] = tokens_with_documents(docs, cfg.vocab_size, cfg.vocab_size - 1, cfg.seed)
-    return Trainer(model, cfg.compile, optimizer, rt.grad_scaler(), batch.to(rt.device), rt, docs)
+    return Workbench(Trainer(model, [optimizer], rt.grad_scaler(), rt), cfg.compile, batch.to(rt.device), docs)
 
 
 def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal",

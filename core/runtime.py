@@ -133,11 +133,11 @@ class Runtime:
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
 
     def to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Host tensors on this run's device; on CUDA copied from pinned memory without the host waiting, so the copy
-        queues behind the work already launched instead of stalling it."""
+        """Tensors on this run's device; on CUDA host tensors are copied from pinned memory without the host waiting,
+        so the copy queues behind the work already launched instead of stalling it."""
         if not self.is_cuda:
             return tuple(t.to(self.device) for t in tensors)
-        return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
+        return tuple(t if t.is_cuda else t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
 
     def synchronize(self) -> None:
         """Wait for queued device work, so a clock read afterwards measures it."""

@@ -10,7 +10,7 @@ import torch
 
 from core import flops
 from core import gpu_peaks
-from engine import parallel
+from engine import parallel, trainer
 from benchmarks import measure
 import bench
 from benchmarks import compare
@@ -190,11 +190,11 @@ def test_gradient_accumulation_reduces_across_ranks_only_on_the_last_micro_step(
     try:
         model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
         ddp = parallel.wrap(model, "ddp", compile=False, rt=runtime.Runtime("cpu", "float32"))
-        with train.gradient_sync(ddp, sync=False):
+        with trainer.gradient_sync(ddp, sync=False):
             assert not ddp.require_backward_grad_sync
-        with train.gradient_sync(ddp, sync=True):
+        with trainer.gradient_sync(ddp, sync=True):
             assert ddp.require_backward_grad_sync
-        with train.gradient_sync(model, sync=False):  # one process: nothing to hold back
+        with trainer.gradient_sync(model, sync=False):  # one process: nothing to hold back
             pass
     finally:
         torch.distributed.destroy_process_group()
@@ -225,3 +225,6 @@ def test_batches_reach_a_gpu_from_pinned_memory_without_the_host_waiting(monkeyp
     calls.clear()
     runtime.Runtime("cpu", "float32").to_device(x, y)
     assert calls == [("cpu", False), ("cpu", False)]
+    calls.clear()  # a batch already on the GPU (bench.py's rows keep theirs there) is used as it is: no pinning
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert runtime.Runtime("cuda:0", "bfloat16").to_device(x) == (x,) and calls == []

@@ -186,7 +186,7 @@ def test_no_step_waits_on_the_device_between_log_points(char_data, tmp_path, mon
     then), or at the end's evaluation. Micro-batches copied one ahead are in play (accumulation 2)."""
     events = []
     real_step = train.Trainer.step
-    monkeypatch.setattr(train.Trainer, "step", lambda self, micro: events.append("step") or real_step(self, micro))
+    monkeypatch.setattr(train.Trainer, "step", lambda self, batches: events.append("step") or real_step(self, batches))
     project, host_data = str(REPO), str(REPO / "core" / "dataset.py")
 
     def counted(real):

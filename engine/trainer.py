@@ -1,10 +1,16 @@
 """
-The optimizers of a training run, in one place: which ones (AdamW, or Muon for the blocks' matrices and AdamW for the
-rest), their state from a checkpoint, the learning-rate schedule every group follows, and the update a step ends
-with (unscale, clip, step, zero the gradients), which train.py and bench.py's rows both take.
+The training step, in one place, for train.py's loop and bench.py's rows alike: the Trainer (micro-batches,
+accumulation, the update), the optimizers (AdamW, or Muon for the blocks' matrices and AdamW for the rest), their
+state from a checkpoint, and the learning-rate schedule every group follows.
+
+    trainer = Trainer(model, make_optimizers(model, cfg, rt, None), rt.grad_scaler(), rt, grad_clip=1.0)
+    loss = trainer.step([(x, y), (x2, y2)])   # one optimizer step over two micro-batches; the loss stays on device
 """
 
 import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -71,15 +77,54 @@ def set_learning_rates(optimizers: list, multiplier: float) -> None:  # each gro
         group["lr"] = group["initial_lr"] * multiplier
 
 
-def optimizer_step(model: torch.nn.Module, optimizers: list, scaler: torch.amp.GradScaler, grad_clip: float) -> None:
-    """The end of a step: gradients unscaled and clipped at grad_clip (0: not clipped; the norm is never read back),
-    each optimizer stepped, the scaler updated, the gradients dropped (set_to_none: they count as step memory)."""
-    if grad_clip > 0:
-        for optimizer in optimizers:
-            scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    for optimizer in optimizers:
-        scaler.step(optimizer)
-    scaler.update()
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Gradient accumulation: reduce gradients across ranks only on the last micro-step."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    elif hasattr(model, "no_sync") and not sync:  # DDP
+        return model.no_sync()
+    return nullcontext()
+
+
+@dataclass
+class Trainer:
+    """One model's training step: forward and backward over each micro-batch (gradients accumulated, reduced across
+    ranks on the last), then the update: gradients unscaled and clipped at grad_clip (0: not clipped; the norm is
+    never read back), each optimizer stepped, the scaler updated, the gradients dropped (set_to_none: they count as
+    step memory). Nothing is read back from the device (fp16's GradScaler alone reads its inf check)."""
+    model: GPT                               # the weights: what checkpoints, set_attention and MFU read
+    optimizers: list[torch.optim.Optimizer]  # AdamW; or Muon and AdamW
+    scaler: torch.amp.GradScaler
+    rt: Runtime
+    grad_clip: float = 0.0
+    forward: Optional[Callable] = None       # what runs the step (compiled, DDP- or FSDP-wrapped); None: the model
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over micro-batches (x, y), (B, T) each, on the host or the device already; returns
+        their mean loss, on the device. The next micro-batch is copied while the forward runs, as nanoGPT does."""
+        forward, n = self.forward or self.model, len(micro_batches)
+        loss_sum = torch.zeros((), device=self.rt.device)
+        x, y = self.rt.to_device(*micro_batches[0])
+        for micro in range(n):
+            with gradient_sync(forward, sync=micro == n - 1):
+                with self.rt.autocast():
+                    _, loss = forward(x, y)
+                if micro + 1 < n:
+                    x, y = self.rt.to_device(*micro_batches[micro + 1])
+                self.scaler.scale(loss / n).backward()
+            loss_sum += loss.detach()
+        if self.grad_clip > 0:
+            for optimizer in self.optimizers:
+                self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        for optimizer in self.optimizers:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return loss_sum / n
+
+    def resident_bytes(self) -> int:
+        """Tensors that live across steps: weights, buffers, optimizer state."""
+        state = [t for o in self.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers(), *state])
