@@ -13,7 +13,7 @@ Every function in ATTENTION computes the same causal attention; they differ only
         interval of it per row, a masks.Span: flex reads it as such, the others as a dense (1 or B, 1, 1, Tk) row
         (decode.py's decode_inputs).
 
-GPT resolves its implementation once (resolve: an Attention, called by every layer) and checks it where it will
+GPT resolves its implementation once (an Attention, called by every layer) and checks it where it will
 run (check_attention, from GPT.set_attention); a kernel that still refuses a call is reported in the same words.
 """
 
@@ -21,7 +21,7 @@ import functools
 import math
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -219,17 +219,13 @@ ATTENTION: dict[str, AttentionFn] = {
 }
 FLEX = {"flex", "flex_flash"}  # FlexAttention, whatever its backend: block masks, score mods, compiled
 
-# The form a document or window mask takes for each implementation (the others take masks.dense_mask).
-MASK_FORMS: dict[str, Callable] = {
-    **{name: lambda docs, window, B, T, device: masks.block_mask(docs, window, T, device) for name in FLEX},
-    "varlen": masks.packed,
-}
-
-
 def mask_form(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
-    """The mask `attn` takes for training or a prefill with documents (docs (B, T), or None) and/or a window."""
-    if attn in MASK_FORMS:
-        return MASK_FORMS[attn](docs, window, B, T, device)
+    """The mask `attn` takes for training or a prefill with documents (docs (B, T), or None) and/or a window: a
+    BlockMask for flex, varlen's packing, a dense mask for the others."""
+    if attn in FLEX:
+        return masks.block_mask(docs, window, T, device)
+    if attn == "varlen":
+        return masks.packed(docs, window, B, T, device)
     return masks.dense_mask(docs, window, T, device)
 
 
@@ -359,9 +355,12 @@ class Attention:
     call with new facts (device, the dtype q really has under autocast or mixed precision, gradients or not, dropout,
     head size, a mask) asks attention_problem, whose cache makes every later call a lookup: a refusal is one
     sentence before any kernel runs, whoever built the model and however it was set."""
-    name: str
-    fn: AttentionFn = field(repr=False)
+    name: str  # a key of ATTENTION
     probe_len: int = 64  # the length inference is checked at (the model's block_size): one probe, whatever the prompt
+
+    @property
+    def fn(self) -> AttentionFn:
+        return ATTENTION[self.name]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
                  training: bool = False) -> torch.Tensor:
@@ -390,11 +389,6 @@ class Attention:
         except BuildUnavailable as e:  # its FlashAttention build found but not accepted by torch
             check_attention(self.name, *facts, problem=str(e))
             raise
-
-
-def resolve(attn: str, probe_len: int = 64) -> Attention:
-    """The implementation named `attn` (a key of ATTENTION), checked at probe_len for inference."""
-    return Attention(attn, ATTENTION[attn], probe_len)
 
 
 @functools.lru_cache(maxsize=None)  # once per process and setting: every call is checked

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import masks
-from attention import ATTENTION, FLASH_BUILDS, Attention, check_attention, mask_for, resolve
+from attention import ATTENTION, FLASH_BUILDS, Attention, check_attention, mask_for
 from core.errors import BuildUnavailable, UserError
 
 
@@ -195,7 +195,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.attention = resolve(config.attn, config.block_size)  # checked at every first call (and set_attention)
+        self.attention = Attention(config.attn, config.block_size)  # checked at every first call (and set_attention)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -318,7 +318,7 @@ class GPT(nn.Module):
                 use_flash_build(FLASH_BUILDS[attn])
             except BuildUnavailable as e:
                 check_attention(attn, *facts, problem=str(e))
-        self.config, self.attention = config, resolve(attn, config.block_size)
+        self.config, self.attention = config, Attention(attn, config.block_size)
         for block in self.transformer.h:
             block.attn.attention = self.attention
         return self

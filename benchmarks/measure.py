@@ -190,14 +190,15 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
     """Run `call` once under torch.profiler: (names of the ops it ran, the most tensor bytes it added)."""
     activities = [profiler.ProfilerActivity.CPU] + ([profiler.ProfilerActivity.CUDA] if rt.is_cuda else [])
     rt.synchronize()
-    rt.reset_peak_memory()
-    before = rt.memory_allocated()
+    if rt.is_cuda:
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    before = torch.cuda.memory_allocated(rt.device) if rt.is_cuda else 0  # CPU: from the profiler's records
     with without_profiler_banner(), profiler.profile(activities=activities, profile_memory=not rt.is_cuda) as prof:
         call()
         rt.synchronize()
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    added = round(rt.peak_memory_gb() * 1e9) - before if rt.is_cuda else cpu_peak_bytes(prof)
+    added = torch.cuda.max_memory_allocated(rt.device) - before if rt.is_cuda else cpu_peak_bytes(prof)
     return {e.name() for e in prof.profiler.kineto_results.events()}, added
 
 

@@ -163,24 +163,12 @@ class Runtime:
     def orthogonalize_dtype(self) -> torch.dtype:
         return DTYPES[self.orthogonalize]
 
-    def reset_peak_memory(self) -> None:
-        if self.is_cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def memory_allocated(self) -> int:
-        """Bytes CUDA tensors hold now (0 elsewhere: CPU memory is read from the profiler, see measure.py)."""
-        return torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
-
-    def peak_memory_gb(self) -> float:
-        """CUDA: the most memory tensors held since the last reset (max_memory_allocated)."""
-        return torch.cuda.max_memory_allocated(self.device) / 1e9
-
     def memory_metrics(self) -> dict:
         """Memory for the training log. `mem/peak_gb` is the peak of tensor memory, what bench.py's table shows
         under the same name. CPUs and MPS have no such allocator statistic, so there the log says what it has
         under a name of its own: the process's peak resident set (which also counts caches and libraries)."""
         if self.is_cuda:
-            return {"mem/peak_gb": self.peak_memory_gb()}
+            return {"mem/peak_gb": torch.cuda.max_memory_allocated(self.device) / 1e9}
         if self.device_type == "mps":
             return {"mem/mps_driver_gb": torch.mps.driver_allocated_memory() / 1e9}
         scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux

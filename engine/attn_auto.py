@@ -181,7 +181,10 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
         if wrong is not None:
             rows[attn].update(status="wrong" if "differs" in wrong else "failed", reason=wrong)
             del calls[attn]
-    times = round_robin(calls, w, budget_s - (time.perf_counter() - started), timer, spent)
+    # as many rounds as the budget left holds (by the warm-up's times), at least one and at most MAX_ROUNDS
+    per_round = sum(spent.get(a, 0.0) for a in calls) or 1e-3
+    rounds = max(1, min(MAX_ROUNDS, int((budget_s - (time.perf_counter() - started)) / per_round)))
+    times = runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * timer(attn, calls[attn]))
     for attn, ms in times.items():
         rows[attn]["ms"] = sorted(ms)[len(ms) // 2]
     ran = [r for r in rows.values() if r["status"] == "ok"]
@@ -192,14 +195,6 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
     for r in ran:
         r["ratio"] = r["ms"] / best["ms"]
     return Decision(best["attn"], list(rows.values()), w, seconds=time.perf_counter() - started)
-
-
-def round_robin(calls: dict, w: Workload, budget_s: float, timer: Callable, estimate: dict) -> dict[str, list[float]]:
-    """Milliseconds of each call per round of runtime.round_robin: as many rounds as the budget left holds (by the
-    warm-up's times), at least one and at most MAX_ROUNDS."""
-    per_round = sum(estimate.get(a, 0.0) for a in calls) or 1e-3
-    rounds = max(1, min(MAX_ROUNDS, int(budget_s / per_round)))
-    return runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * timer(attn, calls[attn]))
 
 
 def is_decision(entry) -> bool:

@@ -119,24 +119,3 @@ class SingleFileSaver:
 
     def close(self) -> None:
         pass  # nothing is written after save returns
-
-
-# -----------------------------------------------------------------------------
-# a sharded checkpoint's folders (written by engine/sharded.py, read by engine/reader.py)
-
-def step_folder(out: Path, iter_num: int) -> Path:
-    return Path(out) / f"step-{iter_num:06d}"
-
-
-def steps_in(out: Path) -> dict[int, Path]:
-    """out_dir's step folders, whole or not, by step."""
-    found = {}
-    for path in Path(out).glob("step-*"):
-        if match := re.fullmatch(r"step-(\d+)", path.name):
-            found[int(match[1])] = path
-    return found
-
-
-def is_whole(folder: Path) -> bool:
-    """DCP renames .metadata into place after every rank's files are written: its presence means a whole save."""
-    return (folder / ".metadata").is_file()

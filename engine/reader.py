@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
-from engine.checkpoint import FORMAT_VERSION, POINTER, TRAIN, Checkpoint, is_whole, sharded_folder, steps_in
+from engine.checkpoint import FORMAT_VERSION, POINTER, TRAIN, Checkpoint, sharded_folder
+from engine.sharded import is_whole, steps_in
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
 

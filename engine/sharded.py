@@ -1,8 +1,8 @@
 """
 Sharded checkpoints (train.py's checkpoint_format='sharded'): torch.distributed.checkpoint (DCP) writes each rank's
 own part of the model and optimizer state, nothing is gathered on rank 0, and a checkpoint reshards when it is read
-(another world size, FSDP2 or DDP, or one process). This is the writer; reading a step is engine/checkpoint.py's,
-as every reading is.
+(another world size, FSDP2 or DDP, or one process). This is the writer, and what names its step folders; reading a
+step is engine/reader.py's, as every reading is.
 
     out_dir/step-000500/   one step: DCP's files, one per rank (__0_0.distcp, ...), and .metadata, which DCP writes
                            last and renames into place
@@ -13,6 +13,7 @@ the model ('model') and optimizer ('optimizer') state, DCP keeps the rest of eng
 the step, every rank's RNG and the data generator, the settings, the config) as pickled objects of its own.
 """
 
+import re
 import shutil
 import threading
 from concurrent.futures import Future
@@ -25,10 +26,29 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from core import files
 from core import runtime
-from engine.checkpoint import POINTER, TRAIN, SingleFileSaver, is_whole, sharded_folder, step_folder, steps_in
+from engine.checkpoint import POINTER, TRAIN, SingleFileSaver, sharded_folder
 from core.errors import UserError
 from core.runtime import Runtime
 
+# -----------------------------------------------------------------------------
+# a sharded checkpoint's folders (written here, read by engine/reader.py)
+
+def step_folder(out: Path, iter_num: int) -> Path:
+    return Path(out) / f"step-{iter_num:06d}"
+
+
+def steps_in(out: Path) -> dict[int, Path]:
+    """out_dir's step folders, whole or not, by step."""
+    found = {}
+    for path in Path(out).glob("step-*"):
+        if match := re.fullmatch(r"step-(\d+)", path.name):
+            found[int(match[1])] = path
+    return found
+
+
+def is_whole(folder: Path) -> bool:
+    """DCP renames .metadata into place after every rank's files are written: its presence means a whole save."""
+    return (folder / ".metadata").is_file()
 
 
 def os_cause(error: BaseException) -> str:

@@ -162,7 +162,7 @@ def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_
             ((q[b].double() @ k[b, :, s:30].double().transpose(-2, -1)) / 4.0).softmax(-1) @ v[b, :, s:30].double()
             for b, s in enumerate(starts * 2 if len(starts) == 1 else starts)])  # (B, nh, 1, hs)
         with torch.no_grad():
-            got = attention.resolve(attn)(q, k, v, span, 0.0)
+            got = attention.Attention(attn)(q, k, v, span, 0.0)
         assert rel_err(got, expected) <= 1e-5, starts
 
 
