@@ -32,6 +32,7 @@ from engine.generate import (Decoder, Sampling, draw_samples, for_inference, ful
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 from core.tokenizer import CharTokenizer, Tokenizer
+from benchmarks.bench_report import format_table
 
 
 def attention_names(spec) -> list[str]:
@@ -255,51 +256,50 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
 
 
 def print_comparison(run: Run, report: dict) -> None:
-    """The summary tables: generation, teacher-forced logits, Appendix A."""
+    """The summary tables (bench.py's layout): generation, teacher-forced logits, Appendix A."""
     sampling, gens, dts = run.sampling, report["implementations"], ("float32", run.reduced)
-    first = next(iter(gens))
+    first, short = next(iter(gens)), {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     print(f"\n== generation: {sampling.num_samples} sample(s) x {sampling.max_new_tokens} new tokens in one batch, "
           f"seed {sampling.seed}, {run.rt.dtype} on {run.rt.device}{', compiled' if run.compile else ''}; "
-          f"tokens compared with {first}'s")
-    print(f"{'attn':<10} {'tokens':<30} {'tok/s cache':>12} {'tok/s no cache':>15} {'held-out loss':>14}  "
-          f"cache = no cache   (held-out: {run.held_out[1]}, fp32)")
-    for name in report["order"]:
-        if name in report["skipped"]:
-            print(f"{name:<10} skipped: {report['skipped'][name]}")
-            continue
-        g, div = gens[name], gens[name]["first_divergence"]
-        tokens = ("reference" if name == first else "identical" if div is None
-                  else f"differ at s{div['sample']} t{div['token']}")
-        if div is not None:  # name the first earlier implementation that drew the same tokens
-            twin = next((o for o in list(gens)[1:list(gens).index(name)] if gens[o]["samples"] == g["samples"]), None)
-            tokens += f", = {twin}" if twin else ""
-        print(f"{name:<10} {tokens:<30} {g['tokens_per_s']:>12.1f} {g['tokens_per_s_no_cache']:>15.1f} "
-              f"{g['held_out_loss']:>14.4f}  {'yes' if g['cache_equals_no_cache'] else 'NO'}")
+          f"tokens compared with {first}'s; held-out loss (fp32) on {run.held_out[1]}")
+    rows = [dict(attn=n, status="skipped", reason=report["skipped"][n]) if n in report["skipped"]
+            else dict(gens[n], attn=n, status="ok", tokens=tokens_cell(n, gens, first)) for n in report["order"]]
+    print(format_table(rows, {
+        "attn": lambda r: r["attn"], "tokens": lambda r: r.get("tokens", ""),
+        "tok/s cache": lambda r: f"{r['tokens_per_s']:.1f}",
+        "tok/s no cache": lambda r: f"{r['tokens_per_s_no_cache']:.1f}",
+        "held-out loss": lambda r: f"{r['held_out_loss']:.4f}",
+        "cache = no cache": lambda r: "yes" if r["cache_equals_no_cache"] else "NO"}))
     print(f"\n== teacher-forced logits on {report['numerics_tokens']} tokens vs float64 manual "
           f"(scaled = max|dlogit| / max(1, max|ref logit|); KL(ref||impl) in nats/token, mean over positions)")
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    columns = [f"{short[dt]} {col}" for dt in dts for col in ("max|dlogit|", "scaled", "KL")]
-    print(f"{'attn':<10}" + "".join(f"{c:>17}" for c in columns))
-    for name, g in gens.items():
-        cells = []
-        for dt in dts:
-            e = g["logits"][dt]
-            cells += ([f"{'n/a':>17}"] * 3 if "skipped" in e else
-                      [f"{e['max_abs']:>17.2e}", f"{e['scaled']:>17.2e}", f"{e['kl_mean']:>17.2e}"])
-        print(f"{name:<10}" + "".join(cells))
+    errors = {f"{short[dt]} {col}": (dt, key) for dt in dts
+              for col, key in (("max|dlogit|", "max_abs"), ("scaled", "scaled"), ("KL", "kl_mean"))}
+    cell = lambda e, key: "n/a" if "skipped" in e else f"{e[key]:.2e}"  # noqa: E731
+    print(format_table([dict(g, attn=n, status="ok") for n, g in gens.items()], {
+        "attn": lambda r: r["attn"],
+        **{col: (lambda r, dt=dt, key=key: cell(r["logits"][dt], key)) for col, (dt, key) in errors.items()}}))
     a = report["appendix_a"]
     print(f"\n== Appendix A on layer {a['layer']}'s q, k, v (T={report['numerics_tokens']}, d={a['head_size']}): "
           + "; ".join(f"({k}) {v}" for k, v in FORMULATIONS.items()))
-    print(f"{'':<12}" + "".join(f"{short[dt] + ' max|dy|':>16}{'allclose':>10}" for dt in dts))
-    rows = [(f"({k}) vs f64", [(a[dt]["vs_float64"][k], "") for dt in dts]) for k in FORMULATIONS]
-    rows += [(pair, [(a[dt]["pairwise"][pair]["max_abs"], a[dt]["pairwise"][pair]["allclose"]) for dt in dts])
+    rows = [dict(status="ok", label=f"({k}) vs f64", **{dt: (a[dt]["vs_float64"][k], "") for dt in dts})
+            for k in FORMULATIONS]
+    rows += [dict(status="ok", label=pair, **{dt: (a[dt]["pairwise"][pair]["max_abs"],
+                                                   a[dt]["pairwise"][pair]["allclose"]) for dt in dts})
              for pair in a["float32"]["pairwise"]]
-    for label, cells in rows:
-        print(f"{label:<12}" + "".join(f"{value:>16.2e}{str(close):>10}" for value, close in cells))
+    print(format_table(rows, {"": lambda r: r["label"], **{
+        column: (lambda r, dt=dt, i=i: f"{r[dt][0]:.2e}" if i == 0 else str(r[dt][1])) for dt in dts
+        for i, column in enumerate((f"{short[dt]} max|dy|", f"{short[dt]} allclose"))}}))
     print("(the post's Appendix A: the same attention scaled in different places rounds differently; allclose is "
           "torch.allclose's default rtol 1e-5, atol 1e-8, so False at ~1e-7 is rounding, not other attention)")
 
 
+def tokens_cell(name: str, gens: dict, first: str) -> str:
+    """How `name`'s tokens compare with the first implementation's, naming an earlier one that drew the same."""
+    g, div = gens[name], gens[name]["first_divergence"]
+    if name == first or div is None:
+        return "reference" if name == first else "identical"
+    twin = next((o for o in list(gens)[1:list(gens).index(name)] if gens[o]["samples"] == g["samples"]), None)
+    return f"differ at s{div['sample']} t{div['token']}" + (f", = {twin}" if twin else "")
 
 
 # -----------------------------------------------------------------------------
@@ -335,7 +335,8 @@ def weights_study(model: GPT, run: Run, quantize: str, data: Optional[Path]) -> 
     windows, source = held_out_windows(data, run.x, model.config.block_size)
     greedy = dataclasses.replace(run.sampling, num_samples=1, temperature=0.0)
     rows, ref = {}, None
-    for label, dtype, q in (("float32", "float32", ""), (run.reduced, run.reduced, ""), (quantize, run.rt.dtype, quantize)):
+    for label, dtype, q in (("float32", "float32", ""), (run.reduced, run.reduced, ""),
+                            (quantize, run.rt.dtype, quantize)):
         weights = for_inference(copy.deepcopy(model), run.rt.device, runtime.DTYPES[dtype], q)
         loss, tokens = held_out_loss(weights, windows)
         decoder = Decoder(weights, run.compile, dtype=runtime.DTYPES[dtype])
@@ -352,12 +353,13 @@ def weights_study(model: GPT, run: Run, quantize: str, data: Optional[Path]) -> 
 def print_weights_study(study: dict, run: Run) -> None:
     print(f"\n== weights: held-out loss on {study['held_out']} ({study['held_out_tokens']} tokens); agreement = "
           f"greedy token equal to fp32's, teacher-forced; greedy sample of {run.sampling.max_new_tokens} tokens")
-    print(f"{'weights':<10}{'MB':>9}{'tok/s':>9}{'loss':>9}{'d loss':>9}{'ppl':>9}{'agreement':>11}  greedy sample")
-    for label, r in study["rows"].items():
-        div = r["greedy_divergence"]
-        print(f"{label:<10}{r['weight_bytes'] / 1e6:>9.2f}{r['tokens_per_s']:>9.1f}{r['loss']:>9.4f}"
-              f"{r['loss_delta']:>+9.4f}{r['perplexity']:>9.3f}{r['top1_agreement']:>11.2%}  "
-              + ("= fp32" if div is None else f"differs at token {div['token']}"))
+    rows = [dict(r, weights=label, status="ok") for label, r in study["rows"].items()]
+    print(format_table(rows, {
+        "weights": lambda r: r["weights"], "MB": lambda r: f"{r['weight_bytes'] / 1e6:.2f}",
+        "tok/s": lambda r: f"{r['tokens_per_s']:.1f}", "loss": lambda r: f"{r['loss']:.4f}",
+        "d loss": lambda r: f"{r['loss_delta']:+.4f}", "ppl": lambda r: f"{r['perplexity']:.3f}",
+        "agreement": lambda r: f"{r['top1_agreement']:.2%}", "greedy sample": lambda r: "= fp32"
+        if r["greedy_divergence"] is None else f"differs at token {r['greedy_divergence']['token']}"}))
 
 
 def compare(spec: str, model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int],
