@@ -11,7 +11,7 @@ Every function in ATTENTION computes the same causal attention; they differ only
         window in training and prefill, the form the implementation takes (mask_form: a dense mask, a BlockMask,
         or varlen's packing). A decode step over a fixed-size KV cache (one shape, so it compiles once) sees one
         interval of it per row, a masks.Span: flex reads it as such, the others as a dense (1 or B, 1, 1, Tk) row
-        (decode.py's decode_inputs).
+        (decode_inputs).
 
 GPT resolves its implementation once (an Attention, called by every layer) and checks it where it will
 run (check_attention, from GPT.set_attention); a kernel that still refuses a call is reported in the same words.
@@ -138,9 +138,7 @@ def _compiled_flex_attention(use: str, backend: Optional[str] = None):
 
 
 def reset_compiled_flex() -> None:
-    """Forget the compiled flex callables: the next call compiles afresh with a full recompile budget (bench.py
-    does this before each row, so a sweep of many shapes and masks never exhausts one budget and falls back to
-    eager flex)."""
+    """The next flex call compiles afresh, with a full recompile budget (bench.py's rows: see above)."""
     _compiled_flex_attention.cache_clear()
 
 
@@ -167,7 +165,6 @@ def _flex(backend: Optional[str]) -> AttentionFn:
         # documents' and window's (built once per forward by the model)
         score_mod = None
         if isinstance(mask, masks.Span):
-            from decode import span_score_mod  # only generation makes a Span
             score_mod = span_score_mod(mask, k.size(-2), not q.is_cuda)
         block_mask = mask if isinstance(mask, BlockMask) else None
         if mask is None and q.size(-2) > 1:
@@ -238,7 +235,8 @@ def mask_for(attn: str, spec: masks.MaskSpec, idx: torch.Tensor):
 
 
 # -----------------------------------------------------------------------------
-# a decode step (decode.py turns the KV cache's span into each implementation's form): which kernels take its mask
+# a decode step: the interval of the KV cache it sees (a masks.Span, made by decode.KVCache.step) in each
+# implementation's form, and which kernels take a mask for it at all
 
 @functools.lru_cache(maxsize=None)
 def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
@@ -249,10 +247,44 @@ def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size
 
 
 def reads_written_keys(attn: str, q: torch.Tensor) -> bool:
-    """Whether an eager decode step reads exactly the keys written so far rather than the whole cache and a mask: a
-    kernel that takes no mask (CUDA's flash), or eager flex off CUDA, PyTorch's unfused reference, where a score
-    mod costs more than the whole step."""
+    """Whether an eager decode step reads only the keys written so far, not the whole cache and a mask: a kernel
+    that takes no mask (CUDA's flash), or eager flex off CUDA, where a score mod costs more than the whole step."""
     return not decodes_with_mask(attn, q.device.type, q.dtype, q.size(-1)) or (attn in FLEX and not q.is_cuda)
+
+
+def decode_form(attn: str, span: masks.Span, kv_len: int):
+    """A decode step's span in `attn`'s form: flex's score mod reads the interval itself (span_score_mod), the others
+    a dense (1 or B, 1, 1, kv_len) row over the whole cache, so a compiled decode step keeps one shape."""
+    return span if attn in FLEX else masks.span_rows(span, kv_len)
+
+
+def decode_inputs(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: masks.Span):
+    """k, v and the mask of a decode step: where the whole-cache mask does not suit the kernel (eager:
+    reads_written_keys) and every row sees the same interval, the keys in it and no mask; else the whole cache and
+    the span in `attn`'s form."""
+    if not torch.compiler.is_compiling() and reads_written_keys(attn, q):
+        first, last, end = torch.stack([*span.start.aminmax(), span.end[0]]).tolist()  # one sync
+        if first == last:
+            return k[:, :, first:end], v[:, :, first:end], None
+    return k, v, decode_form(attn, span, k.size(-2))
+
+
+def span_score_mod(span: masks.Span, kv_len: int, on_cpu: bool):
+    # A decode step's one query row has no blocks worth skipping: the score mod keeps the keys of the row's span,
+    # read as its first key and its length, (1 or B,) each.
+    first, length = span.start, span.end - span.start
+    if on_cpu and torch.compiler.is_compiling():
+        # torch 2.13's CPU flex template reads only tensors inductor materialises, and it inlines pointwise ones
+        # (then "No choices to select"); reductions over more than a few elements are materialised, so the bounds
+        # are taken as two over the span's row of the cache
+        rows = masks.span_rows(span, kv_len)[:, 0, 0]  # (1 or B, kv_len)
+        first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
+    per_row = first.size(0) > 1
+
+    def masked(score, b, h, q_idx, kv_idx):
+        r = b if per_row else 0
+        return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
+    return masked
 
 
 # -----------------------------------------------------------------------------
@@ -331,8 +363,7 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
                 if masked_decode:
                     written = masks.Span(torch.zeros(1, dtype=torch.long, device=device_type),
                                          torch.full((1,), T, device=device_type))  # the last 8 unwritten
-                    from decode import decode_form
-                    ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], decode_form(attn in FLEX, written, T + 8), 0.0)
+                    ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], decode_form(attn, written, T + 8), 0.0)
                     return None
                 mask = None
                 if masked:
@@ -367,9 +398,7 @@ class Attention:
         """`training`: the calling module's mode; with gradients on, the call is checked with its backward."""
         decoding = isinstance(mask, masks.Span)  # a decode step: only generation makes one
         if decoding:  # the span in this implementation's form, or the written keys alone (reads_written_keys)
-            from decode import decode_inputs
-            reads_written = not torch.compiler.is_compiling() and reads_written_keys(self.name, q)
-            k, v, mask = decode_inputs(self.name in FLEX, reads_written, q, k, v, mask)
+            k, v, mask = decode_inputs(self.name, q, k, v, mask)
         if torch.compiler.is_compiling():  # compiled code was checked before it was traced
             return self.fn(q, k, v, mask, dropout_p)
         masked = mask is not None and not decoding

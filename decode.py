@@ -17,46 +17,6 @@ from torch.nn import functional as F
 import masks
 
 
-# -- a decode step's view of the cache: the span the KV cache computes, in each implementation's form (attention.py
-# asks which kernels take a mask at all)
-
-def decode_form(flex: bool, span: masks.Span, kv_len: int):
-    """A decode step's span in an implementation's form: flex's score mod reads the interval itself (span_score_mod),
-    the others a dense (1 or B, 1, 1, kv_len) row over the whole cache, so a compiled decode step keeps one shape."""
-    return span if flex else masks.span_rows(span, kv_len)
-
-
-def decode_inputs(flex: bool, reads_written: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  span: masks.Span):
-    """Where the whole-cache mask does not suit the kernel (`reads_written`, eager: attention.reads_written_keys) and
-    every row sees the same interval, the keys in it and no mask; else the span in the implementation's form."""
-    if reads_written:
-        first, last, end = torch.stack([*span.start.aminmax(), span.end[0]]).tolist()  # one sync
-        if first == last:
-            return k[:, :, first:end], v[:, :, first:end], None
-    return k, v, decode_form(flex, span, k.size(-2))
-
-
-def span_score_mod(span: masks.Span, kv_len: int, on_cpu: bool):
-    # A decode step's one query row has no blocks worth skipping: the score mod keeps the keys of the row's span,
-    # read as its first key and its length, (1 or B,) each.
-    first, length = span.start, span.end - span.start
-    if on_cpu and torch.compiler.is_compiling():
-        # torch 2.13's CPU flex template reads only tensors inductor materialises, and it inlines pointwise ones
-        # (then "No choices to select"); reductions over more than a few elements are materialised, so the bounds
-        # are taken as two over the span's row of the cache
-        rows = masks.span_rows(span, kv_len)[:, 0, 0]  # (1 or B, kv_len)
-        first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
-    per_row = first.size(0) > 1
-
-    def masked(score, b, h, q_idx, kv_idx):
-        r = b if per_row else 0
-        return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
-    return masked
-
-
-# -- the cache and the loop
-
 class LayerCache(nn.Module):
     """One layer's keys and values, (B, nh, block_size, hs) each, in buffers of their own (torch 2.13's CPU flex
     template refuses a key tensor that starts inside another's storage)."""

@@ -122,14 +122,13 @@ def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Ca
     if w.training:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         return attention.attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
-    from decode import decode_form
     cache = torch.cat([k, k.new_zeros(k.size(0), k.size(1), w.block_size - w.seq_len, k.size(-1))], dim=2)
     span = masks.Span(torch.zeros(1, dtype=torch.long, device=q.device),
                       torch.full((1,), w.seq_len, device=q.device))  # the prompt written, the step reads it
 
     prefill = attention.attention_pass(fn, q, k, v, mask, 0.0, backward=False)
     decode_step = attention.attention_pass(fn, q[:, :, -1:], cache, cache,
-                                           decode_form(attn in attention.FLEX, span, w.block_size), 0.0, backward=False)
+                                           attention.decode_form(attn, span, w.block_size), 0.0, backward=False)
 
     def sample_step() -> torch.Tensor:
         y = prefill()
