@@ -102,7 +102,7 @@ class Trainer:
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over micro-batches (x, y), (B, T) each, on the host or the device already; returns
         their mean loss, on the device. The next micro-batch is copied while the forward runs, as nanoGPT does."""
-        forward, n = self.forward or self.model, len(micro_batches)
+        forward, n = self.model if self.forward is None else self.forward, len(micro_batches)
         loss_sum = torch.zeros((), device=self.rt.device)
         x, y = self.rt.to_device(*micro_batches[0])
         for micro in range(n):
