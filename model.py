@@ -301,11 +301,11 @@ class GPT(nn.Module):
         where the model is (after .to(device)), in its mode (or `training`) and the dtype it computes in now
         (compute_dtype, or `dtype`): one sentence naming what can run instead. Every call is checked again for the
         facts it has (attention.Attention). check=False: the caller asked attention_problem itself (the measuring
-        tools). attn='auto': the fastest correct one on this model's shapes, measured (engine/attn_auto.py)."""
+        tools). attn='auto': the fastest correct one on this model's shapes, measured (attn_auto.py)."""
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
-        if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (engine/attn_auto.py)
-            from engine.attn_auto import choose_for_model
+        if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (attn_auto.py)
+            from attn_auto import choose_for_model
             attn = choose_for_model(self, training, dtype)
         config, device = dataclasses.replace(self.config, attn=attn), self.transformer.wpe.weight.device.type
         facts = (device, dtype, config.dropout if training else 0.0, config.head_size, training, config.block_size,
@@ -361,7 +361,7 @@ class GPT(nn.Module):
     def from_pretrained(cls, model_type: str, override_args: Optional[dict] = None) -> "GPT":
         """GPT-2's weights: a nanoGPT name (gpt2 ... gpt2-xl, from the Hugging Face hub) or a local Hugging Face
         directory. override_args may set dropout, as nanoGPT's does, and attn, pad_vocab and the masks."""
-        from interop import hf  # Hugging Face's format: read only here
+        from core import hf  # Hugging Face's format: read only here
         overrides = dict(override_args or {})
         if set(overrides) - hf.OVERRIDES:
             raise UserError(f"from_pretrained can only override {sorted(hf.OVERRIDES)}, got {sorted(overrides)}.")

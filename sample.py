@@ -144,8 +144,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> dict:
     """attn='auto': the fastest implementation for this sampling (its batch, prompt, dtype, mask, compile), measured
-    or read from the cache of earlier decisions (engine/attn_auto.py), set on the model; returns the table."""
-    from engine.attn_auto import Workload, choose
+    or read from the cache of earlier decisions (attn_auto.py), set on the model; returns the table."""
+    from attn_auto import Workload, choose
     workload = Workload.of(model.config, rt, cfg.num_samples, min(prompt_len, model.config.block_size),
                            training=False, compiled=cfg.compile)
     decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)

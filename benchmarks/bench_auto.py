@@ -1,11 +1,11 @@
 """
-bench.py's `auto` rows: what attn='auto' (engine/attn_auto.py) picks for each padding and mask of the train sweep,
+bench.py's `auto` rows: what attn='auto' (attn_auto.py) picks for each padding and mask of the train sweep,
 beside the fastest row the sweep itself measured. The pick should be that row, or within the round-robin's noise
 of it (the two rows' interquartile ranges overlap).
 """
 
 from benchmarks.measure import paired_speedup
-from engine.attn_auto import Workload, choose
+from attn_auto import Workload, choose
 from core.runtime import Runtime
 
 

@@ -83,7 +83,7 @@ def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | Non
     this project's files from before the version field (version 1: the same fields). A file from a newer version of
     this project is refused."""
     if is_nanogpt(contents):
-        from interop import nanogpt  # the conversion is read only for nanoGPT's files
+        from engine import nanogpt  # the conversion is read only for nanoGPT's files
         contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
     version = contents.get("version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:

@@ -1,4 +1,4 @@
-"""attn='auto' (engine/attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
+"""attn='auto' (attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
 per workload and kept; no test asserts a speed (the timer is a stand-in where the pick matters)."""
 import json
 import math
@@ -9,8 +9,8 @@ import torch
 
 import attention
 import sample
-from engine import attn_auto
-from engine.attn_auto import Workload
+import attn_auto
+from attn_auto import Workload
 from core.runtime import Runtime
 from model import GPTConfig, UserError
 

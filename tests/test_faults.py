@@ -23,7 +23,7 @@ from conftest import REPO, SHARDED, TINY
 from core import flops
 from core.errors import UserError
 from core.runtime import Runtime
-from engine import attn_auto
+import attn_auto
 from engine.reader import load_checkpoint
 
 

@@ -12,7 +12,7 @@ from benchmarks.measure import profiled_run
 from core.runtime import Runtime
 
 from engine.generate import generate
-from interop.hf import convert_hf_state_dict
+from core.hf import convert_hf_state_dict
 from attention import ATTENTION, attention_problem, check_attention
 from benchmarks.compare import attention_names
 from conftest import runnable_on_cpu
