@@ -38,7 +38,7 @@ from attention import ATTENTION, FLASH_BUILDS, FLEX, attention_pass, attention_p
 from core.kernels import use_flash_build
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
-from benchmarks.bench_train import Workbench, build_trainer, fits  # noqa: F401 - Workbench: for tests
+from benchmarks.bench_train import Workbench, auto_rows, build_trainer, fits  # noqa: F401 - Workbench: for tests
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from core.runtime import Runtime
@@ -242,7 +242,6 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
         if row["status"] == "ok" and base.get("status") == "ok":
             row["speedup_vs_manual"] = paired_speedup(base, row)
     if cfg.auto:  # what attn=auto would pick, beside the fastest row measured here
-        from benchmarks.bench_auto import auto_rows
         rows.update({f"auto_{r['pad_vocab']}_{r['mask']}_{r['loss']}": r for r in auto_rows(rows, trainers, cfg, rt)})
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
     free_memory(rt)

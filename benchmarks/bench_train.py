@@ -1,7 +1,9 @@
 """
 bench.py's train mode, the machinery of one row: a model, its Trainer and batch shared by the rows of one vocab
 setting, mask and loss (each row switching the attention and taking train.py's real training steps, compiled apart
-per attn), and whether a batch size fits.
+per attn), whether a batch size fits, and the `auto` rows: what attn='auto' (attn_auto.py) picks for each padding,
+mask and loss, beside the fastest row the sweep measured (the pick should be that row, or within the round-robin's
+noise of it: the two rows' interquartile ranges overlap).
 """
 
 import functools
@@ -11,7 +13,8 @@ from typing import Callable, Optional
 import torch
 
 from benchmarks.bench_masks import document_ids, mask_settings, tokens_with_documents
-from benchmarks.measure import free_memory, out_of_memory, profiled_run
+from attn_auto import Workload, choose
+from benchmarks.measure import free_memory, out_of_memory, paired_speedup, profiled_run
 from core import runtime
 from core.configurator import Settings
 from core.runtime import Runtime
@@ -99,3 +102,28 @@ def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int
     finally:
         del trainer  # the model and its memory go before the next probe
         free_memory(rt)
+
+
+def auto_rows(rows: dict, trainers: dict[tuple, Workbench], cfg: Settings, rt: Runtime) -> list[dict]:
+    """One row per (padding, mask, loss) with a measured row: the pick's measurements, labelled auto, with `auto_pick`,
+    `fastest`, `pick_vs_fastest` (the pick's time over the fastest's, paired) and `within_noise`."""
+    out = []
+    for (pad, mask, loss), trainer in trainers.items():
+        ran = {r["attn"]: r for r in rows.values()
+               if (r["pad_vocab"], r["mask"], r["loss"]) == (pad, mask, loss) and r["status"] == "ok"}
+        if not ran:
+            continue
+        workload = Workload.of(trainer.model.config, rt, cfg.batch_size, cfg.seq_len, training=True,
+                               compiled=cfg.compile)
+        decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
+        fastest = min(ran.values(), key=lambda r: r["ms_per_iter"])
+        if decision.pick not in ran:  # picked one the sweep did not run (--attn named others)
+            out.append(dict(attn="auto", pad_vocab=pad, mask=mask, loss=loss, status="skipped", auto_pick=decision.pick,
+                            reason=f"auto picked {decision.pick}, which this sweep did not run"))
+            continue
+        pick = ran[decision.pick]
+        overlap = pick["ms_p25"] <= fastest["ms_p75"] and fastest["ms_p25"] <= pick["ms_p75"]
+        out.append({**pick, "attn": "auto", "auto_pick": decision.pick, "auto_line": decision.line(),
+                    "fastest": fastest["attn"], "pick_vs_fastest": 1 / paired_speedup(fastest, pick),
+                    "within_noise": decision.pick == fastest["attn"] or overlap})
+    return out
