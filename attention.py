@@ -238,12 +238,11 @@ def mask_for(attn: str, spec: masks.MaskSpec, idx: torch.Tensor):
 # a decode step: the interval of the KV cache it sees (a masks.Span, made by decode.KVCache.step) in each
 # implementation's form, and which kernels take a mask for it at all
 
-@functools.lru_cache(maxsize=None)
 def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether `attn` takes an explicit mask for a decode step over a fixed-size KV cache. CUDA's flash kernel
-    takes none: eager decoding then reads exactly the positions written so far, and compiled decoding (one shape
-    for every position) cannot use it."""
-    return probe(attn, device_type, dtype, 0.0, head_size, False, 16, masked_decode=True) is None
+    """Whether `attn` takes an explicit mask for a decode step over a fixed-size KV cache (attention_problem's
+    answer). CUDA's flash kernel takes none: eager decoding then reads exactly the positions written so far, and
+    compiled decoding (one shape for every position) cannot use it."""
+    return attention_problem(attn, device_type, dtype, 0.0, head_size, False, 16, decode_step="masked") is None
 
 
 def reads_written_keys(attn: str, q: torch.Tensor) -> bool:
@@ -294,9 +293,11 @@ def span_score_mod(span: masks.Span, kv_len: int, on_cpu: bool):
 @functools.lru_cache(maxsize=None)
 def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
                       needs_grad: bool, seq_len: int = 64, masked: bool = False,
-                      decode_step: bool = True) -> Optional[str]:
-    """None if `attn` runs here (`masked`: with a document or window mask), else why not. Inference is checked with
-    a decode step too, unless `decode_step` is False (an evaluation or a prompt: whole sequences only)."""
+                      decode_step: bool | str = True) -> Optional[str]:
+    """None if `attn` runs here (`masked`: with a document or window mask), else why not: the one answer, cached,
+    that training, sampling, decoding, bench and attn=auto ask. Inference is checked with a decode step too, unless
+    `decode_step` is False (an evaluation or a prompt: whole sequences only); "masked": a decode step over the whole
+    cache with a mask, alone (decodes_with_mask)."""
     cpu = device_type == "cpu"
     if attn in ("flash3", "flash4", "flex_flash"):  # what to install, or which GPU it needs
         from core import kernels  # what the optional kernels need
@@ -341,13 +342,12 @@ def attention_pass(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 
 def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-           needs_grad: bool, seq_len: int, masked_decode: bool = False, masked: bool = False,
-           decode_step: bool = True) -> Optional[str]:
+           needs_grad: bool, seq_len: int, masked: bool = False, decode_step: bool | str = True) -> Optional[str]:
     """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
     sequence length (with backward when training; with `masked`, two documents and a window in the form `attn`
     takes), and for inference also a one-query decode step against a longer KV cache: a slice of exactly the
-    written positions, or with `masked_decode` the whole cache and a mask. Kernels' limits differ between these
-    layouts."""
+    written positions, or with decode_step="masked" (alone) the whole cache and a mask. Kernels' limits differ
+    between these layouts."""
     T = seq_len
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
     # forward (the first call with new facts): in exactly `dtype`, whatever autocast says, and with gradients
@@ -360,7 +360,7 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
         try:
             with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
                 warnings.simplefilter("always")
-                if masked_decode:
+                if decode_step == "masked":
                     written = masks.Span(torch.zeros(1, dtype=torch.long, device=device_type),
                                          torch.full((1,), T, device=device_type))  # the last 8 unwritten
                     ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], decode_form(attn, written, T + 8), 0.0)
