@@ -218,11 +218,7 @@ def choose(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = Fal
         return Decision(hit["pick"], hit["rows"], w, cached=True)
     decision = measure_fn(w, rt, budget_s)
     known[w.key()] = {"pick": decision.pick, "rows": decision.rows}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=1))
-    except OSError:
-        pass  # a read-only home: this run's decision stands, the next run measures again
+    files.write_cache(path, known)
     return decision
 
 

@@ -127,3 +127,13 @@ def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dic
         print(f"note: {path} is not what this project wrote ({problem}); measuring again, and the file is "
               f"rewritten with the result.", file=sys.stderr)
     return usable
+
+
+def write_cache(path: Path, entries: dict) -> None:
+    """Write a cache read_cache reads; a home that cannot be written (read-only) keeps this run's result in memory
+    only, and the next run measures again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(entries, indent=1))
+    except OSError:
+        pass

@@ -7,7 +7,6 @@ rate measured on the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only em
 
 import functools
 import math
-import json
 import os
 from pathlib import Path
 
@@ -39,11 +38,7 @@ def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
     measured = best_matmul_flops(rt, repeats)
     if measured > known.get(key, 0.0):
         known[key] = measured
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(known, indent=1))
-        except OSError:
-            pass  # a read-only home: this run's own figure stands
+        files.write_cache(cache, known)
     return known[key]
 
 
