@@ -27,6 +27,7 @@ import torch
 
 from core import runtime
 from engine.sharded import saver_for
+from benchmarks.bench_report import format_table
 from core.configurator import as_list, comma_list_of, configure, one_of
 from model import GPT, GPTConfig
 
@@ -101,12 +102,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         params = sum(p.numel() for p in model.parameters())
         print(f"{params / 1e6:.0f}M parameters, {cfg.parallel if rt.is_distributed else 'one process'}, "
               f"{rt.world_size} rank(s) (gloo), {rt.name}")
-        print(f"{'format':<8} {'1st pause s':>12} {'pause s':>8} {'whole s':>8} {'peak extra GB per rank':>24} "
-              f"{'written GB':>11}")
-        for r in rows:
-            peaks = ", ".join(f"{p:.2f}" for p in r["peak_extra_gb_per_rank"])
-            print(f"{r['format']:<8} {r['first_pause_s']:>12.2f} {r['pause_s']:>8.2f} {r['whole_s']:>8.2f} "
-                  f"{peaks:>24} {r['written_gb']:>11.2f}")
+        print(format_table([dict(r, status="ok") for r in rows], {
+            "format": lambda r: r["format"], "1st pause s": lambda r: f"{r['first_pause_s']:.2f}",
+            "pause s": lambda r: f"{r['pause_s']:.2f}", "whole s": lambda r: f"{r['whole_s']:.2f}",
+            "peak extra GB per rank": lambda r: ", ".join(f"{p:.2f}" for p in r["peak_extra_gb_per_rank"]),
+            "written GB": lambda r: f"{r['written_gb']:.2f}"}))
         path = Path(cfg.out_dir) / "checkpoint_cost.json"
         path.write_text(json.dumps({"config": cfg.as_dict(), "machine": rt.name, "parameters": params, "rows": rows},
                                    indent=1))

@@ -28,6 +28,7 @@ import torch
 
 from core import files
 from core import runtime
+from benchmarks.bench_report import format_table
 from core.configurator import configure, one_of
 
 compare = "quickstart"        # which recipes (RECIPE_SETS): quickstart (nanoGPT's CPU recipe vs ours), doc_mask, attn,
@@ -137,14 +138,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = names[0]
     print(f"\ntime to val/loss <= {cfg.target}, launch to logged val/loss, {cfg.runs} round(s), {machine}: "
           f"median (min-max)")
-    print(f"{'recipe':<22}  {'seconds':>22}  {'x ' + base:>24}  {'iter':>16}  {'final val':>22}  {'wall s':>22}")
+    rows = []
     for name in names:
         ratios = [r[name]["seconds"] / r[base]["seconds"] for r in rounds if r[name]["seconds"] and r[base]["seconds"]]
-        print(f"{name:<22}  {summary([r[name]['seconds'] for r in rounds]):>22}  "
-              f"{(f'{np.median(ratios):.2f}x' if ratios else '-'):>24}  "
-              f"{summary([r[name]['iter'] for r in rounds], 0):>16}  "
-              f"{summary([r[name]['final_loss'] for r in rounds], 3) if cfg.full else '-':>22}  "
-              f"{summary([r[name]['wall_s'] for r in rounds]):>22}")
+        rows.append(dict(status="ok", recipe=name, seconds=summary([r[name]["seconds"] for r in rounds]),
+                         ratio=f"{np.median(ratios):.2f}x" if ratios else "-",
+                         iter=summary([r[name]["iter"] for r in rounds], 0),
+                         final=summary([r[name]["final_loss"] for r in rounds], 3) if cfg.full else "-",
+                         wall=summary([r[name]["wall_s"] for r in rounds])))
+    print(format_table(rows, {"recipe": lambda r: r["recipe"], "seconds": lambda r: r["seconds"],
+                              f"x {base}": lambda r: r["ratio"], "iter": lambda r: r["iter"],
+                              "final val": lambda r: r["final"], "wall s": lambda r: r["wall"]}))
     path = out / "time_to_loss.json"
     path.write_text(json.dumps({"config": cfg.as_dict(), "machine": machine, "capability": runtime.cpu_capability(),
                                 "recipes": recipes, "rounds": rounds}, indent=1))
