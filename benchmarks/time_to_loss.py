@@ -115,7 +115,8 @@ def summary(values: list[Optional[float]], digits: int = 1) -> str:
     if not found:
         return "not reached"
     spread = f" ({min(found):.{digits}f}-{max(found):.{digits}f})" if len(found) > 1 else ""
-    return f"{np.median(found):.{digits}f}{spread}" + ("" if len(found) == len(values) else f", {len(found)}/{len(values)}")
+    missed = "" if len(found) == len(values) else f", {len(found)}/{len(values)}"
+    return f"{np.median(found):.{digits}f}{spread}{missed}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
