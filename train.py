@@ -213,7 +213,7 @@ class Run:
         if steps:  # none when the only step since the last line was the compiling one
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
             mfu = self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size, peak_flops,
-                                                         self.cfg.block_size)
+                                                             self.cfg.block_size)
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s, mfu=mfu)
         self.log.log({**metrics, **self.rt.memory_metrics()})
 
