@@ -296,8 +296,10 @@ def print_comparison(run: Run, report: dict) -> None:
 def tokens_cell(name: str, gens: dict, first: str) -> str:
     """How `name`'s tokens compare with the first implementation's, naming an earlier one that drew the same."""
     g, div = gens[name], gens[name]["first_divergence"]
-    if name == first or div is None:
-        return "reference" if name == first else "identical"
+    if name == first:
+        return "reference"
+    if div is None:
+        return "identical"
     twin = next((o for o in list(gens)[1:list(gens).index(name)] if gens[o]["samples"] == g["samples"]), None)
     return f"differ at s{div['sample']} t{div['token']}" + (f", = {twin}" if twin else "")
 

@@ -190,9 +190,10 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
     """Run `call` once under torch.profiler: (names of the ops it ran, the most tensor bytes it added)."""
     activities = [profiler.ProfilerActivity.CPU] + ([profiler.ProfilerActivity.CUDA] if rt.is_cuda else [])
     rt.synchronize()
+    before = 0  # CPU: the bytes added come from the profiler's records
     if rt.is_cuda:
         torch.cuda.reset_peak_memory_stats(rt.device)
-    before = torch.cuda.memory_allocated(rt.device) if rt.is_cuda else 0  # CPU: from the profiler's records
+        before = torch.cuda.memory_allocated(rt.device)
     with without_profiler_banner(), profiler.profile(activities=activities, profile_memory=not rt.is_cuda) as prof:
         call()
         rt.synchronize()
