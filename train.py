@@ -12,6 +12,7 @@ import dataclasses
 import math
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -24,7 +25,7 @@ from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
 from attention import ATTENTION
-from engine.metrics import MetricsLog, StepTimer, check_wandb
+from engine.metrics import MetricsLog, StepEnd, StepTimer, check_wandb
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, GPTConfig
 from core.runtime import Runtime
@@ -178,12 +179,6 @@ class Run:
     iter_num: int = 0
     best_val_loss: float = math.inf
 
-    def step(self, micro_steps: int) -> torch.Tensor:
-        """One optimizer step over this rank's share of the global batch, queued on the device and not waited for;
-        returns the mean loss, on the device."""
-        rt = self.rt
-        return self.trainer.step(self.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
-
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
         losses = estimate_loss(self.trainer.forward, self.cfg, self.data_dir, self.rt)
@@ -201,21 +196,25 @@ class Run:
             model_config=dataclasses.asdict(model.config), iter_num=self.iter_num,
             best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
 
-    def log_step(self, it: int, loss: torch.Tensor, lr: float, timer: StepTimer, peak_flops: float) -> None:
-        """Iteration `it`'s training line: its loss averaged over ranks (the read that waits for its step), and the
-        speed over the timed steps since the last line."""
-        loss = runtime.mean_across_ranks(loss.item(), self.rt.device)
-        seconds, steps = timer.lap(it)
+    def log_step(self, end: StepEnd, lr: float, timer: StepTimer, peak_flops: Optional[float]) -> bool:
+        """Step end.it's training line: its loss averaged over ranks, read waiting for that step alone (the next one
+        is queued by then), and the speed over the steps timed since the last line. Returns whether any rank ran
+        out of max_seconds (the flag travels with the loss, so ranks stop at the same step)."""
+        (loss, out_of_time), world = end.read(), self.rt.world_size
+        loss /= world
+        seconds, steps = timer.lap(end)
         if not math.isfinite(loss):
-            raise UserError(f"training loss is {loss} at iter {it}; training diverged (try a lower "
+            raise UserError(f"training loss is {loss} at iter {end.it}; training diverged (try a lower "
                             f"learning_rate or grad_clip); the last good checkpoint in {self.cfg.out_dir} is kept.")
-        metrics = {"iter": it, "train/loss": loss, "lr": lr}
+        metrics = {"iter": end.it, "train/loss": loss, "lr": lr}
         if steps:  # none when the only step since the last line was the compiling one
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
-            mfu = self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size, peak_flops,
-                                                             self.cfg.block_size)
-            metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s, mfu=mfu)
+            metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
+            if peak_flops is not None:  # None: no peak this machine's load let us trust (core/flops.py)
+                metrics["mfu"] = self.trainer.model.model_flops_utilization(tokens_per_s / world, peak_flops,
+                                                                            self.cfg.block_size)
         self.log.log({**metrics, **self.rt.memory_metrics()})
+        return out_of_time > 0
 
 
 def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
@@ -261,31 +260,29 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
 def train_loop(run: Run, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating (and saving) every eval_interval steps and at the end; a
     resumed run (resumed_at: its step) was evaluated and saved there before it stopped, so not again. Nothing waits
-    on the device between log points, and a log line is written once the next step is queued, so even at
-    log_interval=1 the device always has the next step to run while the host reads the last one's loss."""
+    on the device between log points: a log point's loss is copied behind its step and read once the next step is
+    queued, waiting for its own step alone, so even at log_interval=1 the device always has a step to run."""
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
     timer = StepTimer(rt)
-    steps_run = 0  # optimizer steps taken by this process
-    unlogged = None  # (iter, loss on the device, lr) of a log point, written after the next step is queued
+    steps_run, out_of_time = 0, False
+    pending, last = None, None  # a log point's StepEnd and lr, read after the next step is queued; the last step's
     try:
         while True:
             multiplier = lr_multiplier(run.iter_num, cfg)
             set_learning_rates(run.trainer.optimizers, multiplier)
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
-            # every rank must stop at the same step, so one rank's clock running out stops them all; that takes a
-            # collective, so under torchrun the clock is compared where the ranks meet anyway: at log points
-            check_clock = cfg.max_seconds > 0 and (unlogged is not None or not rt.is_distributed)
-            out_of_time = check_clock and runtime.mean_across_ranks(
-                float(timer.total >= cfg.max_seconds), rt.device) > 0
+            if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (log_step)
+                out_of_time = cfg.max_seconds > 0 and timer.total >= cfg.max_seconds
+            ends = run.iter_num >= cfg.max_iters or run.iter_num % cfg.eval_interval == 0
+            if pending is not None and (ends or out_of_time):  # the training line before the evaluation's
+                out_of_time |= run.log_step(*pending, timer, peak_flops)
+                pending = None
             done = run.iter_num >= cfg.max_iters or out_of_time
-            due = run.iter_num % cfg.eval_interval == 0 or done
-            if due and unlogged is not None:  # the training line before the evaluation's
-                run.log_step(*unlogged, timer, peak_flops)
-                unlogged = None
-            if due and run.iter_num != resumed_at:
-                timer.pause()  # the lr both of iter N's lines show: the rate of the step that made iter N's weights
+            if (done or run.iter_num % cfg.eval_interval == 0) and run.iter_num != resumed_at:
+                timer.pause(last)
+                # the lr both of iter N's lines show: the rate of the step that made iter N's weights
                 last_lr = cfg.learning_rate * lr_multiplier(max(0, run.iter_num - 1), cfg)
                 run.evaluate_and_save(last_lr, timer.total)
             if done:
@@ -293,12 +290,19 @@ def train_loop(run: Run, resumed_at: int | None) -> None:
             # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
             if not (cfg.compile and steps_run == 0) and not timer.running:
                 timer.start(run.iter_num)
-            loss = run.step(micro_steps)
+            loss = run.trainer.step(run.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
             steps_run += 1
             run.iter_num += 1
-            if unlogged is not None:  # its read waits for the step before this one only
-                run.log_step(*unlogged, timer, peak_flops)
-            unlogged = (run.iter_num, loss, lr) if run.iter_num % cfg.log_interval == 0 else None
+            if run.iter_num % cfg.log_interval == 0:  # summed over ranks behind the step, with the clock's verdict
+                flag = float(rt.is_distributed and cfg.max_seconds > 0 and timer.total >= cfg.max_seconds)
+                values = runtime.sum_across_ranks_(torch.stack([loss.detach().float(), torch.full_like(
+                    loss, flag, dtype=torch.float32)]))
+                end = timer.step_end(run.iter_num, values)
+            else:
+                end = timer.step_end(run.iter_num)
+            if pending is not None:  # its read waits for the step before this one only
+                out_of_time |= run.log_step(*pending, timer, peak_flops)
+            pending, last = ((end, lr) if end.values is not None else None), end
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
         run.log.close()

@@ -137,6 +137,26 @@ class Runtime:
             return tuple(t.to(self.device) for t in tensors)
         return tuple(t if t.is_cuda else t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
 
+    def stream_event(self) -> Optional["torch.cuda.Event"]:
+        """On CUDA, a timing event recorded behind the work queued so far on the current stream; elsewhere None
+        (CPU work has run by the time its call returns; MPS is synchronized instead)."""
+        if not self.is_cuda:
+            self.synchronize()
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def copy_behind(self, values: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
+        """values copied to the host behind the work queued so far, and the event after the copy: waiting on it
+        waits for that work alone, where .item() (memcpy_and_sync) would wait for all queued at the time of the
+        read. On CUDA the copy lands in pinned memory, so it is queued, not waited for."""
+        if not self.is_cuda:
+            return values.detach().to("cpu"), self.stream_event()
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values.detach(), non_blocking=True)
+        return host, self.stream_event()
+
     def synchronize(self) -> None:
         """Wait for queued device work, so a clock read afterwards measures it."""
         if self.is_cuda:
@@ -245,6 +265,13 @@ def on_master(work: Callable[[], None], device: str) -> None:
         raise UserError(problem)
     if failed:
         raise UserError("rank 0 stopped with an error (printed above); the other ranks stop with it.")
+
+
+def sum_across_ranks_(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor summed over all ranks, in place and queued, not waited for (itself in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
 
 
 def mean_across_ranks(value: float, device: str) -> float:

@@ -8,8 +8,12 @@ import netrc
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlparse
+
+import torch
 
 from core.configurator import Settings
 from core.errors import UserError
@@ -67,17 +71,35 @@ class MetricsLog:
             self.wandb.finish()
 
 
+@dataclass
+class StepEnd:
+    """Where training step `it` ends on the device: an event recorded behind it (CUDA), or the clock once it ran
+    (elsewhere a step has run when it returns); and `values` of it copied to the host behind it (or None)."""
+    it: int
+    event: Optional[object]
+    time: float
+    values: Optional[torch.Tensor] = None
+
+    def read(self) -> list[float]:
+        """The values, waiting for this step alone: on CUDA a tensor's .item() would wait for every step queued
+        since (it synchronizes the stream), and the device would then idle while the host catches up."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values.tolist()
+
+
 class StepTimer:
-    """Wall time of training steps, kept without waiting on the device between log points. start and pause
-    (around evaluation and checkpointing) synchronize; a lap is read right after the host read a value that step
-    `it` produced (its loss), which waits for that step alone while the next one is already queued: so the
-    seconds between two laps are the device's time for the steps between them."""
+    """Wall time of training steps, with no wait on the device between log points. Each step's end is marked
+    (step_end); a line's time runs from the mark the previous line counted to (or a start) to its own step's,
+    plus what was timed before an evaluation paused the clock and no line counted: so each line's time covers
+    exactly the steps it counts, at any log_interval and eval_interval. The compiling step is never timed."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.banked = 0.0                   # seconds of training before the last start
-        self._t0 = None                     # when the timer last started, while it runs
-        self._lap = None                    # (time, iter) of the last lap or start
+        self.banked = 0.0                   # host seconds of training before the last start (max_seconds)
+        self._t0 = None                     # host clock at the last start, while running
+        self._since = None                  # the StepEnd (or start) the next lap counts from, while running
+        self._carried = (0.0, 0)            # seconds and steps timed before a pause that no lap has counted
 
     @property
     def running(self) -> bool:
@@ -88,23 +110,40 @@ class StepTimer:
         """Seconds of training so far, for max_seconds: the host's clock, which runs at most a step or so ahead."""
         return self.banked + (time.perf_counter() - self._t0 if self.running else 0.0)
 
+    def step_end(self, it: int, values: Optional[torch.Tensor] = None) -> StepEnd:
+        """Mark the end of step `it`, just queued, copying `values` (its loss) behind it when given."""
+        values, event = self.rt.copy_behind(values) if values is not None else (None, self.rt.stream_event())
+        return StepEnd(it, event, time.perf_counter(), values)
+
     def start(self, it: int) -> None:
         self.rt.synchronize()
         self._t0 = time.perf_counter()
-        self._lap = (self._t0, it)
+        self._since = self.step_end(it)
 
-    def pause(self) -> None:
+    def pause(self, last: StepEnd) -> None:
+        """Stop the clock after step `last` (an evaluation follows); its time since the last lap is carried."""
         if self.running:
             self.rt.synchronize()
             self.banked += time.perf_counter() - self._t0
-            self._t0 = self._lap = None
+            self._carried = self._add(self._carried, last)
+            self._t0 = self._since = None
 
-    def lap(self, it: int) -> tuple[float, int]:
-        """(seconds, steps) from the last lap or start to the end of step `it`; (0, 0) when the timer was not
-        running across them (the compiling step is not timed)."""
-        if self._lap is None:
-            return 0.0, 0
-        now = time.perf_counter()
-        seconds, steps = now - self._lap[0], it - self._lap[1]
-        self._lap = (now, it)
+    def lap(self, end: StepEnd) -> tuple[float, int]:
+        """(seconds, steps) timed up to the end of step end.it since the last lap: (0, 0) when none was timed (the
+        compiling step). Waits for that step alone."""
+        seconds, steps = self._add(self._carried, end) if self.running else self._carried
+        self._carried = (0.0, 0)
+        if self.running and end.it > self._since.it:
+            self._since = end
         return seconds, steps
+
+    def _add(self, carried: tuple[float, int], end: StepEnd) -> tuple[float, int]:
+        if end.it <= self._since.it:  # before the clock started: the compiling step
+            return carried
+        start = self._since
+        if start.event is not None:
+            end.event.synchronize()
+            seconds = start.event.elapsed_time(end.event) / 1e3  # the device's own clock, idle gaps included
+        else:
+            seconds = end.time - start.time
+        return carried[0] + seconds, carried[1] + end.it - start.it

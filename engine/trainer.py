@@ -101,7 +101,9 @@ class Trainer:
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over micro-batches (x, y), (B, T) each, on the host or the device already; returns
-        their mean loss, on the device. The next micro-batch is copied while the forward runs, as nanoGPT does."""
+        their mean loss, on the device. The next micro-batch's copy is queued once the forward is (pinned, so the
+        host does not wait); it runs on the compute stream, between forward and backward, not beside them: ids
+        are kilobytes, not worth a copy stream."""
         forward, n = self.model if self.forward is None else self.forward, len(micro_batches)
         loss_sum = torch.zeros((), device=self.rt.device)
         x, y = self.rt.to_device(*micro_batches[0])

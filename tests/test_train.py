@@ -1,9 +1,11 @@
 """train.py and configurator.py: DDP matches one process, resume is exact, metrics reach wandb, bad input is one line."""
 
+import dataclasses
 import glob
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from core import runtime
+from engine import metrics as train_metrics
 import train
 from core.configurator import configure
 from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
@@ -178,37 +181,120 @@ def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
     assert 0 < last < 100000 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == last
 
 
-def test_no_step_waits_on_the_device_between_log_points(char_data, tmp_path, monkeypatch):
-    """On a GPU every read of a computed value (item, tolist, float, bool, numpy, cpu) and every synchronize makes
-    the host wait for the device, which then idles while the host launches the next step. A stand-in records each
-    one the project's code makes (core/dataset.py's reads of host-side offsets are no device reads), and the
-    launch of each training step: reads come only after a log point's next step is queued (its line is written
-    then), or at the end's evaluation. Micro-batches copied one ahead are in play (accumulation 2)."""
-    events = []
+class Stream:
+    """CUDA's stream order, stood in for on the CPU: a training step is queued; reading a device tensor (item,
+    tolist, float, ..., which is memcpy_and_sync on CUDA) or synchronizing waits for everything queued so far; an
+    event waits for what was queued before it was recorded. Each wait is kept as (steps waited for, steps queued)."""
+
+    def __init__(self):
+        self.queued, self.waits, self.host = 0, [], set()
+
+    def wait(self, upto: int) -> None:
+        self.waits.append((upto, self.queued))
+
+
+class StreamEvent:
+    def __init__(self, stream: Stream):
+        self.stream, self.upto, self.time = stream, stream.queued, time.perf_counter()
+
+    def synchronize(self) -> None:
+        self.stream.wait(self.upto)
+
+    def elapsed_time(self, end: "StreamEvent") -> float:  # ms, as torch.cuda.Event's
+        return 1e3 * (end.time - self.time)
+
+
+@pytest.fixture()
+def stream(monkeypatch):
+    """train.py's runs on a Runtime whose stream behaves as CUDA's (Stream); the project's own reads of computed
+    values counted as full waits (core/dataset.py reads host-side offsets, not device values)."""
+    stream = Stream()
+
+    @dataclasses.dataclass(frozen=True)
+    class StreamRuntime(runtime.Runtime):
+        def stream_event(self):
+            return StreamEvent(stream)
+
+        def copy_behind(self, values):
+            host = values.detach().clone()
+            stream.host.add(id(host))
+            return host, StreamEvent(stream)
+
+        def synchronize(self):
+            stream.wait(stream.queued)
+    monkeypatch.setattr(runtime, "resolve_runtime", lambda *args, **kwargs: StreamRuntime("cpu", "float32"))
     real_step = train.Trainer.step
-    monkeypatch.setattr(train.Trainer, "step", lambda self, batches: events.append("step") or real_step(self, batches))
+
+    def queued_step(self, batches):
+        stream.queued += 1
+        return real_step(self, batches)
+    monkeypatch.setattr(train.Trainer, "step", queued_step)
     project, host_data = str(REPO), str(REPO / "core" / "dataset.py")
 
     def counted(real):
         def read(tensor, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(project) and caller != host_data and "/tests/" not in caller:
-                events.append("read")
+            if caller.startswith(project) and caller != host_data and "/tests/" not in caller \
+                    and id(tensor) not in stream.host:
+                stream.wait(stream.queued)
             return real(tensor, *args, **kwargs)
         return read
     for name in ("item", "tolist", "__float__", "__bool__", "__int__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
-    monkeypatch.setattr(runtime.Runtime, "synchronize", lambda self: events.append("read"))
+    return stream
+
+
+def test_a_log_line_waits_for_its_own_step_alone_and_the_device_never_idles_between_log_points(
+        char_data, tmp_path, stream):
+    """On a GPU a wait for everything queued leaves the device idle while the host writes, reads and launches. Such
+    waits come only at the start, evaluations and the end; a log line for iter N is read once step N+1 is queued,
+    waiting for step N alone (micro-batches copied one ahead are in play: accumulation 2)."""
     assert train.main(TINY + [f"--data_dir={char_data}", "--max_iters=12", "--log_interval=4", "--eval_interval=100",
                               "--gradient_accumulation_steps=2", f"--out_dir={tmp_path}"]) == 0
-    reads_after_step, step = {}, 0
-    for event in events:
-        step += event == "step"
-        reads_after_step[step] = reads_after_step.get(step, 0) + (event == "read")
-    # iter 4's line is read once step 5 is queued, iter 8's once step 9 is; iter 12 is the end: its line, evaluation
-    assert {s for s, reads in reads_after_step.items() if reads and s > 0} == {5, 9, 12}
+    assert {queued for upto, queued in stream.waits if upto == queued} <= {0, 12}  # start, evaluations, end
+    assert {(upto, queued) for upto, queued in stream.waits if upto != queued} == {(4, 5), (8, 9)}
     assert sorted(metrics(tmp_path, "train/loss")) == [4, 8, 12] and sorted(metrics(tmp_path, "ms_per_iter")) == [
         4, 8, 12]
+
+
+class StepClock:
+    """The timer's clock, advanced by hand: each training step takes 1 s, each evaluation 50 s."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("log_interval, eval_interval, resume, compile", [
+    (1, 5, False, False), (10, 40, False, False), (3, 4, False, False), (4, 6, True, False), (1, 2, True, False),
+    pytest.param(2, 5, True, True, marks=pytest.mark.slow)])
+def test_every_line_times_exactly_the_steps_it_counts(char_data, tmp_path, monkeypatch, log_interval, eval_interval,
+                                                      resume, compile):
+    """A step takes 1 s on the timer's clock and an evaluation 50 s: every line reads 1000 ms/iter, whatever the
+    intervals, resumed or not, compiled (whose first step is not timed) or not."""
+    clock = StepClock()
+    monkeypatch.setattr(train_metrics, "time", clock)
+    real_step, real_estimate = train.Trainer.step, train.estimate_loss
+
+    def step(self, batches):
+        clock.now += 1.0
+        return real_step(self, batches)
+
+    def estimate(*args):
+        clock.now += 50.0
+        return real_estimate(*args)
+    monkeypatch.setattr(train.Trainer, "step", step)
+    monkeypatch.setattr(train, "estimate_loss", estimate)
+    args = TINY + [f"--data_dir={char_data}", f"--log_interval={log_interval}", f"--eval_interval={eval_interval}",
+                   "--eval_iters=1", f"--compile={compile}", f"--out_dir={tmp_path}"]
+    if resume:
+        train.main(args + ["--max_iters=7"])
+    train.main(args + ["--max_iters=45"] + (["--init_from=resume"] if resume else []))
+    ms = metrics(tmp_path, "ms_per_iter")
+    assert len(ms) >= 45 // log_interval - 1 and set(ms.values()) == {1000.0}, ms
+    assert all(tps == 4 * 32 for tps in metrics(tmp_path, "tokens_per_s").values())
 
 
 def test_eval_train_off_evaluates_val_alone_on_the_same_batches(char_data, tmp_path):
