@@ -28,7 +28,7 @@ from core.errors import BuildUnavailable, UserError
 # the model
 
 # What a run may choose for weights trained otherwise: the attention implementation, its masks and dropout.
-RUN_FIELDS = ("attn", "dropout", "doc_mask", "window", "eot_token")
+RUN_FIELDS = ("attn", "dropout", "doc_mask", "window", "eot_token", "chunked_loss")
 
 
 @dataclass
@@ -46,7 +46,7 @@ class GPTConfig:
     doc_mask: bool = False    # attend within a document only: end-of-text (eot_token) opens the next one
     window: int = 0           # attend to at most the last `window` tokens (itself included); 0: no limit
     eot_token: int = -1       # the dataset's end-of-text id (-1: it has none), what doc_mask splits on
-    chunked_loss: bool = True  # training with targets: lm_head and the loss over row chunks (ChunkedLMHeadLoss)
+    chunked_loss: bool = False  # with targets: lm_head and the loss over row chunks, logits None (train.py's)
 
     def __post_init__(self):
         if self.attn not in ATTENTION:
@@ -74,7 +74,7 @@ class GPTConfig:
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
         """The one way a config is made (scratch, a checkpoint, Hugging Face's or nanoGPT's files): `shape`, what the
         weights fix (keys that are not fields are ignored), then `run`, what this run chooses (RUN_FIELDS)."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"chunked_loss"}  # the caller's, never the weights'
         return cls(**{**{k: v for k, v in shape.items() if k in names},
                       **{k: v for k, v in run.items() if k in RUN_FIELDS}})
 
@@ -92,16 +92,36 @@ class GPTConfig:
 LOSS_CHUNK_ELEMENTS = 2 ** 26
 
 
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """F.cross_entropy(x @ weight.T + bias, targets, ignore_index=-1), never holding the whole (N, V) logits: with
+    gradients through ChunkedLMHeadLoss, without them (evaluation) one chunk's loss at a time. x (N, C), targets
+    (N,); matmuls in `dtype`, sums in fp32."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return ChunkedLMHeadLoss.apply(x, weight, bias, targets, dtype)
+    loss, w = torch.zeros((), dtype=torch.float32, device=x.device), weight.to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        for xs, ts in zip(*(t.split(loss_chunk_rows(weight)) for t in (x, targets))):
+            logits = F.linear(xs.to(dtype), w, None if bias is None else bias.to(dtype)).float()  # (n, V)
+            loss += F.cross_entropy(logits, ts, ignore_index=-1, reduction="sum")
+    return loss / (targets != -1).sum()
+
+
+def loss_chunk_rows(weight: torch.Tensor) -> int:
+    return max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
+
+
 class ChunkedLMHeadLoss(torch.autograd.Function):
     """lm_head and the mean cross-entropy over rows of x, one chunk of rows at a time, so the (N, V) logits and
     their gradient never exist whole: each chunk's logits give its loss and, at once, its gradients (softmax minus
     one-hot), which backward only scales. The three matmuls of lm_head's forward and backward, done in the forward;
-    nothing recomputed. Targets of -1 are ignored, as in F.cross_entropy(ignore_index=-1); `bias` (-inf on padded
-    ids, or None) keeps padded ids out of the softmax. Matmuls run in `dtype` (autocast's), sums in fp32."""
+    nothing recomputed. The loss is F.nll_loss's over the chunk's log-softmax, so targets are ignored (-1) and
+    refused (out of range, -100 included) exactly as F.cross_entropy(ignore_index=-1) does; all ignored: a NaN loss
+    and zero gradients, as there. `bias` (-inf on padded ids, or None) keeps padded ids out of the softmax."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, dtype: torch.dtype):  # x (N, C), weight (V, C), targets (N,)
-        rows = max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
+        rows = loss_chunk_rows(weight)
         valid = targets != -1
         count = valid.sum()
         w = weight.to(dtype)
@@ -116,8 +136,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                     logits += bias
                 log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
                 del logits
-                hit, ids = valid[start:start + rows], ts.clamp(min=0)[:, None]  # (n,), (n, 1)
-                loss -= torch.where(hit, log_probs.gather(1, ids).squeeze(1), 0.0).sum()
+                loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")  # checks the targets
+                hit = valid[start:start + rows]  # (n,)
+                ids = ts.masked_fill(~hit, 0)[:, None]  # (n, 1)
                 # d(the chunk's summed loss)/d(logits): softmax minus one-hot, in place; ignored rows add nothing
                 minus_one = torch.full_like(ids, -1, dtype=log_probs.dtype)
                 grad = log_probs.exp_().scatter_add_(1, ids, minus_one).mul_(hit[:, None]).to(dtype)
@@ -129,7 +150,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_weight, count = ctx.saved_tensors
-        scale = grad_loss / count
+        scale = grad_loss / count.clamp(min=1)  # nothing counted: the saved gradients are zeros, and stay so
         return grad_x * scale.to(grad_x.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None
 
 
@@ -233,7 +254,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 input_pos: Optional[torch.Tensor] = None, all_positions: bool = False):
         """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf. With targets: (B, T, V) logits and
-        the mean cross-entropy (targets of -1 are ignored). Without: the last position's, (B, 1, V), or every
+        the mean cross-entropy (targets of -1 are ignored), as nanoGPT's; with config.chunked_loss, None and the
+        same loss, the logits never whole (chunked_cross_entropy). Without: the last position's, (B, 1, V), or every
         position's with all_positions. With input_pos (T,), after setup_cache: idx's positions, written to the KV
         cache: a prefill (T tokens from position 0) or one token at any position."""
         B, T = idx.size()
@@ -253,10 +275,9 @@ class GPT(nn.Module):
             x = x[:, [-1], :]  # (B, 1, C): only the next token is needed
         padded = self.config.padded_vocab_size > self.config.vocab_size
         bias = self.vocab_bias if padded else None
-        if targets is not None and self.config.chunked_loss and not all_positions and self.training \
-                and torch.is_grad_enabled():  # training: the logits are never whole (eval mode gives them)
-            loss = ChunkedLMHeadLoss.apply(x.reshape(-1, x.size(-1)), self.lm_head.weight, bias, targets.reshape(-1),
-                                           self.compute_dtype())  # (B*T, C) rows
+        if targets is not None and self.config.chunked_loss and not all_positions:  # the logits never whole
+            loss = chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, bias, targets.reshape(-1),
+                                         self.compute_dtype())  # (B*T, C) rows
             return None, loss
         logits = F.linear(x, self.lm_head.weight, bias)  # (B, T, V)
         if targets is None:

@@ -68,6 +68,7 @@ pad_vocab = False                 # pad the vocabulary to a multiple of 64 (5025
 doc_mask = False                  # attend within a document only (the dataset's end-of-text token opens the next)
 window = 0                        # attend to at most the last `window` tokens (sliding window); 0: the whole block
 gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact one
+chunked_loss = True               # the loss over chunks of rows: the (B*T, V) logits never whole (same loss as nanoGPT's)
 # optimizer: AdamW for everything, or Muon for the blocks' weight matrices and AdamW for the rest
 optimizer = "adamw"               # 'adamw' or 'muon'
 muon_lr = None                    # Muon's peak learning rate (None: learning_rate; its update is scaled to AdamW's RMS)
@@ -118,7 +119,8 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     and dropout are this run's settings whatever the weights were trained with."""
     vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
     run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in main
-               dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta))
+               dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta),
+               chunked_loss=cfg.chunked_loss)
     if checkpoint is not None:
         model, source = checkpoint.build_model(**run), "the checkpoint"
     elif cfg.init_from == "scratch":

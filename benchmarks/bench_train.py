@@ -70,9 +70,9 @@ def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_
                   mask: str = "causal", loss: str = "chunked") -> Workbench:
     torch.manual_seed(cfg.seed)  # the same weights whatever the row
     doc_mask, window = mask_settings(mask, cfg.window)
-    config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab,
-                              "chunked_loss": loss == "chunked"},
-                             dict(attn=attn, doc_mask=doc_mask, window=window, eot_token=cfg.vocab_size - 1))
+    config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab},
+                             dict(attn=attn, doc_mask=doc_mask, window=window, eot_token=cfg.vocab_size - 1,
+                                  chunked_loss=loss == "chunked"))
     model = GPT(config).to(rt.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
     batch = torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len),
@@ -118,7 +118,8 @@ def auto_rows(rows: dict, trainers: dict[tuple, Workbench], cfg: Settings, rt: R
         decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
         fastest = min(ran.values(), key=lambda r: r["ms_per_iter"])
         if decision.pick not in ran:  # picked one the sweep did not run (--attn named others)
-            out.append(dict(attn="auto", pad_vocab=pad, mask=mask, loss=loss, status="skipped", auto_pick=decision.pick,
+            out.append(dict(attn="auto", pad_vocab=pad, vocab=trainer.model.config.padded_vocab_size, mask=mask,
+                            loss=loss, status="skipped", auto_pick=decision.pick, eager_reference=False,
                             reason=f"auto picked {decision.pick}, which this sweep did not run"))
             continue
         pick = ran[decision.pick]

@@ -14,7 +14,7 @@ import torch
 
 from core.errors import UserError
 
-OVERRIDES = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token"}  # what from_pretrained may set
+OVERRIDES = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token", "chunked_loss"}  # what from_pretrained may set
 
 
 def read_gpt2(name_or_path: str) -> tuple[dict, dict]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib.image
 import pytest
@@ -265,6 +266,17 @@ def test_the_auto_row_shows_what_attn_auto_picks_beside_the_fastest_row_of_the_s
     assert isinstance(auto["within_noise"], bool) and auto["pick_vs_fastest"] > 0
     assert auto["auto_line"].startswith("attn=auto: ") and ", training; " in auto["auto_line"]
     assert f"auto -> {auto['auto_pick']}" in capsys.readouterr().out  # the table's row
+
+
+@pytest.mark.parametrize("attn, loss", [("sdpa_mask", "chunked"), ("manual", "chunked,whole")])
+def test_an_attn_list_without_autos_pick_ends_with_its_table_and_an_auto_row_that_says_so(tmp_path, capsys, attn,
+                                                                                          loss, monkeypatch):
+    monkeypatch.setattr(bench_train, "choose", lambda *args: SimpleNamespace(pick="flash"))  # a pick it did not run
+    result = run_bench(tmp_path, f"--attn={attn}", f"--loss={loss}", "--auto=True", "--attn_auto_budget=1")
+    autos = [row for row in result["rows"] if row["attn"] == "auto"]
+    assert len(autos) == 2 * len(loss.split(",")) and all(row["status"] == "skipped" for row in autos)
+    assert all(row["reason"] == "auto picked flash, which this sweep did not run" for row in autos)
+    assert "auto -> flash" in capsys.readouterr().out and (tmp_path / "train.png").exists()
 
 
 def test_speedup_pairs_iterations_so_drift_that_hits_every_row_cancels():

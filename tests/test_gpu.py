@@ -271,7 +271,8 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
     # catches: varlen's packing (cu_seqlens, window_size) or flex's block mask computing other attention on CUDA, a
     # forced kernel taking a mask it silently ignores, and a refusal that is a traceback instead of one sentence
     torch.manual_seed(0)
-    config = GPTConfig(block_size=1024, vocab_size=512, n_layer=2, n_head=4, n_embd=256, eot_token=0, **mask)
+    config = GPTConfig(block_size=1024, vocab_size=512, n_layer=2, n_head=4, n_embd=256, eot_token=0,
+                       chunked_loss=True, **mask)
     model = GPT(config).cuda()
     x = documents_on_cuda()
     ref_logits, ref_loss = model.set_attention("manual")(x, x, all_positions=True)  # the unchunked loss, fp32
@@ -285,7 +286,7 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
                     model.set_attention(attn)(x, x)
             continue
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model.set_attention(attn)(x, x)  # training mode: the chunked loss (ChunkedLMHeadLoss) on CUDA
+            _, loss = model.set_attention(attn)(x, x)  # the chunked loss (ChunkedLMHeadLoss) on CUDA
             with torch.no_grad():
                 logits, _ = model(x, all_positions=True)
         loss.backward()

@@ -81,7 +81,8 @@ def test_every_implementation_and_mask_matches_a_float64_reference(attn, mask):
     with torch.no_grad():
         logits, _ = model(idx, all_positions=True)
     assert rel_err(logits, ref_logits) <= 1e-5
-    if trains:  # in training mode with targets the loss is chunked (ChunkedLMHeadLoss): its gradients, checked here
+    if trains:  # the chunked loss (ChunkedLMHeadLoss), train.py's: its gradients, checked here
+        model.config.chunked_loss = True
         _, loss = model(idx, targets)
         loss.backward()
         for name, p in model.named_parameters():

@@ -49,7 +49,7 @@ def batch(seed=1, B=3, T=32, vocab=101):
 def logits_and_grads(model: GPT, x, y, autocast_dtype=None):
     model.zero_grad()
     with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        _, loss = model(x, y)  # training mode: the chunked loss, no logits
+        _, loss = model(x, y)
         with torch.no_grad():
             logits, _ = model(x, all_positions=True)
     loss.backward()
@@ -420,7 +420,7 @@ def short_chunks(monkeypatch):
 
 
 def test_the_chunked_loss_and_gradients_match_a_float64_reference_with_padding_and_ignored_targets(short_chunks):
-    model = tiny_model(pad_vocab=True)  # 101 ids padded to 128: the padded ids' -inf bias stays in the softmax
+    model = tiny_model(pad_vocab=True, chunked_loss=True)  # 101 ids padded to 128: the -inf bias stays in the softmax
     x, y = batch()
     y[0, :5] = -1  # ignored, as F.cross_entropy(ignore_index=-1) ignores them
     reference = copy.deepcopy(model).double()
@@ -435,7 +435,7 @@ def test_the_chunked_loss_and_gradients_match_a_float64_reference_with_padding_a
 
 
 def test_the_chunked_loss_under_bf16_autocast_matches_the_whole_logits_loss(short_chunks):
-    model = tiny_model(pad_vocab=True)
+    model = tiny_model(pad_vocab=True, chunked_loss=True)
     x, y = batch()
     whole = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -448,18 +448,48 @@ def test_the_chunked_loss_under_bf16_autocast_matches_the_whole_logits_loss(shor
         assert rel_err(p.grad.double(), q.grad.double()) <= 3e-2, name
 
 
-def test_logits_with_targets_come_back_in_eval_mode_without_gradients_or_with_all_positions():
-    """nanoGPT's model(idx, targets) returns (logits, loss). Training with gradients, the logits are never made
-    whole, so they come back None; a caller that needs them calls in eval mode or under no_grad (evaluation
-    does), or passes all_positions=True (the whole logits and their loss, nanoGPT's memory)."""
+def test_a_fresh_model_returns_nanogpts_logits_with_the_loss_and_the_chunked_loss_is_opt_in():
+    """nanoGPT's model(idx, targets) returns the (B, T, V) logits and the loss, training or not; a notebook reads them.
+    chunked_loss=True (what train.py and bench.py ask for) returns None logits and the same loss, in every mode."""
     model = tiny_model()
     x, y = batch()
-    assert model(x, y)[0] is None
-    assert model(x, y, all_positions=True)[0].shape == (3, 32, 101)
-    with torch.no_grad():
-        assert model(x, y)[0].shape == (3, 32, 101)
-    assert model.eval()(x, y)[0].shape == (3, 32, 101)
-    assert tiny_model(chunked_loss=False)(x, y)[0].shape == (3, 32, 101)  # the switch, for measuring
+    logits, loss = model(x, y)
+    assert logits.shape == (3, 32, 101) and loss.requires_grad
+    chunked = tiny_model(chunked_loss=True)
+    for mode in (chunked.train, chunked.eval):
+        mode()
+        none, same = chunked(x, y)
+        assert none is None and abs(same.item() - loss.item()) <= 1e-5
+    assert chunked(x, y, all_positions=True)[0].shape == (3, 32, 101)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("ignored", ["none", "some", "all"])
+def test_the_chunked_loss_is_f_cross_entropy_with_ignore_index_minus_1_on_every_target_value(short_chunks, grad,
+                                                                                            ignored):
+    """Chunked or whole, with gradients or not (evaluation): the same loss and gradients; all targets ignored gives
+    F.cross_entropy's NaN loss and zero gradients (not NaN gradients); -100 (Hugging Face's ignore index) and ids
+    past the vocabulary are refused as F.cross_entropy refuses them."""
+    x, y = batch()
+    y[0, :5] = -1 if ignored == "some" else y[0, :5]
+    y[:] = -1 if ignored == "all" else y
+    chunked, whole = tiny_model(pad_vocab=True, chunked_loss=True), tiny_model(pad_vocab=True)
+    with torch.set_grad_enabled(grad):
+        _, loss = chunked(x, y)
+        _, expected = whole(x, y)
+    assert torch.allclose(loss, expected, atol=1e-5, equal_nan=True) and (loss.isnan().item() == (ignored == "all"))
+    if grad:
+        loss.backward()
+        expected.backward()
+        for (name, p), q in zip(chunked.named_parameters(), whole.parameters()):
+            assert torch.isfinite(p.grad).all() and torch.allclose(p.grad, q.grad, atol=1e-6), name
+    for bad in (-100, 128):
+        y[1, 3] = bad
+        with pytest.raises((IndexError, RuntimeError)) as refused_whole:
+            whole(x, y)
+        with pytest.raises(type(refused_whole.value)):
+            with torch.set_grad_enabled(grad):
+                chunked(x, y)
 
 
 def test_the_chunked_loss_never_holds_the_whole_logits(monkeypatch):
@@ -481,7 +511,7 @@ def test_the_chunked_loss_never_holds_the_whole_logits(monkeypatch):
 @pytest.mark.slow
 def test_a_compiled_training_step_takes_the_chunked_loss_without_graph_breaks(short_chunks):
     torch._dynamo.reset()
-    model = tiny_model(pad_vocab=True)
+    model = tiny_model(pad_vocab=True, chunked_loss=True)
     x, y = batch()
     eager = copy.deepcopy(model)
     _, loss = torch.compile(model, fullgraph=True)(x, y)  # fullgraph: a graph break raises
