@@ -5,7 +5,7 @@ import torch
 
 from core import runtime
 import train
-from conftest import TINY, TWO_RANKS, metrics, straight_and_resumed
+from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
 from model import GPT, GPTConfig, UserError
 from engine.muon import Muon, muon_optimizers, muon_parameters, orthogonalize
 
@@ -172,9 +172,15 @@ def test_the_run_records_its_newton_schulz_dtype(char_data, tmp_path, capsys):
 # "val/loss", ...}, between training lines; test_train.py holds train.py to those names), one every --eval_interval=
 # iterations, then stalls --then_sleep= seconds, as a long run does between evaluations, before those of --later=.
 FAKE_TRAIN = """
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
-args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
+if "fail" in args:
+    print("error: unknown setting 'n_layers'; did you mean n_layer?")
+    sys.exit(2)
+if "caches" in args:  # where this launch's compiler caches are
+    with open(args["caches"], "a") as f:
+        f.write(os.environ["TORCHINDUCTOR_CACHE_DIR"] + " " + os.environ["TRITON_CACHE_DIR"] + "\\n")
 out = Path(args["out_dir"])
 out.mkdir(parents=True)
 losses = [float(x) for x in args["losses"].split(",")]
@@ -189,22 +195,37 @@ for i, loss in enumerate(losses + [float(x) for x in args.get("later", "").split
 """
 
 
-def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(tmp_path, monkeypatch, capsys):
-    import json
-
+@pytest.fixture()
+def fake_train(tmp_path, monkeypatch):
+    """time_to_loss launching FAKE_TRAIN as train.py; the data each recipe needs, recorded instead of prepared."""
     from benchmarks import time_to_loss
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "train.py").write_text(FAKE_TRAIN)
     monkeypatch.setattr(time_to_loss, "ROOT", tmp_path / "root")
+    prepared = []
+    monkeypatch.setattr(time_to_loss, "prepare_data", lambda recipes: prepared.append(list(recipes)))
+    return time_to_loss, prepared
+
+
+def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(tmp_path, fake_train, monkeypatch, capsys):
+    import json
+
+    time_to_loss, prepared = fake_train
     # --full=False: a run that reaches the target is stopped at that evaluation (read from its metrics.jsonl as it
     # is written; were it not, it would stall 30 s and then log iteration 15); one that never does runs to its end,
     # its last evaluation its final loss
     monkeypatch.setitem(time_to_loss.RECIPE_SETS, "quickstart", {
         "adamw": ["--eval_interval=5", "--losses=3.26,3.0,2.7", "--then_sleep=30", "--later=2.5"],
         "never": ["--eval_interval=5", "--losses=3.26,3.25"]})
-    assert time_to_loss.main(["--target=2.8", "--runs=2", "--full=False", f"--out_dir={tmp_path}"]) == 0
-    rounds = json.loads((tmp_path / "time_to_loss.json").read_text())["rounds"]
-    assert [list(r) for r in rounds] == [["adamw", "never"], ["never", "adamw"]]  # the order alternates
+    caches = tmp_path / "caches.txt"
+    assert time_to_loss.main(["--target=2.8", "--runs=2", "--full=False", f"--extra=--caches={caches}",
+                              f"--out_dir={tmp_path}"]) == 0
+    assert prepared == [["adamw", "never"]]  # the data, before any clock started
+    launches = caches.read_text().split()
+    assert len(launches) == 8 and len(set(launches)) == 8  # each launch compiles into caches of its own
+    report = json.loads((tmp_path / "time_to_loss.json").read_text())
+    rounds = report["rounds"]
+    assert report["orders"] == [["adamw", "never"], ["never", "adamw"]]  # who goes first alternates
     for r in rounds:
         reached, never = r["adamw"], r["never"]
         assert reached["iter"] == reached["final_iter"] == 10 and 0 < reached["seconds"] <= reached["wall_s"] < 20
@@ -215,22 +236,51 @@ def test_time_to_loss_times_each_recipe_to_the_target_and_pairs_the_rounds(tmp_p
     assert f"{runtime.cpu_capability()}): median" in table  # the CPU's capability names every figure
 
 
-def test_the_gpu_comparison_reads_its_own_target_and_runs_one_round(tmp_path, monkeypatch):
+def test_the_gpu_comparison_times_both_to_the_best_val_nanogpts_recipe_reaches_in_alternating_rounds(fake_train,
+                                                                                                     tmp_path):
     import json
 
-    from benchmarks import time_to_loss
-    (tmp_path / "root").mkdir()
-    (tmp_path / "root" / "train.py").write_text(FAKE_TRAIN)
-    monkeypatch.setattr(time_to_loss, "ROOT", tmp_path / "root")
-    monkeypatch.setitem(time_to_loss.RECIPE_SETS, "gpu", {
-        "nanoGPT": ["--eval_interval=250"], "fast": ["--eval_interval=100"]})
-    assert time_to_loss.main(["--compare=gpu", "--full=False", "--extra=--losses=4.2,1.5,1.45",
-                              f"--out_dir={tmp_path}"]) == 0
+    time_to_loss, _ = fake_train
+    time_to_loss.RECIPE_SETS["gpu"], real = {"nanoGPT": ["--eval_interval=250", "--losses=4.2,1.6,1.52,1.55"],
+                                             "fast": ["--eval_interval=100", "--losses=4.0,1.6,1.5"]}, \
+        time_to_loss.RECIPE_SETS["gpu"]
+    try:
+        assert time_to_loss.main(["--compare=gpu", "--extra=--x=1", f"--out_dir={tmp_path}"]) == 0
+    finally:
+        time_to_loss.RECIPE_SETS["gpu"] = real
     report = json.loads((tmp_path / "time_to_loss.json").read_text())
-    assert report["config"]["target"] == 1.47 and len(report["rounds"]) == 1  # nanoGPT's 1.4697, one round
-    assert report["recipes"]["fast"] == ["--eval_interval=100", "--losses=4.2,1.5,1.45"]  # --extra goes to each
-    run = report["rounds"][0]
-    assert (run["nanoGPT"]["iter"], run["fast"]["iter"]) == (500, 200)  # the third evaluation: 1.45 <= 1.47
+    assert report["recipes"]["fast"][-1] == "--x=1" and len(report["rounds"]) == 2  # --extra goes to each
+    for run in report["rounds"]:
+        assert run["nanoGPT"]["target"] == 1.52  # nanoGPT's best on this data, measured in the round
+        assert (run["nanoGPT"]["iter"], run["fast"]["iter"]) == (500, 200)
+
+
+def test_the_gpu_baseline_is_nanogpts_recipe_and_model_as_its_code_builds_them():
+    """nanoGPT's config/train_shakespeare_char.py, with what nanoGPT's train.py and model.py fix: no biases, the
+    exact GELU (this repo's defaults are GPT-2's, bias=True and tanh)."""
+    import train
+    from benchmarks import time_to_loss
+    from core.configurator import configure
+    args = time_to_loss.RECIPE_SETS["gpu"]["nanoGPT shakespeare_char"]
+    cfg = configure(vars(train), [str(REPO / args[0]), *args[1:]], train.LIMITS)
+    nanogpt = dict(bias=False, gelu="none", n_layer=6, n_head=6, n_embd=384, dropout=0.2, block_size=256,
+                   batch_size=64, gradient_accumulation_steps=1, learning_rate=1e-3, max_iters=5000, min_lr=1e-4,
+                   beta2=0.99, warmup_iters=100, eval_interval=250, eval_iters=200, optimizer="adamw",
+                   weight_decay=0.1, grad_clip=1.0, pad_vocab=False, dataset="shakespeare_char")
+    assert {k: getattr(cfg, k) for k in nanogpt} == nanogpt
+
+
+def test_time_to_loss_refuses_a_gpu_comparison_on_a_cpu_and_names_a_recipe_that_fails(fake_train, tmp_path,
+                                                                                       monkeypatch):
+    time_to_loss, _ = fake_train
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="needs a CUDA GPU; here, pass --extra= a scaled-down CPU run"):
+        time_to_loss.main(["--compare=gpu", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match=r"failed \(exit code 2\): error: unknown setting 'n_layers'"):
+        time_to_loss.main(["--extra=--fail=1", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(UserError, match="cannot be read as train.py settings"):
+        time_to_loss.main(["--extra='--x", f"--out_dir={tmp_path / 'out'}"])
 
 
 @pytest.mark.slow
