@@ -262,7 +262,9 @@ def decode_inputs(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     reads_written_keys) and every row sees the same interval, the keys in it and no mask; else the whole cache and
     the span in `attn`'s form."""
     if not torch.compiler.is_compiling() and reads_written_keys(attn, q):
-        first, last, end = torch.stack([*span.start.aminmax(), span.end[0]]).tolist()  # one sync
+        if span.bounds is None:  # one read per decode step, shared by every layer (compiled steps make none)
+            span.bounds = tuple(torch.stack([*span.start.aminmax(), span.end[0]]).tolist())
+        first, last, end = span.bounds
         if first == last:
             return k[:, :, first:end], v[:, :, first:end], None
     return k, v, decode_form(attn, span, k.size(-2))

@@ -108,20 +108,21 @@ def decode_tokens(model, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             model.setup_cache(idx.size(0), dtype)  # else reused: compiled steps keep reading the same buffers
         cache = model.cache
         cache.length = 0  # a new text: none of it is in the cache yet
-    token = None  # the token sampled last, (B, 1): a decode step's input
+    token, position = None, None  # the token sampled last, (B, 1), and its position, (1,): a decode step's input
     for _ in range(max_new_tokens):
         context = idx[:, -block_size:]  # (B, <= block_size)
         if cache is None:
             logits = last_logits(model, context, None)
         elif 0 < cache.length < block_size and cache.length == idx.size(1) - 1:  # one new token fits after them
-            logits = decode(model, token, torch.tensor([cache.length], device=idx.device))
-            cache.length += 1
+            logits = decode(model, token, position)
+            position, cache.length = position + 1, cache.length + 1  # on the device: the host never waits
         else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
             positions = torch.arange(context.size(1), device=idx.device)  # (T,)
             step = prefill if context.size(1) > 1 else decode
             # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
             logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
             cache.length = context.size(1)
+            position = torch.full((1,), cache.length, device=idx.device)  # (1,): a fill, not a copy from the host
         token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
         idx = torch.cat((idx, token), dim=1)
     return idx

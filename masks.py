@@ -39,12 +39,13 @@ class MaskSpec:
         return self.documents or self.window > 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Span:
     """The cache positions a decode step sees, [start, end): start (1 or B,), one per row with documents; end (1,),
     the step's own position plus one."""
     start: torch.Tensor
     end: torch.Tensor
+    bounds: Optional[tuple[int, int, int]] = None  # (least start, greatest start, end) on the host, once read
 
 
 def document_ids(idx: torch.Tensor, eot_token: int) -> torch.Tensor:

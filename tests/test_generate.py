@@ -30,6 +30,39 @@ def prompts(B=2, T=5, seed=1) -> torch.Tensor:
     return torch.randint(0, SMALL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
 
 
+def host_reads(monkeypatch) -> list:
+    """Every read of a computed value (item, tolist, float, bool, ...) and every tensor made from host data
+    (torch.tensor) that the project's own code makes: on CUDA each one waits for the device (a pageable copy, a
+    sync), so a compiled decode step (a CUDA graph) could not run ahead of the host."""
+    reads, project = [], str(REPO)
+
+    def counted(real, name):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(project) and "/tests/" not in caller:
+                reads.append(name)
+            return real(*args, **kwargs)
+        return call
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name), name))
+    monkeypatch.setattr(torch, "tensor", counted(torch.tensor, "torch.tensor"))
+    return reads
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_decoding_makes_no_host_read_per_token_in_the_loop_or_the_compiled_step(monkeypatch, window):
+    """The compiled step's Python runs as it is traced (torch.compiler.is_compiling() true): stood in for here by
+    running the eager step with that flag set, so every read its code would make shows, and by the loop around it."""
+    from decode import decode_tokens
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, attn="flash", window=window)).eval()
+    x = prompts(B=1)
+    expected = decode_tokens(model, x, 8, temperature=0)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    reads = host_reads(monkeypatch)
+    assert torch.equal(decode_tokens(model, x, 8, temperature=0), expected) and reads == []
+
+
 # -- the static KV cache -------------------------------------------------------------------------------------
 
 # the padded vocabulary changes lm_head alone, apart from attention: every implementation unpadded, and one padded;
