@@ -236,7 +236,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             trainer = trainers[row["pad_vocab"], row["mask"], row["loss"]]
             row["mem/peak_gb"] = (trainer.resident_bytes() + row.pop("added_bytes")) / 1e9
             row["tokens_per_s"] = tokens / (row["ms_per_iter"] / 1e3)
-            row["mfu"] = trainer.model.model_flops_utilization(row["tokens_per_s"], peak, cfg.seq_len)
+            row["mfu"] = peak and trainer.model.model_flops_utilization(row["tokens_per_s"], peak, cfg.seq_len)
     for row in rows.values():
         base = rows.get(row_key("manual", row["pad_vocab"], row["mask"], row["loss"]), {})
         if row["status"] == "ok" and base.get("status") == "ok":

@@ -267,6 +267,9 @@ def train_loop(run: Run, resumed_at: int | None) -> None:
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
+    if peak_flops is None and rt.is_master:
+        print("mfu not shown: other processes used this machine's cores while its peak FLOP/s was measured, and no "
+              "earlier run measured it alone; the next run on an idle machine will (docs/bench.md)")
     timer = StepTimer(rt)
     steps_run, out_of_time = 0, False
     pending, last = None, None  # a log point's StepEnd and lr, read after the next step is queued; the last step's

@@ -69,7 +69,7 @@ TRAIN_COLUMNS = {
     "ms/iter": lambda r: f"{r['ms_per_iter']:.1f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.1f}",
     "tokens/s": lambda r: f"{r['tokens_per_s']:,.0f}",
-    "MFU": lambda r: f"{100 * r['mfu']:.1f}%",
+    "MFU": lambda r: "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
     "peak GB": lambda r: f"{r['mem/peak_gb']:.3f}",
     "speedup": speedup_cell,
     "max batch": lambda r: str(r.get("max_batch", "-")),

@@ -1,45 +1,55 @@
 """
-Peak FLOP/s, the denominator of MFU: a vendor's datasheet for a known GPU (core/gpu_peaks.py), else the best matmul
-rate measured on the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only emulate it).
+Peak FLOP/s, the denominator of MFU: a vendor's datasheet for a known GPU, else the best matmul rate measured on
+the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only emulate it) while nothing else used its cores.
 
-    mfu = model.model_flops_utilization(tokens_per_s, peak_flops(rt), seq_len)
+    mfu = model.model_flops_utilization(tokens_per_s, peak_flops(rt), seq_len)   # peak_flops: None if unknown
 """
 
 import functools
 import math
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from core import files
-from core.runtime import Runtime, time_call
+from core import runtime
+from core.runtime import Runtime
+
+# A measurement counts as a peak only if this process had the CPU to itself: its threads' CPU time at least this
+# share of wall time x threads (another busy process on 2 cores leaves ~0.5)
+ALONE = 0.9
 
 
-def peak_flops(rt: Runtime) -> float:
-    """Peak FLOP/s in rt's dtype: the datasheet for a known GPU, else measured."""
-    listed = None
-    if rt.is_cuda:
-        from core.gpu_peaks import datasheet_peak_flops  # the vendors' table: read only on a GPU
-        listed = datasheet_peak_flops(rt.name, rt.dtype)
-    return listed or measured_matmul_flops(rt)
+def peak_flops(rt: Runtime) -> Optional[float]:
+    """Peak FLOP/s in rt's dtype: the datasheet for a known GPU, else measured; None where no measurement could be
+    trusted (the machine was busy: an MFU over it would be inflated). Under torchrun rank 0 measures alone while
+    the others wait (ranks share the machine's cores), and every rank gets its figure."""
+    listed = datasheet_peak_flops(rt.name, rt.dtype) if rt.is_cuda else None
+    if listed:
+        return listed
+    mine = (measured_matmul_flops(rt) or 0.0) if rt.is_master else 0.0
+    shared = runtime.mean_across_ranks(mine, rt.device) * rt.world_size
+    return shared or None
 
 
 @functools.lru_cache(maxsize=None)
-def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> float:
+def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> Optional[float]:
     """The practical peak FLOP/s of a CPU or an unlisted GPU in rt's dtype: the best rate of large square matmuls
-    ever measured on this machine. A rate measured while other work loads the machine comes out low, and an MFU
-    over it high (the same 4,100 tokens/s once read 0.19 and once 0.077), so each run measures, then keeps the
-    best of its own figure and those of earlier runs (peak_flops.json in the user's cache folder): load can then
-    only lower an MFU, as it lowers the speed it measures."""
+    ever measured alone on this machine. A rate measured while other work loads the machine comes out low, and an
+    MFU over it high, so a measurement taken under load (best_matmul_flops: None) is never kept, and the best of
+    this run's and earlier runs' (peak_flops.json in the user's cache folder) is used: None if there is none yet."""
     key = f"{rt.name}, {rt.dtype}, torch {torch.__version__}"
     cache = peak_flops_cache()
     known = files.read_cache(cache, is_flops, "a positive number of FLOP/s")
     measured = best_matmul_flops(rt, repeats)
-    if measured > known.get(key, 0.0):
+    if measured is not None and measured > known.get(key, 0.0):
         known[key] = measured
         files.write_cache(cache, known)
-    return known[key]
+    return known.get(key)
 
 
 def is_flops(entry) -> bool:
@@ -51,9 +61,10 @@ def peak_flops_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt-attn" / "peak_flops.json"
 
 
-def best_matmul_flops(rt: Runtime, repeats: int) -> float:
-    """The best FLOP/s of `repeats` rounds of large square matmuls. On a GPU many matmuls run between two
-    synchronizations, so launch latency is not what gets measured."""
+def best_matmul_flops(rt: Runtime, repeats: int) -> Optional[float]:
+    """The best FLOP/s of `repeats` rounds of large square matmuls, among the rounds this process ran alone (on a
+    CPU: cpu_share >= ALONE); None if none did. On a GPU many matmuls run between two synchronizations, so launch
+    latency is not what gets measured."""
     n, calls = (8192, 20) if rt.is_cuda else (1024, 3)
     with torch.random.fork_rng(devices=[]):  # leave the global RNG where training expects it
         a, b = (torch.randn(n, n).to(rt.device, rt.torch_dtype) for _ in range(2))
@@ -62,5 +73,51 @@ def best_matmul_flops(rt: Runtime, repeats: int) -> float:
     def matmuls() -> None:
         for _ in range(calls):
             a @ b
-    best = min(time_call(matmuls, rt)[1] for _ in range(repeats)) / calls
-    return 2 * n ** 3 / best
+    rates = []
+    for _ in range(repeats):
+        cpu = time.process_time()
+        _, seconds = runtime.time_call(matmuls, rt)
+        if rt.is_cuda or cpu_share(time.process_time() - cpu, seconds) >= ALONE:
+            rates.append(2 * n ** 3 * calls / seconds)
+    return max(rates, default=None)
+
+
+def cpu_share(cpu_seconds: float, wall_seconds: float) -> float:
+    """The share of torch's threads' time this process ran: 1 alone, ~0.5 beside one other busy process per core."""
+    return cpu_seconds / (wall_seconds * torch.get_num_threads())
+
+
+# -- vendors' datasheets ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuPeak:
+    words: tuple[str, ...]  # all must be words of the upper-cased device name, '-' read as a space
+    half: float             # dense bf16/fp16 tensor-core TFLOP/s (sparsity figures halved)
+    fp32: float             # dense TF32 tensor-core TFLOP/s (TF32 is on, see resolve_runtime); plain FP32 without
+    bf16: bool = True       # False: bf16 would be emulated, so it has no datasheet peak
+
+
+# Vendors' datasheets, matched against torch.cuda.get_device_name() strings such as "NVIDIA H100 80GB HBM3"
+# (the SXM part), "NVIDIA A100-SXM4-40GB", "Tesla V100-PCIE-32GB". Most specific first.
+GPU_PEAKS = [
+    GpuPeak(("B200",), 2250, 1100), GpuPeak(("GH200",), 989.4, 494.7),
+    GpuPeak(("H200", "NVL"), 835.5, 417.5), GpuPeak(("H200",), 989.4, 494.7),
+    GpuPeak(("H100", "NVL"), 835.5, 417.5), GpuPeak(("H100", "PCIE"), 756.5, 378.0), GpuPeak(("H100",), 989.4, 494.7),
+    GpuPeak(("H800", "PCIE"), 756.5, 378.0), GpuPeak(("H800",), 989.4, 494.7),
+    GpuPeak(("A100",), 312, 156),  # SXM4 and PCIe, 40 and 80 GB alike
+    GpuPeak(("L40S",), 362, 183), GpuPeak(("L40",), 181, 90.5), GpuPeak(("L4",), 121, 60), GpuPeak(("A10",), 125, 62.5),
+    GpuPeak(("RTX", "4090"), 165.2, 82.6), GpuPeak(("RTX", "3090", "TI"), 80, 40), GpuPeak(("RTX", "3090"), 71, 35.6),
+    GpuPeak(("V100S",), 130, 16.4, bf16=False), GpuPeak(("V100", "PCIE"), 112, 14, bf16=False),
+    GpuPeak(("V100",), 125, 15.7, bf16=False), GpuPeak(("T4",), 65, 8.1, bf16=False),
+]
+
+
+def datasheet_peak_flops(name: str, dtype: str) -> float | None:
+    """The datasheet peak of a GPU by its device name, in FLOP/s; None for a GPU (or dtype) not listed."""
+    words = set(name.upper().replace("-", " ").split())
+    for peak in GPU_PEAKS:
+        if words.issuperset(peak.words):
+            if dtype == "bfloat16" and not peak.bf16:
+                return None
+            return 1e12 * (peak.fp32 if dtype == "float32" else peak.half)
+    return None

@@ -4,12 +4,14 @@ reached here by standing in for torch.cuda's answers; tests/test_gpu.py runs the
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from core import flops
-from core import gpu_peaks
 from engine import parallel, trainer
 from benchmarks import measure
 import bench
@@ -36,20 +38,20 @@ DEVICE_NAMES = {
 @pytest.mark.parametrize("name", DEVICE_NAMES)
 def test_datasheet_peaks_match_the_names_gpus_really_report(name):
     half, fp32 = DEVICE_NAMES[name]
-    assert gpu_peaks.datasheet_peak_flops(name, "float16") == pytest.approx(half * 1e12)
-    assert gpu_peaks.datasheet_peak_flops(name, "float32") == pytest.approx(fp32 * 1e12)
+    assert flops.datasheet_peak_flops(name, "float16") == pytest.approx(half * 1e12)
+    assert flops.datasheet_peak_flops(name, "float32") == pytest.approx(fp32 * 1e12)
 
 
 def test_an_h100_sxm_is_not_read_as_the_pcie_part_nor_an_a10_as_an_a100():
-    assert gpu_peaks.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
-    assert gpu_peaks.datasheet_peak_flops("NVIDIA A10", "bfloat16") == pytest.approx(125e12)
-    assert gpu_peaks.datasheet_peak_flops("NVIDIA L40S", "bfloat16") != gpu_peaks.datasheet_peak_flops("NVIDIA L4", "bfloat16")
+    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
+    assert flops.datasheet_peak_flops("NVIDIA A10", "bfloat16") == pytest.approx(125e12)
+    assert flops.datasheet_peak_flops("NVIDIA L40S", "bfloat16") != flops.datasheet_peak_flops("NVIDIA L4", "bfloat16")
 
 
 def test_gpus_without_native_bf16_and_unlisted_gpus_have_no_datasheet_peak():
-    assert gpu_peaks.datasheet_peak_flops("Tesla T4", "bfloat16") is None  # emulated: measured instead
-    assert gpu_peaks.datasheet_peak_flops("NVIDIA A10G", "bfloat16") is None
-    assert gpu_peaks.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
+    assert flops.datasheet_peak_flops("Tesla T4", "bfloat16") is None  # emulated: measured instead
+    assert flops.datasheet_peak_flops("NVIDIA A10G", "bfloat16") is None
+    assert flops.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
 
 
 def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches():
@@ -72,6 +74,37 @@ def test_a_peak_measured_under_load_cannot_lower_the_one_kept_so_mfu_cannot_rise
     saved = json.loads((tmp_path / "nanogpt-attn" / "peak_flops.json").read_text())
     assert saved == {f"{rt.name}, float32, torch {torch.__version__}": 150e9}
     flops.measured_matmul_flops.cache_clear()
+
+
+def test_a_first_run_on_a_loaded_machine_shows_no_mfu_rather_than_an_inflated_one(char_data, tmp_path, monkeypatch):
+    """No peak kept yet, and every round of the measurement shared the cores with another process (cpu_share
+    stood in at 0.5, what a busy neighbour per core leaves): no peak is kept and no MFU is logged; a later run
+    measured alone keeps its peak and logs MFU over it."""
+    from conftest import TINY, metrics
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    flops.measured_matmul_flops.cache_clear()
+    monkeypatch.setattr(flops, "cpu_share", lambda cpu_s, wall_s: 0.5)
+    args = TINY + [f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3"]
+    assert train.main(args + [f"--out_dir={tmp_path / 'loaded'}"]) == 0
+    assert metrics(tmp_path / "loaded", "ms_per_iter") and not metrics(tmp_path / "loaded", "mfu")
+    assert not (tmp_path / "cache" / "nanogpt-attn" / "peak_flops.json").exists()
+    flops.measured_matmul_flops.cache_clear()
+    monkeypatch.setattr(flops, "cpu_share", lambda cpu_s, wall_s: 1.0)
+    assert train.main(args + [f"--out_dir={tmp_path / 'alone'}"]) == 0
+    assert set(metrics(tmp_path / "alone", "mfu")) == set(metrics(tmp_path / "alone", "ms_per_iter"))
+    flops.measured_matmul_flops.cache_clear()
+
+
+@pytest.mark.slow
+def test_the_cpu_share_sees_a_busy_process_on_every_core(monkeypatch):
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count())]
+    try:
+        time.sleep(0.5)
+        assert flops.best_matmul_flops(runtime.Runtime("cpu", "float32"), repeats=3) is None
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
 
 
 # -- device and precision ----------------------------------------------------------------------------
