@@ -101,11 +101,12 @@ out_dir = "bench_results"
 profile = False           # also write a chrome trace (chrome://tracing, TensorBoard) of one step per row
 
 # the allowed range of every numeric setting (None: sized for the device)
-LIMITS = {"n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "vocab_size": "[1, inf)",
-          "dropout": "[0, 1)", "batch_size": "[1, inf)", "seq_len": "[1, inf)", "warmup": "[0, inf)",
-          "iters": "[1, inf)", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)", "attn_batch": "[1, inf)",
-          "attn_heads": "[1, inf)", "threads": "[0, inf)", "seed": "[0, inf)", "prompt_len": "[1, inf)",
-          "new_tokens": "[1, inf)", "gen_batch": "[1, inf)", "mode": one_of("train", "attention", "generate"),
+LIMITS = {"n_layer": "[1, inf) int", "n_head": "[1, inf) int", "n_embd": "[1, inf) int",
+          "vocab_size": "[1, inf) int", "dropout": "[0, 1)", "batch_size": "[1, inf) int", "seq_len": "[1, inf) int",
+          "warmup": "[0, inf)", "iters": "[1, inf) int", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)",
+          "attn_batch": "[1, inf) int", "attn_heads": "[1, inf) int", "threads": "[0, inf)", "seed": "[0, inf)",
+          "prompt_len": "[1, inf)", "new_tokens": "[1, inf) int", "gen_batch": "[1, inf)",
+          "mode": one_of("train", "attention", "generate"),
           "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"),
           "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
           "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",

@@ -224,8 +224,8 @@ def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
 
 
 def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path]:
-    """Settings, runtime, whether this run resumes (decided once) and the data's folder (prepared if it is an
-    embedded dataset), with all checked that needs no model, before out_dir is made."""
+    """Settings, runtime, whether this run resumes (decided once), the data's folder (prepared if it is an embedded
+    dataset) and the lock on out_dir (rank 0's), with all checked that needs no model before out_dir is made."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     resuming = cfg.init_from == "resume"
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
@@ -239,24 +239,29 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path]:
         runtime.on_master(check_wandb, rt.device)
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)  # missing data, likewise
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
+    lock = []  # rank 0's hold on out_dir, for the run's life
     if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
-        runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite), rt.device)
-    return cfg, rt, resuming, data_dir
+        runtime.on_master(lambda: lock.append(claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite)), rt.device)
+    return cfg, rt, resuming, data_dir, lock[0] if lock else None
 
 
-def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> None:
-    """out_dir can be written, and a new run takes no other run's out_dir unless --overwrite=True (the old
-    metrics.jsonl goes now, the old checkpoint at the first save)."""
+def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLock:
+    """out_dir, locked for this run (one run at a time) and writable; a new run takes no other run's out_dir unless
+    --overwrite=True (the old metrics.jsonl goes now, the old checkpoint at the first save)."""
+    made = not out.exists()
     files.check_writable_dir(out)
+    lock = files.OutDirLock(out, made_dir=made)
     ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
     saved = ckpt.exists() or sharded_folder(ckpt) is not None
-    if overwrite and not resuming:
-        log.unlink(missing_ok=True)
-    elif (saved or log.exists()) and not resuming:
+    if (saved or log.exists()) and not resuming and not overwrite:
+        lock.release(failed=True)
         from engine.reader import describe_checkpoint  # only where another run left one
         what = f"another run's checkpoint ({describe_checkpoint(ckpt)})" if saved else "another run's metrics.jsonl"
         raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
                         f"or replace it with --overwrite=True.")
+    if overwrite and not resuming:
+        log.unlink(missing_ok=True)
+    return lock
 
 
 def train_loop(run: Run, resumed_at: int | None) -> None:
@@ -329,7 +334,18 @@ def restore(run: Run, checkpoint: Checkpoint) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, rt, resuming, data_dir = start(argv)
+    cfg, rt, resuming, data_dir, lock = start(argv)
+    failed = True
+    try:
+        train(cfg, rt, resuming, data_dir)
+        failed = False
+    finally:
+        if lock is not None:
+            lock.release(failed)
+    return 0
+
+
+def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path) -> None:
     from engine.sharded import saver_for  # the writer of either format (DCP's beside ckpt.pt's)
     saver = saver_for(cfg.checkpoint_format, Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
     meta = files.read_meta(data_dir)
@@ -356,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         losses = estimate_loss(model, cfg, data_dir, rt)
         log.log({"iter": checkpoint.iter_num if checkpoint else 0, **losses})
         log.close()
-        return 0
+        return
 
     # optimizer, and where a resumed run stood
     optimizers = make_optimizers(raw_model, cfg, rt, checkpoint)
@@ -378,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{rt.name}{muon}, world size {rt.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
 
     train_loop(run, resumed_at)
-    return 0
 
 
 if __name__ == "__main__":

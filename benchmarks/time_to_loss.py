@@ -40,7 +40,7 @@ runs = None                   # rounds, each running every recipe once; None: 3,
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
 extra = ""                    # train.py settings added to every recipe, e.g. a scaled-down CPU run (docs/quickstart.md)
 out_dir = "bench_results"
-LIMITS = {"target": "(0, inf)", "runs": "[1, inf)",
+LIMITS = {"target": "(0, inf)", "runs": "[1, inf) int",
           "compare": one_of("quickstart", "doc_mask", "attn", "attn_masked", "gpu")}
 
 # The recipes, as command-line arguments to train.py. nanoGPT's is its README's CPU command, flag for flag, plus

@@ -59,15 +59,22 @@ def _parse_value(text: str):
         return text  # e.g. --attn=flash or --out_dir=out/run-1
 
 
-_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
+# an interval, then "int" (whole numbers only) and "or None" (None too, though the default is not None)
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])(\s+int)?(\s+or None)?$")
 
 
 def interval_text(spec: str) -> str:
-    """'[1, inf)' -> 'at least 1', '(0, inf)' -> 'greater than 0', '[0, 1)' -> 'at least 0 and less than 1'."""
-    left, lo, hi, right = _INTERVAL.match(spec).groups()
+    """'[1, inf)' -> 'at least 1', '(0, inf)' -> 'greater than 0', '[0, 1)' -> 'at least 0 and less than 1';
+    '[1, inf) int or None' -> 'a whole number at least 1, or None'."""
+    left, lo, hi, right, whole, none = _INTERVAL.match(spec).groups()
     words = [f"{'at least' if left == '[' else 'greater than'} {float(lo):g}"] if float(lo) > -math.inf else []
     words += [f"{'at most' if right == ']' else 'less than'} {float(hi):g}"] if float(hi) < math.inf else []
-    return " and ".join(words)
+    text = ("a whole number " if whole else "") + " and ".join(words)
+    return text + (", or None" if none else "")
+
+
+def none_allowed(spec) -> bool:
+    return isinstance(spec, str) and spec.endswith(" or None")
 
 
 def allowed_text(spec) -> str:
@@ -118,6 +125,10 @@ def check_limits(values: dict, limits: dict, defaults: dict) -> None:
     undeclared = [k for k, v in defaults.items() if type(v) in (int, float) and k not in limits]
     if undeclared:
         raise RuntimeError(f"no LIMITS entry for numeric setting(s) {', '.join(undeclared)}")
+    for key, value in values.items():  # None means "pick for me" only where the default is None or LIMITS says so
+        if value is None and defaults.get(key) is not None and not none_allowed(limits.get(key)):
+            raise UserError(f"{key} cannot be None; pass --{key}= a {type(defaults[key]).__name__} like its "
+                            f"default, {defaults[key]!r}, or leave it out.")
     for key, spec in limits.items():
         value = values.get(key)
         if value is None:
@@ -127,13 +138,17 @@ def check_limits(values: dict, limits: dict, defaults: dict) -> None:
             continue
         if type(value) not in (int, float):
             raise UserError(f"{key} must be a number, got {value!r}.")
-        left, lo, hi, right = _INTERVAL.match(spec).groups()
+        match = _INTERVAL.match(spec)
+        left, lo, hi, right, whole, _ = match.groups()
+        if whole and type(value) is not int:
+            raise UserError(f"{key} must be a whole number, got {value!r}; pass --{key}= an integer in "
+                            f"{spec[:match.end(4)]}.")
         lo, hi = float(lo), float(hi)
         lo_ok = lo <= value if left == "[" else lo < value
         hi_ok = value <= hi if right == "]" else value < hi
         if not (lo_ok and hi_ok):  # written so that NaN fails too
             raise UserError(f"{key} must be {interval_text(spec)}, got {value!r}; "
-                            f"pass --{key}= a value in {spec}.")
+                            f"pass --{key}= a value in {spec[:match.end(4)]}.")
 
 
 class Settings(SimpleNamespace):

@@ -4,7 +4,9 @@ alone so that what only reads and writes files (the configurator, files.py, toke
 raise it without importing torch.
 """
 
+import signal
 import sys
+import threading
 from typing import Callable
 
 
@@ -19,13 +21,32 @@ class BuildUnavailable(UserError):
     every refusal is; elsewhere it is still one line."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers, `timeout` and torchrun send), raised where Ctrl-C raises KeyboardInterrupt, so the
+    same clean-up runs (temporary files removed, half-written checkpoints dropped)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def exit_code(main: Callable[[], int | None]) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
-    stderr and 2, or 130 on Ctrl-C."""
+    stderr and 2, or 130 on Ctrl-C, 143 on SIGTERM (128 + the signal, as a shell reports them)."""
+    handler = None
+    if threading.current_thread() is threading.main_thread():  # only the main thread may take signals
+        handler = signal.signal(signal.SIGTERM, _terminate)
     try:
         return main() or 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("stopped by SIGTERM", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)

@@ -108,6 +108,45 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
         raise UserError(f"{setting} {path} {what}; pass --{setting}= {wanted}.") from None
 
 
+class OutDirLock:
+    """One run owns an out_dir at a time: an exclusive lock on out_dir/.lock (fcntl.flock), held for the run's life
+    and released by the OS when the process dies, kill -9 included, so a dead run never blocks the next. A second
+    run is refused naming the holder. Readers (sample.py, export_hf.py, --eval_only) take no lock: every file is
+    renamed into place whole (staged_outputs)."""
+
+    def __init__(self, out_dir: Path, made_dir: bool):
+        import fcntl
+        import socket
+        self.out, self.path, self.made_dir = Path(out_dir), Path(out_dir) / ".lock", made_dir
+        self.made_file = not self.path.exists()
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise UserError(f"{self.out} is in use by another run ({holder}); wait for it to finish, or pass "
+                            f"another --out_dir=.") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self.file.flush()
+        self.before = self.contents()
+
+    def contents(self) -> dict:
+        return {p.name: p.stat().st_mtime_ns for p in self.out.iterdir() if p != self.path}
+
+    def release(self, failed: bool = False) -> None:
+        """Unlock; a run that failed before writing anything (a refusal) also takes away the lock file and the
+        folder it made, so a refused run leaves nothing behind."""
+        self.file.close()  # closing the file drops the lock
+        if failed and self.made_file and self.contents() == self.before:
+            self.path.unlink(missing_ok=True)
+            if self.made_dir and not any(self.out.iterdir()):
+                self.out.rmdir()
+
+
 def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dict:
     """A cache this project writes in the user's cache folder (a JSON object of entries), as far as it can be used.
     Whatever cannot (the file unreadable or not JSON, another shape, entries that fail entry_ok) is left out and

@@ -235,8 +235,7 @@ def init_distributed(device: str) -> tuple[int, int, int, str]:
     joins the process group, NCCL on CUDA and gloo elsewhere, one GPU per local rank; otherwise one rank of one."""
     if "RANK" not in os.environ:
         return 0, 0, 1, device
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world_size = launch_variables(os.environ)
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -244,6 +243,29 @@ def init_distributed(device: str) -> tuple[int, int, int, str]:
     else:
         dist.init_process_group(backend="gloo")
     return rank, local_rank, world_size, device
+
+
+def launch_variables(env) -> tuple[int, int, int]:
+    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them, with MASTER_ADDR and MASTER_PORT; a set that torchrun would not leave (a job script's leftovers, a launch line copied without torchrun) is
+    one sentence."""
+    fix = "launch with torchrun --nproc_per_node=N train.py ..., or unset RANK, LOCAL_RANK and WORLD_SIZE for one process"
+    missing = [name for name in ("LOCAL_RANK", "WORLD_SIZE") if name not in env]
+    if missing:
+        raise UserError(f"RANK is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not, as "
+                        f"torchrun would set them; {fix}.")
+    try:
+        rank, local_rank, world_size = (int(env[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    except ValueError:
+        raise UserError(f"RANK, LOCAL_RANK and WORLD_SIZE must be whole numbers, got {env['RANK']!r}, "
+                        f"{env['LOCAL_RANK']!r}, {env['WORLD_SIZE']!r}; {fix}.") from None
+    if not (0 <= rank < world_size and 0 <= local_rank <= rank):
+        raise UserError(f"RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world_size} cannot be one of torchrun's "
+                        f"ranks; {fix}.")
+    gone = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if gone:
+        raise UserError(f"RANK and WORLD_SIZE={world_size} are set without {' and '.join(gone)}: the ranks have "
+                        f"nowhere to meet; {fix}.")
+    return rank, local_rank, world_size
 
 
 def destroy_distributed() -> None:

@@ -66,6 +66,12 @@ def os_cause(error: BaseException) -> str:
     return text
 
 
+def interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM (errors.Terminated) a failed save was, directly or in DCP's per-rank failures."""
+    failures = getattr(error, "failures", None) or {0: (error, None)}
+    return next((e for e, _ in failures.values() if isinstance(e, KeyboardInterrupt)), None)
+
+
 def failure_text(error: BaseException, folder: Path) -> str:
     failures = getattr(error, "failures", None) or {0: (error, None)}  # DCP's CheckpointException: every rank's
     ranks = "; ".join(f"rank {r}: {os_cause(e)}" for r, (e, _) in sorted(failures.items()))
@@ -96,8 +102,12 @@ class ShardedSaver:
         if not self.use_async:
             try:
                 dcp.save(state, checkpoint_id=folder)
-            except CheckpointException as e:  # raised on every rank alike
-                raise UserError(failure_text(e, folder)) from None
+            except (CheckpointException, KeyboardInterrupt) as e:  # raised on every rank alike
+                stop = interruption(e)
+                if stop is None:
+                    raise UserError(failure_text(e, folder)) from None
+                shutil.rmtree(folder, ignore_errors=True)  # Ctrl-C or SIGTERM: no half-written step stays
+                raise stop from None
             runtime.on_master(lambda: self.commit(fields["iter_num"]), self.rt.device)
             return
         self.written.clear()

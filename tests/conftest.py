@@ -40,6 +40,17 @@ def own_cache_folder(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = saved
 
 
+@pytest.fixture()
+def measured_alone(monkeypatch):
+    """The CPU's peak FLOP/s measured as if nothing else ran (flops.cpu_share stood in at 1): for the tests of what
+    carries MFU, which a busy test machine would otherwise leave without one (tests/test_runtime.py tests that)."""
+    from core import flops
+    monkeypatch.setattr(flops, "cpu_share", lambda cpu_seconds, wall_seconds: 1.0)
+    flops.measured_matmul_flops.cache_clear()
+    yield
+    flops.measured_matmul_flops.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def char_data_session(tmp_path_factory) -> Path:
     """A small character-level dataset: train.bin, val.bin (uint16) and meta.json."""

@@ -106,7 +106,7 @@ def json_rows_at(out_dir: Path, it: int) -> dict:
     return merged
 
 
-def test_metrics_reach_wandb_keyed_by_iteration(char_data, tmp_path, monkeypatch):
+def test_metrics_reach_wandb_keyed_by_iteration(char_data, tmp_path, monkeypatch, measured_alone):
     """What train.py hands wandb, in process; the slow test below checks what a real offline wandb run records."""
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
@@ -158,7 +158,7 @@ def test_an_iterations_train_and_val_lines_show_the_same_learning_rate(char_data
 
 
 @pytest.mark.slow  # wandb starts its own service process
-def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path, monkeypatch):
+def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path, monkeypatch, measured_alone):
     pytest.importorskip("wandb")
     for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(key, value)

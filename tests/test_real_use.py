@@ -1,0 +1,158 @@
+"""Faults of real use: two runs on one out_dir, SIGTERM and Ctrl-C during saves, torchrun's variables without
+torchrun, None as a setting, and messages whose advice must be the fix. One sentence, exit 2 (143 and 130 for the
+signals), and nothing on disk lost or left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import sample
+import train
+from conftest import REPO, SHARDED, TINY
+from core import errors, runtime
+from core.configurator import configure
+from core.errors import UserError
+from engine.reader import load_checkpoint
+
+
+def tiny(char_data, out, *args) -> list[str]:
+    return TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--eval_interval=2", *args]
+
+
+# -- one run per out_dir ----------------------------------------------------------------------------------
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from core import files
+    lock = files.OutDirLock(__import__("pathlib").Path(sys.argv[1]), made_dir=False)
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_second_run_on_a_trained_out_dir_is_refused_naming_the_holder_and_kill_9_frees_it(char_data, tmp_path):
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        for args in (["--max_iters=4", "--init_from=resume"], ["--max_iters=2", "--overwrite=True"]):
+            with pytest.raises(UserError, match=rf"{out} is in use by another run \(pid {holder.pid} on .+\); wait"):
+                train.main(tiny(char_data, out, *args))
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written
+        _, tok, _, _ = sample.load_model("resume", str(out), None)  # readers read while a run holds it
+    finally:
+        holder.kill()  # SIGKILL: the OS drops the lock with the process
+        holder.wait()
+    assert train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume")) == 0
+    assert load_checkpoint(out / "ckpt.pt").iter_num == 4
+
+
+def test_a_refused_run_leaves_no_out_dir_and_no_lock_behind(char_data, tmp_path):
+    for args in (["--init_from=resume"], ["--attn=efficient"], ["--doc_mask=True"]):
+        out = tmp_path / "nothing"
+        with pytest.raises(UserError):
+            train.main(tiny(char_data, out, *args))
+        assert not out.exists(), args
+    out = tmp_path / "trained"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(UserError):
+        train.main(tiny(char_data, out, "--init_from=resume", "--attn=efficient"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# -- signals ---------------------------------------------------------------------------------------------
+
+def signalled_during(monkeypatch, target, name: str, sig: int) -> None:
+    """`target.name` sends this process `sig` when it is called for step 4, as a scheduler would mid-save."""
+    real = getattr(target, name)
+
+    def send(*args, **kwargs):
+        if "000004" in str(args) or "ckpt.pt.tmp" in str(args):
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(target, name, send)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_a_single_file_save_removes_the_temporary_file_and_keeps_the_checkpoint(
+        char_data, tmp_path, monkeypatch, capsys, sig, code):
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    kept = (out / "ckpt.pt").read_bytes()
+    signalled_during(monkeypatch, torch, "save", sig)
+    assert errors.exit_code(lambda: train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume"))) == code
+    assert (out / "ckpt.pt").read_bytes() == kept and not list(out.glob("*.tmp"))
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("stopped by SIGTERM" if code == 143 else "interrupted")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or code == 130  # put back after the run
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_a_sharded_save_is_an_interruption_and_leaves_no_partial_step(
+        char_data, tmp_path, monkeypatch, capsys, sig, code):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2", *SHARDED)) == 0
+    signalled_during(monkeypatch, FileSystem, "create_stream", sig)
+    assert errors.exit_code(lambda: train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume",
+                                                     *SHARDED))) == code
+    err = capsys.readouterr().err
+    assert "free disk space" not in err and "could not write" not in err
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000002"] and (out / "latest").read_text() == \
+        "step-000002"
+
+
+# -- torchrun's variables without torchrun ---------------------------------------------------------------
+
+@pytest.mark.parametrize("env, sentence", [
+    (dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2"), "RANK and WORLD_SIZE=2 are set without MASTER_ADDR and "
+                                                     "MASTER_PORT: the ranks have nowhere to meet; launch with torchrun"),
+    (dict(RANK="0", WORLD_SIZE="1"), "RANK is set but LOCAL_RANK is not, as torchrun would set them"),
+    (dict(RANK="0"), "RANK is set but LOCAL_RANK and WORLD_SIZE are not"),
+    (dict(RANK="3", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="x", MASTER_PORT="1"), "cannot be one of torchrun's"),
+    (dict(RANK="zero", LOCAL_RANK="0", WORLD_SIZE="2"), "must be whole numbers"),
+])
+def test_torchruns_variables_without_torchrun_are_one_sentence_before_anything_is_written(char_data, tmp_path,
+                                                                                          monkeypatch, env, sentence):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=sentence):
+        train.main(tiny(char_data, tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+# -- None, and whole numbers ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, arg", [(train, "--block_size=None"), (train, "--compile=None"),
+                                         (train, "--out_dir=None"), (sample, "--num_samples=None")])
+def test_none_is_refused_for_a_setting_it_means_nothing_for(script, arg):
+    key = arg[2:].split("=")[0]
+    with pytest.raises(UserError, match=rf"^{key} cannot be None; pass --{key}= a \w+ like its default"):
+        configure(vars(script), [arg], script.LIMITS)
+
+
+def test_none_stays_allowed_where_it_means_something(tmp_path):
+    assert configure(vars(sample), ["--top_k=None"], sample.LIMITS).top_k is None  # every token
+    assert configure(vars(train), ["--muon_lr=None"], train.LIMITS).muon_lr is None  # learning_rate's
+    config = tmp_path / "c.py"
+    config.write_text("max_iters = None\n")
+    with pytest.raises(UserError, match="max_iters cannot be None"):
+        configure(vars(train), [str(config)], train.LIMITS)
+
+
+def test_a_whole_number_setting_sized_by_the_script_refuses_a_fraction():
+    from benchmarks import time_to_loss
+    with pytest.raises(UserError, match=r"runs must be a whole number, got 1.5; pass --runs= an integer in \[1, inf\)"):
+        configure(vars(time_to_loss), ["--runs=1.5"], time_to_loss.LIMITS)
+    import bench
+    with pytest.raises(UserError, match="n_layer must be a whole number"):
+        configure(vars(bench), ["--n_layer=1.5"], bench.LIMITS)
