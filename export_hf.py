@@ -119,6 +119,7 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
         raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
                         f"is overwritten).")
+    files.check_writable_dir(hf_dir.parent, setting="hf_dir")  # the checkpoint's folder may be read-only: hf_dir's
     model = checkpoint.build_model()
     if model.config.window:  # doc_mask exports: within one document HF's causal attention is the same attention
         raise UserError(f"this run attends through a window of {model.config.window} tokens, which Hugging Face's "
@@ -133,7 +134,6 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     hf_model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id,
         do_sample=sampled, temperature=temperature if sampled else None, top_k=top_k if sampled else None)
-    files.check_writable_dir(hf_dir.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.", dir=hf_dir.parent))
     try:
         hf_model.save_pretrained(staging, safe_serialization=True)

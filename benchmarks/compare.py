@@ -211,7 +211,8 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
     """Every runnable implementation in turn, its samples printed as they come; returns all the numbers."""
     ids = numerics_ids(tok, run.prompt, model.config.block_size)
     run.x = torch.tensor([ids], dtype=torch.long, device=run.rt.device)  # (1, T)
-    run.held_out = held_out_windows(data, run.x, model.config.block_size, max_tokens=4096)  # the same for each
+    run.held_out = held_out_windows(data, run.x, model.config.block_size, model.config.vocab_size,
+                                    max_tokens=4096)  # the same for each
     ref_device = "cpu" if run.rt.device_type == "mps" else run.rt.device  # MPS has no float64
     ref_model = with_attn(model, "manual").double().to(ref_device)
     run.ref_logits = forced_logits(ref_model, run.x.to(ref_device), Runtime(ref_device, "float32")).to(run.rt.device)
@@ -307,15 +308,21 @@ def tokens_cell(name: str, gens: dict, first: str) -> str:
 # -----------------------------------------------------------------------------
 # weights: fp32, reduced precision, int8
 
-def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, max_tokens: int = 16384) -> tuple:
+def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, vocab_size: int,
+                     max_tokens: int = 16384) -> tuple:
     """Windows (N, T + 1) of held-out text: evenly spaced from the training data's val.bin, or the numerics text
-    (x, (1, T)) when there is none; and where they came from."""
+    (x, (1, T)) when there is none; and where they came from. Ids the model has no embedding for (the data prepared
+    again with another vocabulary) are refused, as train.py refuses them."""
     if data is None:
         return x, "the built-in text (no val.bin: GPT-2 weights, or the training data is gone)"
     tokens = (data / "val.bin").stat().st_size // TOKEN_BYTES
     n = max(1, min(max_tokens // block_size, (tokens - 1) // (block_size + 1)))
     starts = np.linspace(0, tokens - block_size - 1, n).astype(np.int64).tolist()
     windows = read_windows(data / "val.bin", starts, block_size)  # (N, T + 1)
+    if int(windows.max()) >= vocab_size:
+        raise UserError(f"{data / 'val.bin'} holds token id {int(windows.max())}, beyond the checkpoint's "
+                        f"{vocab_size}-token vocabulary: the data was prepared again with another one; prepare it as "
+                        f"it was for training, or move it away (--compare then uses built-in text).")
     return windows.to(x.device), f"{n} windows of {block_size} tokens of {data / 'val.bin'}"
 
 
@@ -334,7 +341,7 @@ def weights_study(model: GPT, run: Run, quantize: str, data: Optional[Path]) -> 
     """The same weights in fp32, in the reduced dtype and as int8 (activations in the run's dtype): their memory,
     greedy tokens/s with the KV cache, loss on held-out text, and how often their greedy tokens agree with fp32's
     (teacher-forced on the held-out text, and in one greedy sample)."""
-    windows, source = held_out_windows(data, run.x, model.config.block_size)
+    windows, source = held_out_windows(data, run.x, model.config.block_size, model.config.vocab_size)
     greedy = dataclasses.replace(run.sampling, num_samples=1, temperature=0.0)
     rows, ref = {}, None
     for label, dtype, q in (("float32", "float32", ""), (run.reduced, run.reduced, ""),

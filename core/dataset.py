@@ -48,9 +48,16 @@ def prepare_if_missing(data_dir: Path, name: str) -> None:
     if name not in EMBEDDED_DATASETS or any((data_dir / f).exists() for f in DATA_FILES):
         raise UserError(f"dataset '{name}' is not prepared (data/{name}/{missing[0]} is missing); "
                         f"run: python data/{name}/prepare.py")
+    elsewhere = (f"prepare it elsewhere with python data/{name}/prepare.py --out_dir=DIR and pass --data_dir=DIR")
+    if not os.access(data_dir, os.W_OK):
+        raise UserError(f"dataset '{name}' is not prepared and data/{name}/ cannot be written to; {elsewhere}.")
     print(f"preparing {name} (data/{name}/prepare.py) ...")
-    if subprocess.run([sys.executable, str(data_dir / "prepare.py"), f"--out_dir={data_dir}"]).returncode != 0:
-        raise UserError(f"preparing dataset '{name}' failed; run python data/{name}/prepare.py to see why.")
+    done = subprocess.run([sys.executable, str(data_dir / "prepare.py"), f"--out_dir={data_dir}"],
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:  # its one error line, said as ours
+        said = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no message")
+        raise UserError(f"preparing dataset '{name}' failed ({said.removeprefix('error: ')}); {elsewhere}, or run "
+                        f"python data/{name}/prepare.py to see why.")
 
 
 def max_token_id(path: Path, chunk: int = 1 << 26) -> int:

@@ -156,3 +156,49 @@ def test_a_whole_number_setting_sized_by_the_script_refuses_a_fraction():
     import bench
     with pytest.raises(UserError, match="n_layer must be a whole number"):
         configure(vars(bench), ["--n_layer=1.5"], bench.LIMITS)
+
+
+# -- advice that is the fix ----------------------------------------------------------------------------------
+
+def test_export_into_an_unwritable_folder_advises_hf_dir_not_out_dir(char_data, tmp_path, monkeypatch):
+    import export_hf
+    from core import files
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    real = files.tempfile.TemporaryFile
+
+    def read_only(*args, dir=None, **kwargs):  # out_dir read-only, as a shared checkpoint folder is (root writes all)
+        if dir is not None and str(dir).startswith(str(out)):
+            raise PermissionError(13, "Permission denied")
+        return real(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(files.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(UserError, match=r"cannot be written to \(Permission denied\); pass --hf_dir= a writable"):
+        export_hf.main([f"--out_dir={out}"])
+    assert not (out / "hf").exists()
+
+
+def test_an_embedded_dataset_that_cannot_be_prepared_in_place_is_one_sentence_advising_data_dir(tmp_path,
+                                                                                              monkeypatch):
+    from core import dataset
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
+    (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
+    (tmp_path / "data" / "shakespeare_char" / "prepare.py").write_text("raise SystemExit('never run')")
+    monkeypatch.setattr(dataset.os, "access", lambda path, mode: False)  # read-only, as for root it never is
+    with pytest.raises(UserError, match=r"^dataset 'shakespeare_char' is not prepared and data/shakespeare_char/ "
+                                        r"cannot be written to; prepare it elsewhere with .* --out_dir=DIR and pass "
+                                        r"--data_dir=DIR\.$"):
+        train.main(TINY + ["--dataset=shakespeare_char", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_compares_held_out_data_prepared_again_with_a_larger_vocabulary_is_refused(char_data, tmp_path):
+    import numpy as np
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    out = tmp_path / "run"
+    assert train.main(tiny(data, out, "--max_iters=2")) == 0
+    np.full(4096, 300, dtype=np.uint16).tofile(data / "val.bin")  # re-prepared: ids past the 65-odd characters
+    with pytest.raises(UserError, match=r"val.bin holds token id 300, beyond the checkpoint's \d+-token vocabulary"):
+        sample.main([f"--out_dir={out}", "--compare=manual", "--num_samples=1", "--max_new_tokens=4",
+                     "--device=cpu", "--dtype=float32"])
