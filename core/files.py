@@ -118,33 +118,30 @@ class OutDirLock:
         import fcntl
         import socket
         self.out, self.path, self.made_dir = Path(out_dir), Path(out_dir) / ".lock", made_dir
-        self.made_file = not self.path.exists()
-        self.file = open(self.path, "a+")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
+        while True:
+            self.file = open(self.path, "a+")
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.file.seek(0)
+                holder = self.file.read().strip() or "another process"
+                self.file.close()
+                raise UserError(f"{self.out} is in use by another run ({holder}); wait for it to finish, or pass "
+                                f"another --out_dir=.") from None
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino:
+                break  # the file at the path, not one a finishing run took away while this opened it
             self.file.close()
-            raise UserError(f"{self.out} is in use by another run ({holder}); wait for it to finish, or pass "
-                            f"another --out_dir=.") from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         self.file.flush()
-        self.before = self.contents()
-
-    def contents(self) -> dict:
-        return {p.name: p.stat().st_mtime_ns for p in self.out.iterdir() if p != self.path}
 
     def release(self, failed: bool = False) -> None:
-        """Unlock; a run that failed before writing anything (a refusal) also takes away the lock file and the
-        folder it made, so a refused run leaves nothing behind."""
+        """Remove the lock file, then unlock; a refused run also takes away the folder it made, left empty."""
+        self.path.unlink(missing_ok=True)
         self.file.close()  # closing the file drops the lock
-        if failed and self.made_file and self.contents() == self.before:
-            self.path.unlink(missing_ok=True)
-            if self.made_dir and not any(self.out.iterdir()):
-                self.out.rmdir()
+        if failed and self.made_dir and self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
 
 
 def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dict:

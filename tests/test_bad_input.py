@@ -171,9 +171,9 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
     (train, "--beta2=1.5", "beta2 must be at least 0 and less than 1"),
     (sample, "--num_samples=0", "num_samples must be at least 1"),
     (sample, "--temperature=-0.5", "temperature must be at least 0"),
-    (sample, "--top_k=0", "top_k must be at least 1"),
-    (bench, "--iters=0", "iters must be at least 1"),
-    (bench, "--n_layer=-2", "n_layer must be at least 1"),
+    (sample, "--top_k=0", "top_k must be a whole number at least 1, or None"),
+    (bench, "--iters=0", "iters must be a whole number at least 1"),
+    (bench, "--n_layer=-2", "n_layer must be a whole number at least 1"),
     (bench, "--mem_budget_gb=0", "mem_budget_gb must be greater than 0"),
 ])
 def test_a_numeric_setting_out_of_range_is_one_sentence_at_configuration_time(script, override, sentence):
@@ -235,6 +235,7 @@ def test_a_scripts_user_error_is_one_line_on_stderr_and_exit_code_2_and_a_bug_st
         "error: batch_size must be at least 1, got 0; pass --batch_size= a value in [1, inf)."]
     assert errors.exit_code(lambda: None) == 0 and errors.exit_code(lambda: 3) == 3
     assert errors.exit_code(lambda: (_ for _ in ()).throw(KeyboardInterrupt)) == 130
+    assert capsys.readouterr().err == "interrupted\n"
     with pytest.raises(ZeroDivisionError):  # a programming error keeps its traceback
         errors.exit_code(lambda: 1 / 0)
     assert capsys.readouterr().err == ""
