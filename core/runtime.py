@@ -236,12 +236,17 @@ def init_distributed(device: str) -> tuple[int, int, int, str]:
     if "RANK" not in os.environ:
         return 0, 0, 1, device
     rank, local_rank, world_size = launch_variables(os.environ)
+    # torchrun's store outlives a restart (--max-restarts): keys of this attempt's own, or the restarted ranks read
+    # the dead ones' addresses and hang or fail to connect
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
+    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=torch.device(device))
+        dist.init_process_group(backend="nccl", store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device(device))
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
     return rank, local_rank, world_size, device
 
 
