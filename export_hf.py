@@ -32,8 +32,9 @@ from core.tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_fil
 out_dir = "out"                   # the training run's folder (its ckpt.pt)
 hf_dir = ""                       # where to write the Hugging Face directory; empty: <out_dir>/hf
 # sampling defaults written to generation_config.json (sample.py's); pipeline(...) arguments override them
-temperature = 0.8
-top_k = 200
+temperature = 0.8                 # 0: greedy
+top_k = 200                       # sample among the top_k most likely tokens only
+LIMITS = {"temperature": "[0, inf)", "top_k": "[1, inf) int"}
 
 
 def hf_config(model: GPT, meta: Optional[dict]):
@@ -154,7 +155,7 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, {"temperature": "[0, inf)", "top_k": "[1, inf)"})
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
     target = export(checkpoint, Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), cfg.temperature, cfg.top_k)
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "

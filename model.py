@@ -49,6 +49,9 @@ class GPTConfig:
     chunked_loss: bool = False  # with targets: lm_head and the loss over row chunks, logits None (train.py's)
 
     def __post_init__(self):
+        if self.attn == "auto":
+            raise UserError("attn='auto' is measured on a model, not stored in a config: build it with another attn "
+                            "(say 'sdpa'), then call model.set_attention('auto').")
         if self.attn not in ATTENTION:
             raise UserError(f"unknown attn '{self.attn}'; choose one of {', '.join(ATTENTION)}.")
         if self.n_embd % self.n_head != 0:

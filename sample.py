@@ -53,7 +53,8 @@ compare = ""                      # "manual,sdpa,flash" or "all": compare the sa
 json = ""                         # write every number (settings, tokens, timings, errors) to this JSON file
 # -----------------------------------------------------------------------------
 # the allowed range of every numeric setting and the words of every choice
-LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_k": "[1, inf) int or None",
+LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)",
+          "top_k": "[1, inf) int or None",
           "seed": "[0, inf)", "attn": one_of("auto", *ATTENTION), "dtype": one_of("auto", *runtime.DTYPES),
           "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)"}
 

@@ -1,5 +1,5 @@
 """
-Train a GPT on one CPU, one GPU, or many GPUs with DDP.
+Train a GPT on one CPU, one GPU, or many GPUs with DDP or FSDP2.
 
     python train.py config/train_shakespeare_char_cpu.py            # the CPU quickstart, a few minutes
     python train.py config/train_shakespeare_char.py --compile=False
@@ -46,19 +46,19 @@ checkpoint_format = "single"      # 'single': ckpt.pt, gathered on rank 0; 'shar
 async_save = False                # sharded: write the checkpoint while training goes on
 keep_checkpoints = 2              # sharded: how many of the newest steps out_dir keeps
 # wandb logging (the mode comes from the environment: WANDB_MODE=offline or disabled work as usual)
-wandb_log = False
-wandb_project = "owt"
-wandb_run_name = "gpt2"
+wandb_log = False                 # log every line to wandb too (needs `wandb login`, or WANDB_MODE=offline)
+wandb_project = "owt"             # the wandb project the run goes to
+wandb_run_name = "gpt2"           # the run's name there
 # data
 dataset = "openwebtext"           # data/<dataset>/{train,val}.bin, from data/<dataset>/prepare.py
 data_dir = ""                     # where train.bin/val.bin/meta.json are; empty: data/<dataset>
 gradient_accumulation_steps = 40  # micro-steps per optimizer step, in total over all ranks
 batch_size = 12                   # sequences per micro-step per rank
-block_size = 1024
+block_size = 1024                 # tokens per sequence: the model's context
 # model
-n_layer = 12
-n_head = 12
-n_embd = 768
+n_layer = 12                      # transformer blocks
+n_head = 12                       # attention heads per block (n_embd must divide by it)
+n_embd = 768                      # the width: embedding and hidden size
 dropout = 0.0                     # 0 for pretraining, 0.1+ for finetuning
 bias = True                       # biases in Linear and LayerNorm, as GPT-2
 attn = "sdpa"                     # manual, sdpa, flash, flex, ... (docs/model.md); auto: measured on this run's shapes
@@ -68,31 +68,31 @@ pad_vocab = False                 # pad the vocabulary to a multiple of 64 (5025
 doc_mask = False                  # attend within a document only (the dataset's end-of-text token opens the next)
 window = 0                        # attend to at most the last `window` tokens (sliding window); 0: the whole block
 gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact one
-chunked_loss = True               # the loss over chunks of rows: the (B*T, V) logits never whole (same loss as nanoGPT's)
+chunked_loss = True               # the loss over row chunks: the (B*T, V) logits never whole (nanoGPT's same loss)
 # optimizer: AdamW for everything, or Muon for the blocks' weight matrices and AdamW for the rest
 optimizer = "adamw"               # 'adamw' or 'muon'
 muon_lr = None                    # Muon's peak learning rate (None: learning_rate; its update is scaled to AdamW's RMS)
-muon_momentum = 0.95
+muon_momentum = 0.95              # Muon's Nesterov momentum
 muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where bf16 is native, else fp32), float32, bfloat16
 learning_rate = 6e-4              # AdamW's peak learning rate
-max_iters = 600000
-weight_decay = 1e-1
-beta1 = 0.9
-beta2 = 0.95
+max_iters = 600000                # optimizer steps in all (a resumed run stops here too)
+weight_decay = 1e-1               # AdamW's, on 2-D weights only (and Muon's)
+beta1 = 0.9                       # AdamW's first-moment decay
+beta2 = 0.95                      # AdamW's second-moment decay
 grad_clip = 1.0                   # clip gradients at this norm; 0: off
 # learning rate schedule: linear warmup, then cosine decay to min_lr
-decay_lr = True
-warmup_iters = 2000
+decay_lr = True                   # False: learning_rate throughout
+warmup_iters = 2000               # steps of linear warmup from ~0
 lr_decay_iters = 600000           # ~= max_iters per Chinchilla
 min_lr = 6e-5                     # ~= learning_rate / 10 per Chinchilla
 early_decay_iters = 0             # > warmup_iters: the cosine first reaches early_decay_to x learning_rate here
-early_decay_to = 0.3
+early_decay_to = 0.3              # with early_decay_iters: the fraction of learning_rate reached there
 # system
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
-dtype = "auto"                    # auto (bf16 where supported, fp16 on older GPUs, else fp32), float32, bfloat16, float16
+dtype = "auto"                    # auto: bf16 where native, fp16 on older GPUs, else fp32; or float32, bfloat16, float16
 compile = True                    # torch.compile the model (FSDP: each block)
 parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank) or 'fsdp' (FSDP2, sharded)
-seed = 1337
+seed = 1337                       # weights, data order and dropout (each rank its own dropout stream)
 # -----------------------------------------------------------------------------
 
 # the allowed range of every numeric setting ("[1, inf)" is 1 or more) and the words of every choice, checked before

@@ -1,5 +1,5 @@
 # The CPU quickstart: a small character-level GPT on the packaged Shakespeare plays, 3000 steps in ~4 minutes on
-# 2 cores with native bf16 (AVX512-BF16/AMX), ~7 on an AVX2-only CPU; val 1.89 after ~20-40 s (docs/quickstart.md).
+# 2 cores with native bf16 (AVX512-BF16/AMX), ~8 on an AVX2-only CPU; val 1.89 after ~20-40 s (docs/quickstart.md).
 #   python train.py config/train_shakespeare_char_cpu.py
 #   python sample.py --out_dir=out-shakespeare-char-cpu
 # The data is prepared automatically the first time (data/shakespeare_char/prepare.py, offline).

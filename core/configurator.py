@@ -33,22 +33,24 @@ def settings(namespace: dict) -> dict:
             if not k.startswith("_") and not k.isupper() and isinstance(v, PLAIN_TYPES)}
 
 
-def _coerce(key: str, value, default):
-    """`value` as the type of `default`: an int is a fine float, anything goes for a None default."""
+def _coerce(key: str, value, default, current):
+    """`value` as the type of `default`: an int is a fine float, anything goes for a None default. `current`: the
+    value so far (a config file's, else the default), what a refusal shows."""
     if default is None or value is None or type(value) is type(default):
         return value
     if isinstance(default, float) and type(value) is int:
         return float(value)
     if isinstance(default, (tuple, list)) and isinstance(value, (tuple, list)):
         return type(default)(value)
-    raise UserError(f"{key} expects a {type(default).__name__} (default {default!r}), "
+    kind = type(default).__name__
+    raise UserError(f"{key} expects {'an' if kind[0] in 'aeiou' else 'a'} {kind} (like {current!r}), "
                     f"got {value!r} ({type(value).__name__}).")
 
 
 def _check_key(key: str, known: dict) -> None:
     if key not in known:
         close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
-        hint = f"; did you mean {' or '.join(close)}?" if close else "; see the settings at the top of the script."
+        hint = f"; did you mean {' or '.join(close)}?" if close else "; --help lists the settings."
         raise UserError(f"unknown setting '{key}'{hint}")
 
 
@@ -193,7 +195,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             if not sep:
                 raise UserError(f"'{arg}' has no value; write --{key}=VALUE.")
             _check_key(key, defaults)
-            namespace[key] = _coerce(key, _parse_value(text), defaults[key])
+            namespace[key] = _coerce(key, _parse_value(text), defaults[key], namespace[key])
             continue
         path = Path(arg)
         if not path.is_file():
@@ -205,7 +207,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             raise UserError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}.") from None
         for key, value in settings(scope).items():
             _check_key(key, defaults)
-            namespace[key] = _coerce(key, value, defaults[key])
+            namespace[key] = _coerce(key, value, defaults[key], namespace[key])
     values = settings({k: namespace[k] for k in defaults})
     if limits is not None:
         check_limits(values, limits, defaults)

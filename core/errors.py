@@ -21,6 +21,11 @@ class BuildUnavailable(UserError):
     every refusal is; elsewhere it is still one line."""
 
 
+class StoppedWithRank0(UserError):
+    """A rank stopping because rank 0's work failed: rank 0 prints its sentence; this rank exits with 2 quietly, so
+    a torchrun console shows the error once, not after a line pointing to it."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what schedulers, `timeout` and torchrun send), raised where Ctrl-C raises KeyboardInterrupt, so the
     same clean-up runs (temporary files removed, half-written checkpoints dropped)."""
@@ -39,7 +44,8 @@ def exit_code(main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not isinstance(e, StoppedWithRank0):
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except Terminated:
         print("stopped by SIGTERM", file=sys.stderr)

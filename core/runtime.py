@@ -291,7 +291,7 @@ def on_master(work: Callable[[], None], device: str) -> None:
     if problem is not None:
         raise UserError(problem)
     if failed:
-        raise UserError("rank 0 stopped with an error (printed above); the other ranks stop with it.")
+        raise errors.StoppedWithRank0("rank 0 stopped with an error (rank 0 prints it); the other ranks stop with it.")
 
 
 def sum_across_ranks_(tensor: torch.Tensor) -> torch.Tensor:

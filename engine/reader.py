@@ -36,7 +36,11 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
     path = Path(path)
     shards = sharded_folder(path)
     if not path.is_file() and shards is None:
-        raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or set out_dir.")
+        if path.parent.is_file():  # out_dir given as the checkpoint file itself
+            raise UserError(f"out_dir {path.parent} is a file; out_dir is the folder that holds ckpt.pt: pass "
+                            f"--out_dir={path.parent.parent}.")
+        raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or pass --out_dir= the "
+                        f"folder a run wrote its ckpt.pt to.")
     if shards is not None:
         check_step(shards, path.parent / POINTER)
     try:  # a sharded one for training: each rank reads its tensors in place later (train.restore)

@@ -44,7 +44,7 @@ PREPARE = {name: prepare_script(name) for name in ("shakespeare_char", "shakespe
            if name != "openwebtext" or HAS_DATASETS}
 # each script, with the LIMITS it passes to configure (export_hf.py writes its own in main)
 SCRIPTS = {"train": (train, train.LIMITS), "sample": (sample, sample.LIMITS), "bench": (bench, bench.LIMITS),
-           "export_hf": (export_hf, {"temperature": "[0, inf)", "top_k": "[1, inf)"}),
+           "export_hf": (export_hf, export_hf.LIMITS),
            "time_to_loss": (time_to_loss, time_to_loss.LIMITS),
            **{f"prepare_{name}": (module, getattr(module, "LIMITS", {})) for name, module in PREPARE.items()}}
 

@@ -237,3 +237,20 @@ def test_torchrun_restarts_the_ranks_after_one_dies_and_they_resume_to_the_end(c
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert load_checkpoint(out / "ckpt.pt").iter_num == 12
+
+
+# -- small untruths --------------------------------------------------------------------------------------------
+
+def test_the_words_a_newcomer_meets_say_what_is_true(char_data, tmp_path, capsys):
+    from model import GPTConfig
+    with pytest.raises(UserError, match=r"attn='auto' is measured on a model, not stored in a config: .* "
+                                        r"model.set_attention\('auto'\)"):
+        GPTConfig(attn="auto")
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    with pytest.raises(UserError, match=rf"out_dir {out / 'ckpt.pt'} is a file; out_dir is the folder that holds "
+                                        rf"ckpt.pt: pass --out_dir={out}\."):
+        sample.main([f"--out_dir={out / 'ckpt.pt'}"])
+    capsys.readouterr()
+    assert errors.exit_code(lambda: (_ for _ in ()).throw(errors.StoppedWithRank0("rank 0 stopped"))) == 2
+    assert capsys.readouterr().err == ""  # rank 0 prints the sentence; the others stop quietly

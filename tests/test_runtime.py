@@ -177,7 +177,7 @@ def test_other_errors_are_not_taken_for_out_of_memory():
 def test_when_rank_0_fails_to_prepare_every_rank_stops_with_it(two_rank_runs):
     """Two real ranks (gloo, under torchrun): tests/rank_probe.py gathers what each raised."""
     assert two_rank_runs.report["rank_0_fails"] == [
-        "preparing dataset 'x' failed", "rank 0 stopped with an error (printed above); the other ranks stop with it."]
+        "preparing dataset 'x' failed", "rank 0 stopped with an error (rank 0 prints it); the other ranks stop with it."]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -201,7 +201,7 @@ def test_on_master_runs_the_work_on_rank_0_alone_and_a_failure_there_stops_every
             runtime.on_master(work(fails=False), "cpu")
             continue
         expected = ("preparing dataset 'x' failed" if rank == 0 else
-                    "rank 0 stopped with an error (printed above); the other ranks stop with it.")
+                    "rank 0 stopped with an error (rank 0 prints it); the other ranks stop with it.")
         with pytest.raises(UserError) as stopped:
             runtime.on_master(work(fails=True), "cpu")
         assert str(stopped.value) == expected

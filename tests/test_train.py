@@ -420,9 +420,14 @@ def test_unknown_key_names_the_closest_valid_keys():
         configure(settings_namespace(), ["--learning_rat=1e-3"])
 
 
-def test_a_wrong_type_is_one_sentence():
-    with pytest.raises(UserError, match=r"batch_size expects a int \(default 12\), got 'big' \(str\)"):
+def test_a_wrong_type_is_one_sentence_showing_the_value_so_far(tmp_path):
+    with pytest.raises(UserError, match=r"batch_size expects an int \(like 12\), got 'big' \(str\)"):
         configure(settings_namespace(), ["--batch_size=big"])
+    (tmp_path / "a.py").write_text("batch_size = 32\n")
+    with pytest.raises(UserError, match=r"batch_size expects an int \(like 32\), got 'big' \(str\)"):
+        configure(settings_namespace(), [str(tmp_path / "a.py"), "--batch_size=big"])
+    with pytest.raises(UserError, match=r"unknown setting 'zzz'; --help lists the settings\."):
+        configure(settings_namespace(), ["--zzz=1"])
 
 
 def test_config_files_apply_in_order_and_are_checked_too(tmp_path):

@@ -1,0 +1,304 @@
+"""Every combination a user can type: each script's settings drawn from its LIMITS (hypothesis) and run in process
+through main(argv). Valid draws are each list setting's subsets and orders, each choice, each bool and small
+in-range numbers, over a tiny model and tiny data; an invalid draw adds one of None, a wrong type, a number out of
+range, an unknown key or an empty list. The property: exit 0, or exit 2 with exactly one `error:` line (an
+invalid draw: exit 2); no other exception; nothing written outside the run's own out_dir. A fixed seed; a handful
+of examples per script in the fast tier, many in the slow one. A failure names the smallest command line found."""
+
+import contextlib
+import io
+import math
+import os
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+import bench
+import export_hf
+import sample
+import train
+from benchmarks import time_to_loss
+from conftest import REPO
+from core import errors
+from core.configurator import _INTERVAL, Choice
+
+FAST, SLOW = 3, 30  # examples per script and tier
+
+
+# -- drawing settings from LIMITS ----------------------------------------------------------------------------
+
+def in_range(spec: str, default, small: int = 3):
+    """Small numbers inside an interval spec: whole ones for whole settings, else floats."""
+    left, lo, hi, right, whole, _ = _INTERVAL.match(spec).groups()
+    lo, hi = float(lo), float(hi)
+    if whole or isinstance(default, int) and not isinstance(default, bool):
+        first = math.floor(lo) + 1 if left == "(" else math.ceil(lo)
+        last = min(first + small, math.ceil(hi) - 1 if right == ")" and math.isfinite(hi) else hi)
+        return st.integers(first, int(last))
+    return st.floats(lo, min(hi, lo + 2.0), exclude_min=left == "(", exclude_max=right == ")" or hi > lo + 2.0,
+                     allow_nan=False)
+
+
+def valid_value(spec, default):
+    if isinstance(spec, Choice):
+        if spec.many:  # a subset, in any order
+            return st.lists(st.sampled_from(spec.words), min_size=1, max_size=3, unique=True).map(",".join)
+        return st.sampled_from(spec.words)
+    if spec is None:
+        return st.booleans()
+    return in_range(spec, default)
+
+
+def invalid_value(spec, default):
+    """Something the setting cannot be: None (where None means nothing), a word for a number, a number out of its
+    range, an empty list."""
+    options = []
+    if default is not None and not (isinstance(spec, str) and spec.endswith("or None")):
+        options.append(st.just("None"))
+    if isinstance(spec, Choice):
+        options += [st.just("nonsense")] + ([st.just("")] if spec.many else [])
+    elif isinstance(spec, str):
+        left, lo, hi, right, _, _ = _INTERVAL.match(spec).groups()
+        options.append(st.just("abc"))
+        if math.isfinite(float(lo)):
+            options.append(st.just(str(float(lo) - 1)))
+        if math.isfinite(float(hi)):
+            options.append(st.just(str(float(hi) + 1)))
+    elif isinstance(default, bool):
+        options.append(st.just("maybe"))
+    return st.one_of(options)
+
+
+def command_lines(script, fuzzed: dict, base: list[str]):
+    """argv = base + a few fuzzed settings (each {key: (spec, default)} with its own strategy or LIMITS'), and
+    maybe one invalid setting or an unknown key. Draws (argv, whether it is valid)."""
+    @st.composite
+    def draw(data):
+        keys = data(st.lists(st.sampled_from(sorted(fuzzed)), max_size=5, unique=True))
+        args = [f"--{k}={data(fuzzed[k])}" for k in keys]
+        bad = data(st.sampled_from(["none", "setting", "unknown"]))
+        if bad == "setting":
+            key = data(st.sampled_from(sorted(set(script.LIMITS) | {k for k, v in vars(script).items()
+                                                                      if isinstance(v, bool) and k[0].islower()})))
+            args.append(f"--{key}={data(invalid_value(script.LIMITS.get(key), getattr(script, key)))}")
+        elif bad == "unknown":
+            args.append("--no_such_setting=1")
+        return base + args, bad == "none"
+    return draw()
+
+
+def limits_strategies(script, sizes: dict, skip: set) -> dict:
+    """Each of the script's LIMITS and bools drawn as valid_value does, `sizes` overriding (tiny sizes), `skip`
+    left out (slow or outside a test: compile, a device, a dataset to download)."""
+    keys = [k for k in script.LIMITS] + [k for k, v in vars(script).items()
+                                         if isinstance(v, bool) and k[0].islower() and k not in script.LIMITS]
+    return {k: sizes.get(k, valid_value(script.LIMITS.get(k), getattr(script, k))) for k in keys if k not in skip}
+
+
+# -- running one command line -------------------------------------------------------------------------------
+
+def snapshot(*roots: Path, skip: Path) -> dict:
+    found = {}
+    for root in roots:
+        for path in root.rglob("*"):
+            if skip in path.parents or path == skip or ".git" in path.parts or "__pycache__" in path.parts or \
+                    ".pytest_cache" in path.parts or ".hypothesis" in path.parts:
+                continue
+            if path.is_file():
+                found[path] = path.stat().st_mtime_ns
+    return found
+
+
+def holds(main, argv: list[str], valid: bool, out: Path, watch: Path) -> None:
+    """The property, for one command line."""
+    note(f"command line: {' '.join(argv)}")
+    before = snapshot(REPO, watch, skip=out)
+    err, threads = io.StringIO(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = errors.exit_code(lambda: main(argv))
+    finally:
+        torch.set_num_threads(threads)
+    lines = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+    note(f"exit {code}; stderr: {err.getvalue()[-600:]}")
+    assert code in (0, 2) and (code == 0 or len(lines) == 1), (code, lines)
+    assert valid or code == 2, "an invalid setting was not refused"
+    after = snapshot(REPO, watch, skip=out)
+    changed = sorted(str(p) for p in set(after) ^ set(before) | {p for p in after if before.get(p) != after[p]})
+    assert not changed, f"wrote outside the run's out_dir: {changed}"
+
+
+def fuzz(examples: int):
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+# -- the scripts ------------------------------------------------------------------------------------------------
+
+TRAIN_SIZES = {
+    "n_layer": st.integers(1, 2), "n_head": st.sampled_from([1, 2]), "n_embd": st.sampled_from([16, 32]),
+    "block_size": st.sampled_from([16, 32]), "batch_size": st.integers(1, 3), "max_iters": st.integers(0, 2),
+    "eval_iters": st.integers(1, 2), "eval_interval": st.integers(1, 3), "log_interval": st.integers(1, 3),
+    "gradient_accumulation_steps": st.integers(1, 3), "window": st.integers(0, 8), "warmup_iters": st.integers(0, 3),
+    "lr_decay_iters": st.integers(0, 5), "early_decay_iters": st.integers(0, 5), "keep_checkpoints": st.integers(1, 2),
+    "max_seconds": st.sampled_from([0.0, 0.05]), "attn_auto_budget": st.sampled_from([0.05, 0.2]),
+    "learning_rate": st.sampled_from([1e-3, 3e-3]), "muon_lr": st.sampled_from([1e-2, 2e-2]),
+    "dtype": st.sampled_from(["auto", "float32", "bfloat16"]),
+}
+TRAIN_SKIP = {"compile", "wandb_log", "eval_only", "overwrite", "attn_auto_refresh"}
+
+
+def tiny_train(data: Path, out: Path) -> list[str]:
+    return ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--compile=False",
+            "--device=cpu", "--dtype=float32", "--gradient_accumulation_steps=1", "--eval_iters=1", "--max_iters=2",
+            "--eval_interval=2", "--warmup_iters=1", "--lr_decay_iters=4", f"--data_dir={data}", f"--out_dir={out}"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(char_data_session, tmp_path_factory) -> Path:
+    """A tiny trained run, for the scripts that read one (sample.py, export_hf.py)."""
+    out = tmp_path_factory.mktemp("fuzz_run")
+    assert train.main(tiny_train(char_data_session, out)) == 0
+    return out
+
+
+def check_train(char_data_session, examples):
+    @fuzz(examples)
+    @given(st.data())
+    def run(data):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            argv, valid = data.draw(command_lines(train, limits_strategies(train, TRAIN_SIZES, TRAIN_SKIP),
+                                                  tiny_train(char_data_session, out)))
+            holds(train.main, argv, valid, out, char_data_session)
+    run()
+
+
+SAMPLE_SIZES = {"num_samples": st.integers(1, 2), "max_new_tokens": st.integers(1, 4),
+                "top_k": st.sampled_from([1, 5, None]), "attn_auto_budget": st.sampled_from([0.05, 0.2]),
+                "dtype": st.sampled_from(["auto", "float32", "bfloat16"]),
+                "compare": st.sampled_from(["", "all", "manual,sdpa", "sdpa,manual", "flash"])}
+
+
+def check_sample(checkpoint, examples):
+    @fuzz(examples)
+    @given(st.data())
+    def run(data):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            fuzzed = {**limits_strategies(sample, SAMPLE_SIZES, {"compile", "attn_auto_refresh"}),
+                      "compare": SAMPLE_SIZES["compare"]}
+            base = [f"--out_dir={checkpoint}", "--device=cpu", "--max_new_tokens=3", "--num_samples=1",
+                    f"--json={out / 'compare.json'}"]
+            argv, valid = data.draw(command_lines(sample, fuzzed, base))
+            holds(sample.main, argv, valid, out, checkpoint)
+    run()
+
+
+BENCH_SIZES = {
+    "n_layer": st.just(1), "n_head": st.sampled_from([1, 2]), "n_embd": st.sampled_from([16, 32]),
+    "vocab_size": st.sampled_from([61, 64]), "batch_size": st.integers(1, 2), "seq_len": st.sampled_from([16, 32]),
+    "iters": st.integers(1, 2), "warmup": st.integers(0, 1), "attn_batch": st.just(1), "attn_heads": st.integers(1, 2),
+    "window": st.sampled_from([4, 8]), "doc_len": st.sampled_from([4, 8]), "new_tokens": st.integers(1, 3),
+    "prompt_len": st.integers(1, 3), "gen_batch": st.integers(1, 2), "threads": st.just(1),
+    "max_batch_limit": st.integers(1, 3), "mem_budget_gb": st.just(0.5), "attn_auto_budget": st.just(0.05),
+    "dtype": st.sampled_from(["auto", "float32", "bfloat16"]),
+    "cache": st.lists(st.sampled_from(["none", "cache"]), min_size=1, unique=True).map(",".join),  # compiled: ~10 s
+}
+BENCH_SKIP = {"compile", "attn_auto_refresh", "mode"}
+
+
+def check_bench(mode, examples):
+    @fuzz(examples)
+    @given(st.data())
+    def run(data):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            base = [f"--mode={mode}", "--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=61", "--seq_len=32",
+                    "--batch_size=1", "--iters=1", "--warmup=0", "--threads=1", "--attn_seq_lens=16,32",
+                    "--attn_head_sizes=16", "--attn_batch=1", "--attn_heads=2", "--new_tokens=2", "--doc_len=8",
+                    "--weights=float32", "--cache=none,cache", "--attn_auto_budget=0.05", "--device=cpu", f"--out_dir={out}"]
+            argv, valid = data.draw(command_lines(bench, limits_strategies(bench, BENCH_SIZES, BENCH_SKIP), base))
+            holds(bench.main, argv, valid, out, Path(tmp))
+    run()
+
+
+def check_export(checkpoint, examples):
+    @fuzz(examples)
+    @given(st.data())
+    def run(data):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            fuzzed = {"temperature": st.sampled_from([0.0, 0.8]), "top_k": st.sampled_from([1, 200])}
+            argv, valid = data.draw(command_lines(export_hf, fuzzed, [f"--out_dir={checkpoint}",
+                                                                       f"--hf_dir={out / 'hf'}"]))
+            holds(export_hf.main, argv, valid, out, checkpoint)
+    run()
+
+
+# time_to_loss launches train.py: here a stand-in that logs a falling val loss for whatever it is given
+FAKE_TRAIN = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    out = Path(args["out_dir"])
+    out.mkdir(parents=True)
+    with open(out / "metrics.jsonl", "w") as f:
+        for i, loss in enumerate([3.0, 2.0, 1.5]):
+            f.write(json.dumps({"iter": 10 * i, "val/loss": loss}) + "\\n")
+""")
+
+
+def check_time_to_loss(monkeypatch, examples):
+    root = Path(tempfile.mkdtemp())
+    (root / "train.py").write_text(FAKE_TRAIN)
+    monkeypatch.setattr(time_to_loss, "ROOT", root)
+    monkeypatch.setattr(time_to_loss, "prepare_data", lambda recipes: None)
+    monkeypatch.setattr(time_to_loss, "POLL_S", 0.01)
+    extra = st.lists(st.sampled_from(["--max_iters=2", "--dropout=0.0", "--n_layer=1", "--attn=manual"]),
+                     max_size=2).map(" ".join)
+
+    @fuzz(examples)
+    @given(st.data())
+    def run(data):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            fuzzed = {"compare": st.sampled_from(["quickstart", "doc_mask", "attn", "gpu"]),
+                      "target": st.sampled_from([1.0, 2.5]), "runs": st.integers(1, 2), "full": st.booleans(),
+                      "extra": extra}
+            argv, valid = data.draw(command_lines(time_to_loss, fuzzed, [f"--out_dir={out}"]))
+            holds(time_to_loss.main, argv, valid, out, Path(tmp))
+    run()
+
+
+# -- the tests: a handful per script in the fast tier, many in the slow one -----------------------------
+
+@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
+def test_train_settings_end_in_a_run_or_one_sentence(char_data_session, examples):
+    check_train(char_data_session, examples)
+
+
+@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
+def test_sample_settings_with_compare_end_in_samples_or_one_sentence(checkpoint, examples):
+    check_sample(checkpoint, examples)
+
+
+@pytest.mark.parametrize("mode", ["train", "attention", "generate"])
+@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
+def test_bench_settings_in_every_mode_end_in_a_table_or_one_sentence(mode, examples):
+    check_bench(mode, examples)
+
+
+@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
+def test_export_settings_end_in_an_export_or_one_sentence(checkpoint, examples):
+    check_export(checkpoint, examples)
+
+
+@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
+def test_time_to_loss_settings_with_extra_end_in_a_table_or_one_sentence(monkeypatch, examples):
+    check_time_to_loss(monkeypatch, examples)
