@@ -123,8 +123,8 @@ SIZES = {
                 attn_batch=1, attn_heads=4, attn_seq_lens="256,512,1024,2048", attn_head_sizes="32,64"),
 }
 
-# Generation at batch 1 is bound by reading the weights. CPU: the 10M-parameter character model of the
-# quickstart size (6 x 384, block 256), 255 tokens from one. CUDA: GPT-2 124M at its full context.
+# Generation at batch 1 is bound by reading the weights. CPU: a 10M-parameter character model the size of nanoGPT's
+# shakespeare_char recipe (6 x 384, block 256), 255 tokens from one. CUDA: GPT-2 124M at its full context.
 # Every compiled row compiles once (on 2 CPU cores ~20-60 s with autotuning), so a CPU's default rows are few: manual
 # and sdpa (on a CPU sdpa runs flash), fp32 and int8 weights, and bf16 only where bf16 is native (an AVX2 CPU
 # emulates it at ~20x fp32's cost), with 127 new tokens (255 took 8 minutes on an AVX2 CPU, most of it in the
@@ -309,7 +309,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
 # Seconds one compiled generate row spends compiling (its decode step and its prefill), as measured: on an H200 (16
 # host cores, torch 2.11) 44-57 s for GPT-2 124M (fp32, bf16, int8 weights) in one run, 7-15 s (bf16, the default's
 # two rows) in another that followed the GPU suite on the same machine (inductor's on-disk caches may have been warm);
-# on 2 AVX2 cores 20-60 s for the quickstart model. Compiling is most of a sweep, so the plan line multiplies it out.
+# on 2 AVX2 cores 20-60 s for the 6 x 384 model. Compiling is most of a sweep, so the plan line multiplies it out.
 GENERATE_COMPILE_S = {"cuda": (7, 60), "cpu": (20, 60)}
 
 
@@ -319,7 +319,7 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
         rows = len(cfg.attn) * len(cfg.weights) * len(cfg.cache) * len(cfg.padding)
         compiled = rows // len(cfg.cache) if "compiled" in cfg.cache else 0
         low, high = GENERATE_COMPILE_S["cuda" if rt.is_cuda else "cpu"]
-        where = "an H200 at GPT-2 124M" if rt.is_cuda else "2 CPU cores at the quickstart model's size"
+        where = "an H200 at GPT-2 124M" if rt.is_cuda else "2 CPU cores at 6 x 384, nanoGPT's shakespeare_char size"
         return (f"generate: {rows} rows, {compiled} of them compiled, {cfg.iters} timed rounds of {cfg.new_tokens} "
                 f"tokens; each compiled row compiles once ({low}-{high} s on {where}), so compiling alone takes about "
                 f"{compiled * low / 60:.1f}-{compiled * high / 60:.1f} min; rows are saved to {cfg.out_dir} as they "
@@ -328,6 +328,16 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
                                             2 * len(cfg.attn_seq_lens) * len(cfg.attn_head_sizes))
     return (f"{cfg.mode}: {rows} rows; each that runs here takes {cfg.warmup} warm-up + 1 profiled + {cfg.iters} timed "
             f"runs (the bar counts them), the others are listed with the reason")
+
+
+def keep_earlier(out: Path, mode: str) -> None:
+    """An earlier run's <mode>.json and .png in out_dir are kept under their own time, said in one line, not
+    replaced: a new sweep never takes away a longer one."""
+    earlier = [p for p in (out / f"{mode}.json", out / f"{mode}.png") if p.exists()]
+    if earlier:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(earlier[0].stat().st_mtime))
+        kept = [p.rename(p.with_name(f"{mode}-{stamp}{p.suffix}")) for p in earlier]
+        print(f"kept the earlier {mode} results as {', '.join(str(p) for p in kept)}", file=sys.stderr)
 
 
 def environment(rt: Runtime, argv: list[str]) -> dict:
@@ -356,6 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def save(rows: list[dict], complete: bool = False) -> None:
         path.write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete, rows=rows), indent=1))
     print(sweep_plan(cfg, rt), file=sys.stderr)
+    keep_earlier(out, cfg.mode)
     try:
         if cfg.mode == "generate":
             rows = generate_sweep(cfg, rt, save)  # saved as rows finish: an interrupted sweep keeps them

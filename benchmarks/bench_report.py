@@ -14,19 +14,41 @@ from core.configurator import Settings
 def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:
     """A plain-text table; a row that was skipped (or ran out of memory) shows a numbered reason in place of its
     numbers, after the columns that name it (attn, vocab or case, and mask), each reason written out once below the
-    table (on a CPU, half the rows are GPU-only kernels sharing a few reasons)."""
+    table; an implementation's skipped rows that share a reason are one line (on a CPU most rows of an attention
+    sweep are GPU-only kernels)."""
     formats = list(columns.values())
     labels = 3 if "mask" in columns else 2
     why = lambda row: f"{row['status']}: {row['reason']}"  # noqa: E731
     reasons = list(dict.fromkeys(why(row) for row in rows if row["status"] != "ok"))
-    cells = [[f(row) for f in formats] if row["status"] == "ok"
-             else [f(row) for f in formats[:labels]] + [f"{row['status']} ({reasons.index(why(row)) + 1})"]
-             for row in rows]
+    skipped = {}  # (attn cell, reason) -> how many rows
+    for row in rows:
+        if row["status"] != "ok":
+            key = (formats[0](row), why(row))
+            skipped[key] = skipped.get(key, 0) + 1
+    cells, said = [], set()
+    for row in rows:
+        if row["status"] == "ok":
+            cells.append([f(row) for f in formats])
+            continue
+        key = (formats[0](row), why(row))
+        if key in said:
+            continue
+        said.add(key)
+        names = [f(row) for f in formats[:labels]] if skipped[key] == 1 else \
+            [key[0], f"{skipped[key]} rows"] + [""] * (labels - 2)
+        cells.append(names + [f"{row['status']} ({reasons.index(why(row)) + 1})"])
     widths = [max([len(h)] + [len(c[i]) for c in cells if len(c) == len(formats) or i < labels])
               for i, h in enumerate(columns)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()  # noqa: E731
     notes = [f"({i}) {reason}" for i, reason in enumerate(reasons, 1)]
+    if any(unreliable(row) for row in rows if row["status"] == "ok"):
+        notes.append("unreliable: the row's spread (IQR) exceeds its median, so its speedup says nothing; time it "
+                     "again on a quieter machine, or with more --iters")
     return "\n".join([line(list(columns)), line(["-" * w for w in widths])] + [line(c) for c in cells] + notes)
+
+
+def unreliable(row: dict) -> bool:
+    return "ms_p75" in row and row["ms_p75"] - row["ms_p25"] > row["ms_per_iter"]
 
 
 def kernel_cell(row: dict) -> str:
@@ -46,7 +68,7 @@ def compile_cell(row: dict) -> str:
 
 
 def speedup_cell(row: dict) -> str:
-    return f"{row.get('speedup_vs_manual', float('nan')):.2f}x"
+    return "unreliable" if unreliable(row) else f"{row.get('speedup_vs_manual', float('nan')):.2f}x"
 
 
 def computed_cell(row: dict) -> str:
@@ -118,22 +140,30 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
     title = generate_chart(ax, rows, cfg) if cfg.mode == "generate" else ms_chart(ax, rows, cfg)
     precision = f"weights {', '.join(cfg.weights)}" if cfg.mode == "generate" else cfg.dtype  # a bar per weights
     ax.set_title(f"{env['device_name']}, {precision}\n{title}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    legend = fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=3, frameon=False)  # never over a bar
+    fig.tight_layout(rect=(0, legend.get_window_extent(fig.canvas.get_renderer()).height / fig.bbox.height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def ms_label(ms: float) -> str:
+    """A bar's milliseconds as people write them: 3,130 and 41.7 and 0.512, never 3.13e+03; '' for a gap."""
+    return "" if ms != ms else f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
 def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     """The post's figure: ms per training step per attn, unpadded and padded side by side, IQR whiskers
     (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
+    from matplotlib.ticker import NullFormatter
     masked = len(cfg.mask) > 1 or cfg.mask != ["causal"]
     if cfg.mode == "train":
         series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if masked else "") +
                   (f", {loss} loss" if len(cfg.loss) > 1 else ""): {"pad_vocab": p, "mask": m, "loss": loss}
                   for p in cfg.padding for m in cfg.mask for loss in cfg.loss}
-        title = (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, B={cfg.batch_size}, T={cfg.seq_len}: ms per training "
-                 f"step (lower is better)")
+        dropout = f", dropout {cfg.dropout:g}" if cfg.dropout else ""
+        title = (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, B={cfg.batch_size}, T={cfg.seq_len}{dropout}: ms per "
+                 f"training step (lower is better)")
     elif masked:  # one bar per mask, at the longest sequence
         hs, T = cfg.attn_head_sizes[0], max(cfg.attn_seq_lens)
         series = {m: {"seq_len": T, "head_size": hs, "backward": True, "mask": m} for m in cfg.mask}
@@ -156,10 +186,11 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
         whiskers = [(r["ms_per_iter"] - r["ms_p25"], r["ms_p75"] - r["ms_per_iter"]) if r else (0, 0) for r in found]
         ys = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * height
         drawn = ax.barh(ys, ms, height, xerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
-        ax.bar_label(drawn, labels=[f"{m:.3g}" if m == m else "" for m in ms], padding=3, fontsize=7)
+        ax.bar_label(drawn, labels=[ms_label(m) for m in ms], padding=3, fontsize=7)
     ax.set_yticks(np.arange(len(groups)), groups)
     ax.invert_yaxis()  # the sweep's first implementation on top, as in the table
     ax.set_xlabel("ms (median, IQR whiskers)")
     ax.set_xscale("log" if cfg.mode == "attention" else "linear")  # sequence lengths span orders of magnitude
+    ax.xaxis.set_minor_formatter(NullFormatter())  # log scale: decades labelled, not every 2x10^1, 3x10^1, ...
     ax.set_xlim(right=ax.get_xlim()[1] * (3 if cfg.mode == "attention" else 1.15))  # room for the value labels
     return title

@@ -467,8 +467,8 @@ def test_generate_defaults_on_a_cpu_are_a_few_rows_with_bf16_only_where_it_is_na
     compiled = 2 * len(weights)
     assert bench.sweep_plan(cfg, rt).startswith(
         f"generate: {2 * len(weights) * 3} rows, {compiled} of them compiled, 2 timed rounds of 127 tokens; each "
-        f"compiled row compiles once (20-60 s on 2 CPU cores at the quickstart model's size), so compiling alone "
-        f"takes about {compiled * 20 / 60:.1f}-{compiled * 60 / 60:.1f} min")
+        f"compiled row compiles once (20-60 s on 2 CPU cores at 6 x 384, nanoGPT's shakespeare_char size), so "
+        f"compiling alone takes about {compiled * 20 / 60:.1f}-{compiled * 60 / 60:.1f} min")
 
 
 def test_generate_defaults_on_a_gpu_compile_two_rows_and_say_how_long_that_takes_before_starting(monkeypatch):
@@ -534,13 +534,26 @@ def test_the_generate_tables_baseline_is_named_for_what_it_is():
 
 
 def test_skipped_rows_share_a_numbered_reason_written_once_below_the_table():
-    """A CPU sweep skips half its rows for a few reasons (GPU-only kernels): one line each, not one per row."""
+    """A CPU sweep skips most of its rows for a few reasons (GPU-only kernels): an implementation's rows that share a
+    reason are one line, and each reason is written out once."""
     from benchmarks.bench_report import TRAIN_COLUMNS, format_table
     cuda_only = "the cuDNN kernel is CUDA-only"
     rows = [dict(attn=a, pad_vocab=pad, vocab=8191 + pad, mask="causal", status="skipped", reason=cuda_only)
             for a in ("cudnn", "efficient") for pad in (False, True)]
     rows.append(dict(attn="flex", pad_vocab=False, vocab=8191, mask="causal", status="skipped", reason="no backward"))
     table = format_table(rows, TRAIN_COLUMNS).splitlines()
-    assert [line.split()[-2:] for line in table[2:7]] == [["skipped", "(1)"]] * 4 + [["skipped", "(2)"]]
-    assert table[7:] == [f"(1) skipped: {cuda_only}", "(2) skipped: no backward"]
-    assert "8192 padded" in table[3]  # one form for the vocab column: the size, and whether it was padded
+    assert [line.split() for line in table[2:5]] == [["cudnn", "2", "rows", "skipped", "(1)"],
+                                                     ["efficient", "2", "rows", "skipped", "(1)"],
+                                                     ["flex", "8191", "unpadded", "causal", "skipped", "(2)"]]
+    assert table[5:] == [f"(1) skipped: {cuda_only}", "(2) skipped: no backward"]
+
+
+def test_a_row_whose_spread_swamps_its_median_shows_no_speedup():
+    from benchmarks.bench_report import ATTENTION_COLUMNS, format_table
+    row = dict(attn="sdpa", head_size=64, seq_len=512, backward=False, mask="causal", status="ok", ms_per_iter=2.0,
+               ms_p25=1.0, ms_p75=9.0, **{"mem/peak_gb": 0.1}, speedup_vs_manual=3.91, computed=0.5, kernel="flash",
+               kernel_ok=True)
+    table = format_table([row, {**row, "ms_p75": 2.5}], ATTENTION_COLUMNS)
+    assert "3.91x" in table.splitlines()[3] and "unreliable" in table.splitlines()[2] and "3.91x" not in \
+        table.splitlines()[2]
+    assert table.splitlines()[-1].startswith("unreliable: the row's spread (IQR) exceeds its median")

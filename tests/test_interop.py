@@ -3,6 +3,7 @@ computes the same logits and greedy text; an out_dir as nanoGPT writes it resume
 
 import json
 import os
+import shlex
 import stat
 import pickle
 import subprocess
@@ -96,15 +97,18 @@ def test_the_readmes_export_and_pipeline_snippet_run_as_written_on_the_quickstar
         tmp_path / cfg.out_dir / "ckpt.pt")
     (sh_lang, sh), (py_lang, snippet) = readme_blocks("### To Hugging Face")[:2]
     assert (sh_lang, py_lang) == ("sh", "python")
+    printed = {}
     for line in sh.strip().splitlines():
-        program, script, *args = line.split()
+        program, script, *args = shlex.split(line)
         done = subprocess.run([sys.executable, str(REPO / script), *args], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0 and done.stderr == "", done.stderr
+        printed[script] = done.stdout
     done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "max_length" not in done.stderr and "warn" not in done.stderr.lower(), done.stderr
     assert done.stdout.startswith("ROMEO:")
+    assert done.stdout.strip() in printed["sample.py"]  # the comment's promise: the sample.py line's text
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
