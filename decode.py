@@ -80,11 +80,13 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
     """One token id per row from logits (B, V) -> (B, 1)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # <= 0 over a float32 temperature that cannot round to 0: no inf - inf or 0 / 0 however small it is
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    probs = F.softmax(logits.float(), dim=-1)
+    probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 

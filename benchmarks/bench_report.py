@@ -48,7 +48,7 @@ def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) ->
 
 
 def unreliable(row: dict) -> bool:
-    return "ms_p75" in row and row["ms_p75"] - row["ms_p25"] > row["ms_per_iter"]
+    return "ms_per_iter" in row and "ms_p75" in row and row["ms_p75"] - row["ms_p25"] > row["ms_per_iter"]
 
 
 def kernel_cell(row: dict) -> str:

@@ -261,3 +261,12 @@ def test_importing_torchao_prints_nothing():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "torch.Size([1, 4])\n" and result.stderr == ""
+
+
+def test_a_vanishing_temperature_samples_the_likeliest_token_instead_of_overflowing():
+    """Found by the settings' property test: --temperature=6.9e-109 made logits / temperature inf, and
+    multinomial refused the NaN probabilities."""
+    from decode import sample_next
+    logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
+    for temperature in (1e-300, 6.877919713494888e-109, 1e-3):
+        assert sample_next(logits, temperature, None, torch.Generator().manual_seed(0)).item() == 1

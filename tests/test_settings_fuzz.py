@@ -74,12 +74,13 @@ def invalid_value(spec, default):
     return st.one_of(options)
 
 
-def command_lines(script, fuzzed: dict, base: list[str]):
-    """argv = base + a few fuzzed settings (each {key: (spec, default)} with its own strategy or LIMITS'), and
-    maybe one invalid setting or an unknown key. Draws (argv, whether it is valid)."""
+def command_lines(script, fuzzed: dict, base: list[str], always: tuple = ()):
+    """argv = base + the `always` settings (the list settings, the main axes) + a few more of `fuzzed` ({key:
+    strategy}), and maybe one invalid setting or an unknown key. Draws (argv, whether it is valid)."""
     @st.composite
     def draw(data):
-        keys = data(st.lists(st.sampled_from(sorted(fuzzed)), max_size=12, unique=True))
+        keys = list(always) + data(st.lists(st.sampled_from(sorted(set(fuzzed) - set(always))), max_size=6,
+                                            unique=True))
         args = [f"--{k}={data(fuzzed[k])}" for k in keys]
         bad = data(st.sampled_from(["none", "setting", "unknown"]))
         if bad == "setting":
@@ -174,7 +175,7 @@ def check_train(char_data_session, examples):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "out"
             argv, valid = data.draw(command_lines(train, limits_strategies(train, TRAIN_SIZES, TRAIN_SKIP),
-                                                  tiny_train(char_data_session, out)))
+                                                  tiny_train(char_data_session, out), ("attn", "optimizer")))
             holds(train.main, argv, valid, out, char_data_session)
     run()
 
@@ -195,7 +196,7 @@ def check_sample(checkpoint, examples):
                       "compare": SAMPLE_SIZES["compare"]}
             base = [f"--out_dir={checkpoint}", "--device=cpu", "--max_new_tokens=3", "--num_samples=1",
                     f"--json={out / 'compare.json'}"]
-            argv, valid = data.draw(command_lines(sample, fuzzed, base))
+            argv, valid = data.draw(command_lines(sample, fuzzed, base, ("attn", "compare")))
             holds(sample.main, argv, valid, out, checkpoint)
     run()
 
@@ -223,7 +224,10 @@ def check_bench(mode, examples):
                     "--batch_size=1", "--iters=1", "--warmup=0", "--threads=1", "--attn_seq_lens=16,32",
                     "--attn_head_sizes=16", "--attn_batch=1", "--attn_heads=2", "--new_tokens=2", "--doc_len=8",
                     "--weights=float32", "--cache=none,cache", "--attn_auto_budget=0.05", "--device=cpu", f"--out_dir={out}"]
-            argv, valid = data.draw(command_lines(bench, limits_strategies(bench, BENCH_SIZES, BENCH_SKIP), base))
+            lists = {"train": ("attn", "padding", "mask", "loss"), "attention": ("attn", "mask"),
+                     "generate": ("attn", "padding", "weights", "cache")}[mode]
+            argv, valid = data.draw(command_lines(bench, limits_strategies(bench, BENCH_SIZES, BENCH_SKIP), base,
+                                                  lists))
             holds(bench.main, argv, valid, out, Path(tmp))
     run()
 
