@@ -377,3 +377,18 @@ def test_preparing_data_and_reading_settings_do_not_import_torch():
     code = ("import sys; from core import configurator, errors, files, tokenizer; from data import textdata; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60).returncode == 0
+
+
+def test_openwebtext_without_network_is_one_line_at_once_not_the_hubs_retries(tmp_path, monkeypatch):
+    owt = load_script("openwebtext")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+
+    def unreachable(address, timeout=None):
+        raise OSError(101, "Network is unreachable")
+    monkeypatch.setattr(owt.socket, "create_connection", unreachable)
+    monkeypatch.setattr(owt.datasets, "load_dataset", lambda *a, **k: pytest.fail("the hub was asked anyway"))
+    with pytest.raises(UserError, match=r"could not reach the Hugging Face hub to download openwebtext \(no network "
+                                        r"here\); pass --data_files="):
+        owt.prepare(tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlparse
 
 import datasets
 import numpy as np
@@ -108,6 +110,10 @@ def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: 
         builder = source = dataset or DEFAULT_DATASET
         kwargs = {}
         hint = "check the name and your network, or pass --data_files=PATH[,PATH...] for a local corpus"
+    if data_files is None and not hub_reachable():  # else the hub client retries for half a minute, line by line
+        raise UserError(f"could not reach the Hugging Face hub to download {source} (no network here); pass "
+                        f"--data_files=PATH[,PATH...] for a local corpus, or with {source} in the cache, set "
+                        f"HF_HUB_OFFLINE=1")
     quiet = data_files is not None and sum(Path(f).stat().st_size for f in data_files) < QUIET_LOAD_BYTES
     try:
         with quiet_datasets(quiet):
@@ -129,6 +135,18 @@ def load_corpus(dataset: str | None, data_files: list[str] | None, text_column: 
         raise UserError(f"{source} has {with_text.num_rows} document(s){without}; a train and a val split need at "
                         f"least 2 - pass --text_column= the field that holds the text")
     return with_text, source, skipped
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub answers at all (one TCP connection); HF_HUB_OFFLINE=1 says to read the cache instead."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return True
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
