@@ -31,7 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 import masks
 from core import runtime
-from core.errors import BuildUnavailable, UserError
+from core.errors import UserError
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float], torch.Tensor]
 
@@ -88,25 +88,6 @@ def _cudnn() -> AttentionFn:
     return cudnn_attention
 
 
-# The FlashAttention build behind SDPA's flash backend, by attn: PyTorch's own (FA2), or one that torch 2.13 plugs into
-# the dispatcher in its place (FA3, FA4; core/kernels.py switches). The choice is process-wide, so an eager call makes
-# sure its own build is active (one function call unless another row switched it); compiled code calls the aten op,
-# which runs the build active then (set_attention and bench choose it first).
-FLASH_BUILDS = {"flash": None, "flash3": "FA3", "flash4": "FA4"}
-
-
-def _flash_with(build: Optional[str]) -> AttentionFn:
-    forced = _forced_backend(SDPBackend.FLASH_ATTENTION)
-
-    def attention(q, k, v, mask, dropout_p):
-        if not torch.compiler.is_compiling() and torch.nn.attention.current_flash_attention_impl() != build:
-            from core import kernels  # the registry: only the flash rows switch builds
-            kernels.use_flash_build(build)
-        return forced(q, k, v, mask, dropout_p)
-    attention.__name__ = f"flash_{build or 'fa2'}_attention".lower()
-    return attention
-
-
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
@@ -128,9 +109,9 @@ FLEX_RECOMPILE_LIMIT = 16  # per use: fp32/bf16 x grad/no-grad x a static then a
 
 
 @functools.cache
-def _compiled_flex_attention(use: str, backend: Optional[str] = None):
+def _compiled_flex_attention(use: str):
     """flex_attention compiled for one use ('causal': training and prefill, with a block mask; 'decode': one query
-    and a score mod) and backend, each with a recompile count of its own: one shared callable would meet fp32 and
+    and a score mod), each with a recompile count of its own: one shared callable would meet fp32 and
     bf16, grad and no-grad, every length and the probes, and past dynamo's shared limit (8) run eagerly without a
     word. FlexAttention is meant to be compiled: eager, it is PyTorch's unfused reference (the T x T scores in
     memory). A sweep over many shapes and masks calls reset_compiled_flex between its rows."""
@@ -148,10 +129,8 @@ def _compile_flex_here(q: torch.Tensor) -> bool:
     return q.is_cuda and not torch.compiler.is_compiling()
 
 
-def _flex(backend: Optional[str]) -> AttentionFn:
-    """FlexAttention with inductor's own kernels (backend None), or another of its backends ('FLASH': the cute-dsl
-    FlashAttention-4 kernel, CUDA with the flash-attn-4 package)."""
-    options = {"BACKEND": backend} if backend else None
+def _flex() -> AttentionFn:
+    """FlexAttention with inductor's own kernels."""
 
     def flex_causal_attention(q, k, v, mask, dropout_p):
         if dropout_p > 0:
@@ -170,13 +149,13 @@ def _flex(backend: Optional[str]) -> AttentionFn:
         if mask is None and q.size(-2) > 1:
             block_mask = _causal_block_mask(q.size(-2), k.size(-2), q.device)
         use = "causal" if score_mod is None else "decode"
-        flex = _compiled_flex_attention(use, backend) if compile_here else flex_attention
+        flex = _compiled_flex_attention(use) if compile_here else flex_attention
         if torch.compiler.is_compiling():  # inside a compiled model: bench audits it through an eager twin
-            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
         # a compiled call shows the profiler no FlexAttention op of its own, only a compiled region: name it, so the
         # kernel audit (measure.py) sees flex in both cases
         with torch.profiler.record_function(FLEX_REGION):
-            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
     return flex_causal_attention
 
 
@@ -203,18 +182,14 @@ ATTENTION: dict[str, AttentionFn] = {
     "manual": manual_attention,
     "sdpa_mask": sdpa_mask_attention,
     "sdpa": sdpa_attention,
-    "flash": _flash_with(None),
+    "flash": _forced_backend(SDPBackend.FLASH_ATTENTION),
     "efficient": _forced_backend(SDPBackend.EFFICIENT_ATTENTION),
     "cudnn": _cudnn(),
     "math": _forced_backend(SDPBackend.MATH),
-    "flex": _flex(None),
+    "flex": _flex(),
     "varlen": varlen_attention,
-    # optional kernels (core/kernels.py says what each needs, and refuses in one sentence where it is absent)
-    "flash3": _flash_with("FA3"),
-    "flash4": _flash_with("FA4"),
-    "flex_flash": _flex("FLASH"),
 }
-FLEX = {"flex", "flex_flash"}  # FlexAttention, whatever its backend: block masks, score mods, compiled
+FLEX = {"flex"}  # FlexAttention: block masks, score mods, compiled
 
 def mask_form(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
     """The mask `attn` takes for training or a prefill with documents (docs (B, T), or None) and/or a window: a
@@ -301,11 +276,6 @@ def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p
     `decode_step` is False (an evaluation or a prompt: whole sequences only); "masked": a decode step over the whole
     cache with a mask, alone (decodes_with_mask)."""
     cpu = device_type == "cpu"
-    if attn in ("flash3", "flash4", "flex_flash"):  # what to install, or which GPU it needs
-        from core import kernels  # what the optional kernels need
-        problem = kernels.build_problem(attn, device_type)
-        if problem is not None:
-            return problem
     if attn in ("efficient", "cudnn") and device_type != "cuda":
         return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
     if attn == "varlen" and device_type != "cuda":
@@ -374,7 +344,7 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
                 attention_pass(ATTENTION[attn], q, k, v, mask, dropout_p, needs_grad)()
                 if not needs_grad and decode_step:
                     ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
-        except (RuntimeError, NotImplementedError, BuildUnavailable) as e:
+        except (RuntimeError, NotImplementedError) as e:
             from core import kernels  # read only when a kernel refuses
             reason = kernels.refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
             return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
@@ -416,9 +386,6 @@ class Attention:
             if "No available kernel" not in str(e):
                 raise
             check_attention(self.name, *facts, problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
-            raise
-        except BuildUnavailable as e:  # its FlashAttention build found but not accepted by torch
-            check_attention(self.name, *facts, problem=str(e))
             raise
 
 

@@ -34,8 +34,7 @@ from core import runtime
 from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
 from core.configurator import Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
-from attention import ATTENTION, FLASH_BUILDS, FLEX, attention_pass, attention_problem, reset_compiled_flex
-from core.kernels import use_flash_build
+from attention import ATTENTION, FLEX, attention_pass, attention_problem, reset_compiled_flex
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
 from benchmarks.bench_train import Workbench, auto_rows, build_trainer, fits  # noqa: F401 - Workbench: for tests
@@ -206,7 +205,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     """One row per attn x padding x mask x loss: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the
     share of the score matrix computed, skip reason."""
     head_size, tokens = cfg.n_embd // cfg.n_head, cfg.batch_size * cfg.seq_len
-    rows, trainers, calls, audits, before = {}, {}, {}, {}, {}
+    rows, trainers, calls, audits = {}, {}, {}, {}
     for a, m, pad, loss in ((a, m, pad, loss) for a in cfg.attn for m in cfg.mask for pad in cfg.padding
                             for loss in cfg.loss):
         problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
@@ -225,12 +224,11 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                 rows[key]["boundaries_per_block"] = boundaries_per_block(trainer.docs)
             calls[key] = functools.partial(trainer.step, a)
             audits[key] = functools.partial(trainer.eager_pass, a)
-            before[key] = functools.partial(use_flash_build, FLASH_BUILDS.get(a))
     peak = flops.peak_flops(rt)
     # disable=None: no bar where stderr is a file or a pipe (there a bar's redraws pile up into one long line)
     with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr, disable=None) as bar:
         measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),
-                                 audits if cfg.compile else None, before)
+                                 audits if cfg.compile else None)
     for key, m in measured.items():
         row = audited_row(rows[key], m, rows[key]["attn"], rt)
         if row["status"] == "ok":
@@ -271,7 +269,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                        for _ in range(3))
             doc_mask, window = mask_settings(mask, cfg.window)
             docs = document_ids(cfg.doc_data, cfg.doc_len, cfg.attn_batch, T, cfg.seed) if doc_mask else None
-            here, calls, audits, before = {}, {}, {}, {}
+            here, calls, audits = {}, {}, {}
             # every case compiles afresh, each attn apart, with a full recompile budget: one compiled callable over
             # every head size, length, pass and mask would pass its limit and run the later rows eagerly
             reset_compiled_flex()
@@ -289,12 +287,11 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                     masking = row_mask(a, docs, window, cfg.attn_batch, T, rt.device)  # None: causal
                     calls[a] = attention_pass(functions[a], q, k, v, masking, cfg.dropout, backward)
                     audits[a] = attention_pass(ATTENTION[a], q, k, v, masking, cfg.dropout, backward)
-                    before[a] = functools.partial(use_flash_build, FLASH_BUILDS.get(a))
                 else:
                     bar.update(cfg.warmup + 1 + cfg.iters)
             name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}" + ("" if mask == "causal" else f"_{mask}")
             measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, name),
-                                     audits if cfg.compile else None, before)
+                                     audits if cfg.compile else None)
             for a, m in measured.items():
                 audited_row(here[a], m, a, rt)
                 if here[a]["status"] == "ok":

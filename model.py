@@ -20,8 +20,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import masks
-from attention import ATTENTION, FLASH_BUILDS, Attention, check_attention, mask_for
-from core.errors import BuildUnavailable, UserError
+from attention import ATTENTION, Attention, check_attention, mask_for
+from core.errors import UserError
 
 
 # -----------------------------------------------------------------------------
@@ -336,12 +336,6 @@ class GPT(nn.Module):
                  config.mask.restricted)
         if check:
             check_attention(attn, *facts)
-        if attn in FLASH_BUILDS:  # its FlashAttention build behind SDPA, process-wide: now, for compiled code too
-            from core.kernels import use_flash_build  # the flash rows alone switch builds
-            try:
-                use_flash_build(FLASH_BUILDS[attn])
-            except BuildUnavailable as e:
-                check_attention(attn, *facts, problem=str(e))
         self.config, self.attention = config, Attention(attn, config.block_size)
         for block in self.transformer.h:
             block.attn.attention = self.attention

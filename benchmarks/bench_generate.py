@@ -22,8 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from core.kernels import use_flash_build
-from attention import FLASH_BUILDS, FLEX, attention_problem
+from attention import FLEX, attention_problem
 from core.errors import UserError
 from engine.generate import Decoder, for_inference, weight_bytes
 from benchmarks.measure import audit as audit_kernel
@@ -54,10 +53,6 @@ class Row:
 
     def generation(self, tokens: int) -> Callable[[], torch.Tensor]:
         return functools.partial(self.decoder.generate, self.prompt, tokens, 0.0, None, None, self.cache != "none")
-
-    def make_active(self) -> None:
-        """This row's FlashAttention build behind SDPA (process-wide; compiled code does not switch it itself)."""
-        use_flash_build(FLASH_BUILDS.get(self.model.config.attn))
 
 
 def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, Row]]:
@@ -98,7 +93,6 @@ def first_calls(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, b
     seconds = {}
     for key, row in rows.items():
         try:
-            row.make_active()
             tokens, seconds[key] = runtime.time_call(counted(row.generation(row.new_tokens), tallies[key]), rt)
             described[key].update(tokens=tokens[:, row.prompt.size(1):].tolist(), first_call_s=seconds[key],
                                   **compile_health(tallies[key]))
@@ -115,7 +109,6 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
     for key, row in rows.items():
         if described[key]["status"] != "ok":
             continue
-        row.make_active()
         ran_ops, added = profiled_run(row.generation(row.new_tokens), rt)
         twin = Row(row.model, "cache", row.prompt, row.new_tokens) if row.cache == "compiled" else row
         ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
@@ -139,11 +132,10 @@ def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
     for pad in cfg.padding:
         described, rows = build_rows(cfg, rt, pad)
         progress = lambda: save(out + list(described.values()))  # noqa: E731
-        calls, before, tallies = {}, {}, {key: Counter() for key in rows}
+        calls, tallies = {}, {key: Counter() for key in rows}
         for key, row in rows.items():  # what dynamo does during a row's calls is counted: a fallback shows
             calls[key] = counted(row.generation(row.new_tokens), tallies[key])
             calls[key + "#prefill"] = counted(row.generation(1), tallies[key])  # the prompt, and one token drawn
-            before[key] = before[key + "#prefill"] = row.make_active
         with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr,
                   disable=None) as bar:
             first = first_calls(rows, described, rt, bar, progress, tallies)
@@ -158,7 +150,7 @@ def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
                     described[key].update(compile_health(tallies[key]))
                 mark_against_baselines(described, cfg, pad)
                 progress()
-            time_round_robin(calls, cfg.iters, rt, bar, failed, timed_round, before)
+            time_round_robin(calls, cfg.iters, rt, bar, failed, timed_round)
         out += list(described.values())
     return out
 

@@ -52,10 +52,8 @@ def unreliable(row: dict) -> bool:
 
 
 def kernel_cell(row: dict) -> str:
-    """The kernel that ran (with the FlashAttention build behind SDPA's flash, when not PyTorch's own), and what was
-    expected when it differs: a silent fallback shows."""
-    build = f" ({row['flash_build']})" if row.get("flash_build") and "flash" in row["kernel"].split("+") else ""
-    return row["kernel"] + build + ("" if row["kernel_ok"] else f"  ! expected {'/'.join(row['kernel_expected'])}")
+    """The kernel that ran, and what was expected when it differs: a silent fallback shows."""
+    return row["kernel"] + ("" if row["kernel_ok"] else f"  ! expected {'/'.join(row['kernel_expected'])}")
 
 
 def compile_cell(row: dict) -> str:

@@ -24,7 +24,7 @@ from torch import profiler
 from torch.autograd import DeviceType
 
 from core import runtime
-from attention import FLASH_BUILDS, FLEX, FLEX_REGION
+from attention import FLEX, FLEX_REGION
 from core.runtime import Runtime
 
 # The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and flex's autograd op.
@@ -78,8 +78,6 @@ def expected_kernels(attn: str, device_type: str, generation: bool = False) -> s
         return FUSED if device_type == "cuda" else {"flash"}
     if attn == "varlen" and generation:
         return {"varlen"} | expected_kernels("sdpa", device_type)
-    if attn in FLASH_BUILDS:
-        return {"flash"}  # FA3 and FA4 run behind the same aten op: the row's flash_build says which
     if attn in FLEX:
         return {"flex"}
     return {attn}  # efficient, cudnn, math, varlen: forced
@@ -113,11 +111,10 @@ def with_eager_flex(kernel: str) -> str:
 # -- what decided the kernel, and how compiling went -------------------------------------------------------------
 
 def kernel_context(rt: Runtime) -> dict:
-    """What decides which kernel a row runs besides its attn: the FlashAttention build behind SDPA's flash backend
-    (None: PyTorch's own), cuDNN's version and the GPU's compute capability (None on a CPU)."""
+    """What decides which kernel a row runs besides its attn: cuDNN's version and the GPU's compute capability
+    (None on a CPU)."""
     capability = torch.cuda.get_device_capability(rt.device) if rt.is_cuda else None
-    return dict(flash_build=torch.nn.attention.current_flash_attention_impl(),
-                cudnn_version=torch.backends.cudnn.version() if rt.is_cuda else None,
+    return dict(cudnn_version=torch.backends.cudnn.version() if rt.is_cuda else None,
                 compute_capability=f"{capability[0]}.{capability[1]}" if capability else None)
 
 
@@ -204,14 +201,11 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
 
 
 def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,
-                     after_round: Optional[Callable[[dict], None]] = None,
-                     before: Optional[dict] = None) -> dict[str, list[float]]:
+                     after_round: Optional[Callable[[dict], None]] = None) -> dict[str, list[float]]:
     """Milliseconds of each call, `iters` rounds of runtime.round_robin, the device synchronized around each call.
-    A call that runs out of memory drops out, its reason put in `failed`. `after_round` sees the times so far;
-    `before[key]`, if given, runs untimed before each call of key (say, making its FlashAttention build active)."""
+    A call that runs out of memory drops out, its reason put in `failed`. `after_round` sees the times so far."""
     def time_one(key: str) -> Optional[float]:
         try:
-            (before or {}).get(key, lambda: None)()
             return runtime.time_call(calls[key], rt)[1] * 1e3
         except Exception as e:
             failed[key] = out_of_memory(e, rt)
@@ -230,21 +224,19 @@ def out_of_memory(e: Exception, rt: Runtime) -> str:
 
 
 def measure_calls(calls: dict, rt: Runtime, bar, warmup: int, iters: int, trace_prefix: Optional[str] = None,
-                  audits: Optional[dict] = None, before: Optional[dict] = None) -> dict:
+                  audits: Optional[dict] = None) -> dict:
     """Warm each call up, profile one run of each (ops, memory, and a chrome trace at trace_prefix_<key>.json if
     asked), then time them round-robin; `bar` (tqdm) counts the runs.
     `audits` (compiled runs): eager twins of the calls, profiled for the kernel audit instead of the compiled
     code, in which inductor decomposes the math kernel and generates flex's; the call's own ops still show
-    whether flex ran its eager reference. `before[key]` runs untimed before each call of key. Every call is
+    whether flex ran its eager reference. Every call is
     counted (dynamo_counts) and each result carries its kernel_context. A call that runs out of memory comes back
     as {"status": "oom", "reason": ...}; the others still run."""
     out, failed, tallies = {}, {}, {key: Counter() for key in calls}
     calls = {key: counted(call, tallies[key]) for key, call in calls.items()}
-    prepare = before or {}
     for key, call in calls.items():
         trace = Path(f"{trace_prefix}_{key}.json") if trace_prefix else None
         try:
-            prepare.get(key, lambda: None)()
             for _ in range(warmup):
                 call()
             ran_ops, added = profiled_run(call, rt, trace)
@@ -254,7 +246,7 @@ def measure_calls(calls: dict, rt: Runtime, bar, warmup: int, iters: int, trace_
         except Exception as e:
             failed[key] = out_of_memory(e, rt)
         bar.update(warmup + 1)
-    for key, ms in time_round_robin(calls, iters, rt, bar, failed, before=prepare).items():
+    for key, ms in time_round_robin(calls, iters, rt, bar, failed).items():
         stats = summarize(ms)
         out[key].update(ms_per_iter=stats["median"], ms_p25=stats["p25"], ms_p75=stats["p75"], ms_min=stats["min"],
                         ms_max=stats["max"], ms_all=ms)

@@ -15,12 +15,6 @@ class UserError(ValueError):
     `error: ...` line, with exit code 2."""
 
 
-class BuildUnavailable(UserError):
-    """A FlashAttention build that cannot be put behind SDPA although its package was found (a version torch does
-    not expect). Where a call's facts are known (attention.Attention, GPT.set_attention) it becomes the sentence
-    every refusal is; elsewhere it is still one line."""
-
-
 class StoppedWithRank0(UserError):
     """A rank stopping because rank 0's work failed: rank 0 prints its sentence; this rank exits with 2 quietly, so
     a torchrun console shows the error once, not after a line pointing to it."""

@@ -263,7 +263,9 @@ def test_the_command_line_prints_a_bad_setting_as_one_line_on_stderr_and_exit_co
 
 
 def test_the_auto_row_shows_what_attn_auto_picks_beside_the_fastest_row_of_the_same_run(tmp_path, capsys):
-    result = run_bench(tmp_path, "--attn=manual,sdpa,math", "--padding=off", "--auto=True", "--attn_auto_budget=1")
+    # every implementation a CPU trains with: whatever auto measures fastest here, the sweep ran it too
+    result = run_bench(tmp_path, "--attn=manual,sdpa_mask,sdpa,flash,math", "--padding=off", "--auto=True",
+                       "--attn_auto_budget=1")
     auto = rows_by(result, "attn")[("auto",)]
     ran = {row["attn"]: row for row in result["rows"] if row["status"] == "ok" and row["attn"] != "auto"}
     assert auto["auto_pick"] in ran and auto["fastest"] == min(ran, key=lambda a: ran[a]["ms_per_iter"])
@@ -441,11 +443,11 @@ def test_an_interrupted_generate_sweep_keeps_the_rows_it_measured(tmp_path, monk
     from benchmarks import bench_generate
     real = bench_generate.time_round_robin
 
-    def ctrl_c_in_round_two(calls, iters, rt, bar, failed, after_round, before=None):
+    def ctrl_c_in_round_two(calls, iters, rt, bar, failed, after_round):
         def after(ms):
             after_round(ms)
             raise KeyboardInterrupt  # what Ctrl-C (or a timeout's SIGINT) raises, once round 1 is done
-        return real(calls, iters, rt, bar, failed, after, before)
+        return real(calls, iters, rt, bar, failed, after)
     monkeypatch.setattr(bench_generate, "time_round_robin", ctrl_c_in_round_two)
     args = [*TINY, "--mode=generate", "--attn=sdpa", "--seq_len=16", "--new_tokens=4", "--weights=float32",
             "--cache=none,cache", "--iters=3", f"--out_dir={tmp_path}"]
@@ -504,8 +506,7 @@ def test_the_train_chart_keeps_every_implementation_name_legible_at_a_gpus_full_
     rows = [dict(attn=a, pad_vocab=pad, mask="causal", loss="chunked", status="ok", ms_per_iter=ms[pad],
                  ms_p25=ms[pad] * 0.99, ms_p75=ms[pad] * 1.01) for a, ms in h200.items() for pad in (False, True)]
     cfg = SimpleNamespace(mode="train", mask=["causal"], padding=[False, True], loss=["chunked"], attn=list(h200),
-                          n_layer=12,
-                          n_embd=768, batch_size=8, seq_len=1024, dtype="bfloat16")
+                          n_layer=12, n_embd=768, batch_size=8, seq_len=1024, dtype="bfloat16", dropout=0.0)
     fig, ax = plt.subplots()
     ms_chart(ax, rows, cfg)
     fig.tight_layout()

@@ -18,7 +18,6 @@ import bench
 import export_hf
 import sample
 import train
-from benchmarks import checkpoint_cost
 from conftest import REPO, SHARDED, TINY
 from core import flops
 from core.errors import UserError
@@ -166,24 +165,6 @@ def test_a_bad_document_setting_in_bench_is_refused_before_the_first_row(char_da
         bench.main(["--device=cpu", "--attn=manual", "--mask=causal,doc", f"--doc_data={char_data}", "--seq_len=64",
                     f"--out_dir={tmp_path}"])
     assert capsys.readouterr().err == "" and not (tmp_path / "train.json").exists()
-
-
-def test_checkpoint_cost_refuses_an_unknown_format_and_saves_as_often_as_asked(tmp_path, monkeypatch):
-    with pytest.raises(UserError, match=r"^formats must be a comma list of 'single', 'sharded', 'async', got "
-                                        r"'single,zip'"):
-        checkpoint_cost.main(["--formats=single,zip", f"--out_dir={tmp_path}"])
-    saves = []
-    real = checkpoint_cost.saver_for
-
-    def counting(*args):
-        saver = real(*args)
-        save = saver.save
-        saver.save = lambda *a: saves.append(1) or save(*a)
-        return saver
-    monkeypatch.setattr(checkpoint_cost, "saver_for", counting)
-    assert checkpoint_cost.main(["--formats=single", "--saves=3", "--n_layer=1", "--n_embd=32", "--n_head=2",
-                                 f"--out_dir={tmp_path}"]) == 0
-    assert len(saves) == 3
 
 
 # -- an OS error under an asynchronous save ----------------------------------------------------------------

@@ -1,17 +1,16 @@
-"""What the kernels need and say, tested on a CPU by standing in for what CUDA would report: the optional kernels'
-refusals (flash3, flash4, flex_flash), switching the FlashAttention build behind SDPA, cuDNN's masked-backward
-hazard, the kernel audit telling flex's eager reference from a generated kernel, dynamo's counters in a row, and
+"""What the kernels need and say, tested on a CPU by standing in for what CUDA would report: refusals before anything
+runs, cuDNN's masked-backward hazard, the kernel audit telling flex's eager reference from a generated kernel, dynamo's counters in a row, and
 varlen's packing."""
 from collections import Counter
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, _registry
+
 from torch.nn.attention.flex_attention import flex_attention
 
 import attention
 import masks
-from attention import ATTENTION, attention_problem, check_attention
+from attention import ATTENTION, check_attention
 from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
 from core import kernels, runtime
@@ -19,112 +18,20 @@ from core.runtime import Runtime
 from engine.generate import generate
 from model import GPT, GPTConfig, UserError
 
-OPTIONAL = ("flash3", "flash4", "flex_flash")
-
-
 def qkv(T=32, hs=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(1, 2, T, hs, generator=g) for _ in range(3)]
 
 
-# -- optional kernels: refused in one sentence where absent ------------------------------------------------
-
-@pytest.mark.parametrize("attn", OPTIONAL)
-def test_an_optional_kernel_on_a_cpu_is_refused_naming_the_gpu_and_the_package(attn):
-    problem = attention_problem(attn, "cpu", torch.float32, 0.0, 16, False)
-    assert "is CUDA-only: compute capability 9.x (Hopper: H100, H200)" in problem
-    assert ("flash_attn_interface" if attn == "flash3" else "pip install --pre flash-attn-4") in problem
-    with pytest.raises(UserError) as refused:  # head size 16, length 64: what the suite's probes already asked
-        GPT(GPTConfig(block_size=64, vocab_size=11, n_layer=1, n_head=2, n_embd=32)).set_attention(attn)
-    assert problem in str(refused.value) and str(refused.value).count("\n") == 0
-
-
-def test_on_a_gpu_an_optional_kernel_names_what_is_missing(monkeypatch):
-    """What a GPU would answer, injected: its compute capability, which modules import, torch's flash registry."""
-    monkeypatch.setattr(kernels, "has_module", lambda name: False)
-    assert kernels.build_problem("flash4", "cuda", (9, 0)) == (
-        "FlashAttention 4 needs the flash-attn-4 package (pip install --pre flash-attn-4)")
-    assert kernels.build_problem("flex_flash", "cuda", (10, 0)).endswith("(pip install --pre flash-attn-4)")
-    assert kernels.build_problem("flash3", "cuda", (10, 0)) == (
-        "FlashAttention 3 needs compute capability 9.x (Hopper: H100, H200); this GPU is 10.0")
-    assert "this GPU is 8.0" in kernels.build_problem("flash4", "cuda", (8, 0))  # an A100: no FA4
-    monkeypatch.setattr(kernels, "has_module", lambda name: name in ("flash_attn.cute", "flash_attn_interface"))
-    assert all(kernels.build_problem(a, "cuda", (9, 0)) is None for a in OPTIONAL)  # then the probe decides
-    monkeypatch.setattr(torch.nn.attention, "list_flash_attention_impls", lambda: [])  # a torch before 2.13
-    assert "cannot put FA4 behind SDPA" in kernels.build_problem("flash4", "cuda", (9, 0))
-
-
-def test_a_missing_parent_package_counts_as_missing():
-    assert not kernels.has_module("surely_not_installed_pkg.cute")  # find_spec raises for the parent: no crash
-    assert kernels.has_module("torch.nn")
-
-
-@pytest.fixture()
-def fake_fa4(monkeypatch):
-    """torch's flash registry with an 'FA4' whose activation and removal are recorded (the real one imports
-    flash_attn.cute and replaces CUDA kernels, neither of which a CPU has)."""
-    events = []
-
-    class Handle:
-        def remove(self):
-            events.append("removed")
-
-    def register():
-        events.append("activated")
-        return Handle()
-    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", register)
-    monkeypatch.setattr(_registry, "_FLASH_ATTENTION_ACTIVE", None)
-    yield events
-    torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
-
-
-def test_a_flash_row_makes_its_own_build_active_and_plain_flash_restores_pytorchs(fake_fa4):
-    q, k, v = qkv()
-    fa4 = ATTENTION["flash4"](q, k, v, None, 0.0)
-    assert fake_fa4 == ["activated"] and torch.nn.attention.current_flash_attention_impl() == "FA4"
-    ATTENTION["flash4"](q, k, v, None, 0.0)
-    assert fake_fa4 == ["activated"]  # already active: nothing switched
-    fa2 = ATTENTION["flash"](q, k, v, None, 0.0)
-    assert fake_fa4 == ["activated", "removed"] and torch.nn.attention.current_flash_attention_impl() is None
-    torch.testing.assert_close(fa4, fa2)  # on a CPU the fake build leaves the same kernel in place
-    model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8, attn="flash4"))
-    assert torch.nn.attention.current_flash_attention_impl() is None  # built, not yet known to run: nothing switched
-    model.set_attention("flash4", check=False)  # set_attention switches, for compiled code, which cannot
-    assert torch.nn.attention.current_flash_attention_impl() == "FA4"
-
-
-def test_a_build_found_but_not_accepted_by_torch_is_refused_in_the_one_form_on_every_path(monkeypatch):
-    def rejected():  # its package imports, but torch's registry will not take it (another version, say)
-        raise RuntimeError("flash_attn.cute 0.1 is not the version this torch expects")
-    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", rejected)
-    monkeypatch.setattr(_registry, "_FLASH_ATTENTION_ACTIVE", None)
-    monkeypatch.setattr(kernels, "build_problem", lambda *args: None)  # what a Hopper GPU with the package says
-    attention.attention_problem.cache_clear()
-    try:
-        x = torch.zeros(1, 4, dtype=torch.long)
-        for use in (lambda m: m.set_attention("flash4"), lambda m: m(x), lambda m: m.generate(x, 2)):
-            model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8, attn="flash4")).eval()
-            with pytest.raises(UserError) as refused:
-                use(model)
-            sentence = str(refused.value)
-            assert sentence.startswith("attn='flash4' cannot run for inference on cpu in float32 ")
-            assert "FA4 cannot be put behind SDPA's flash backend (RuntimeError: flash_attn.cute 0.1" in sentence
-            assert "pip install --pre flash-attn-4" in sentence and "; use one of manual, " in sentence
-            assert "\n" not in sentence
-    finally:
-        attention.attention_problem.cache_clear()
-
-
-# -- one decision, for the facts a call really has ----------------------------------------------------------
+# -- refused before anything runs ---------------------------------------------------------------------------
 
 TINY_MODEL = dict(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8)
 
 
-@pytest.mark.parametrize("attn", ["flash3", "flash4", "flex_flash", "varlen"])
+@pytest.mark.parametrize("attn", ["efficient", "cudnn", "varlen"])
 @pytest.mark.parametrize("use", ["forward", "generate"])
 def test_a_model_built_with_a_kernel_this_machine_lacks_is_refused_in_the_one_form_before_anything_runs(attn, use):
-    """Without set_attention: the first call asks, so nothing runs but what was asked (flex_flash once ran plain
-    flex on a CPU without a word, flash3 and flash4 answered in another form)."""
+    """Without set_attention: the first call asks, so nothing runs but what was asked."""
     model = GPT(GPTConfig(**TINY_MODEL, attn=attn)).eval()
     x = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(UserError) as refused:
@@ -170,34 +77,12 @@ def test_set_attention_checks_the_dtype_autocast_gives_not_the_weights(monkeypat
         model.set_attention("flash")
 
 
-def test_bench_switches_builds_outside_the_timed_call_and_records_each_rows(fake_fa4):
-    q, k, v = qkv()
-    flash = attention._forced_backend(SDPBackend.FLASH_ATTENTION)  # the kernel alone: it switches no build itself
-    seen = {"flash": [], "flash4": []}  # the build active during each call of each row
-
-    def call(key):
-        seen[key].append(torch.nn.attention.current_flash_attention_impl())
-        flash(q, k, v, None, 0.0)
-    calls = {key: (lambda key=key: call(key)) for key in seen}
-    before = {key: (lambda key=key: kernels.use_flash_build(attention.FLASH_BUILDS[key])) for key in seen}
-    out = measure.measure_calls(calls, Runtime("cpu", "float32"), NoBar(), warmup=1, iters=3, before=before)
-    assert seen == {"flash": [None] * 5, "flash4": ["FA4"] * 5}  # warm-up, profile, three timed rounds
-    assert out["flash4"]["flash_build"] == "FA4" and out["flash"]["flash_build"] is None
-
-
-class NoBar:
-    def update(self, n=1):
-        pass
-
-
-def test_kernel_context_records_what_cuda_reports(monkeypatch, fake_fa4):
+def test_kernel_context_records_what_cuda_reports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91600)
-    kernels.use_flash_build("FA4")
-    assert measure.kernel_context(Runtime("cuda:0", "bfloat16")) == dict(
-        flash_build="FA4", cudnn_version=91600, compute_capability="9.0")
-    assert measure.kernel_context(Runtime("cpu", "float32")) == dict(
-        flash_build="FA4", cudnn_version=None, compute_capability=None)
+    assert measure.kernel_context(Runtime("cuda:0", "bfloat16")) == dict(cudnn_version=91600,
+                                                                         compute_capability="9.0")
+    assert measure.kernel_context(Runtime("cpu", "float32")) == dict(cudnn_version=None, compute_capability=None)
 
 
 # -- cuDNN's masked backward -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ TINY = dict(block_size=32, vocab_size=101, n_layer=2, n_head=4, n_embd=32)
 
 def test_on_a_cpu_every_implementation_but_the_cuda_only_ones_runs_and_flex_only_for_inference():
     """torch 2.13's CPU kernels, as the registry's own check finds them: what the tests below parametrize over."""
-    cuda_only = ("efficient", "cudnn", "varlen", "flash3", "flash4", "flex_flash")
+    cuda_only = ("efficient", "cudnn", "varlen")
     assert runnable_on_cpu(training=False) == [a for a in ATTENTION if a not in cuda_only]
     assert runnable_on_cpu(training=True) == [a for a in ATTENTION if a not in (*cuda_only, "flex")]
 

@@ -14,7 +14,7 @@ import torch
 import sample
 import train
 from conftest import REPO, SHARDED, TINY
-from core import errors, runtime
+from core import errors
 from core.configurator import configure
 from core.errors import UserError
 from engine.reader import load_checkpoint
@@ -254,3 +254,9 @@ def test_the_words_a_newcomer_meets_say_what_is_true(char_data, tmp_path, capsys
     capsys.readouterr()
     assert errors.exit_code(lambda: (_ for _ in ()).throw(errors.StoppedWithRank0("rank 0 stopped"))) == 2
     assert capsys.readouterr().err == ""  # rank 0 prints the sentence; the others stop quietly
+
+
+def test_the_retired_flashattention_builds_are_unknown_attn_words():
+    for attn in ("flash3", "flash4", "flex_flash"):
+        with pytest.raises(UserError, match=rf"attn must be one of 'auto', 'manual', .*got '{attn}'"):
+            configure(vars(train), [f"--attn={attn}"], train.LIMITS)

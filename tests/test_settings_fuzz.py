@@ -8,7 +8,6 @@ of examples per script in the fast tier, many in the slow one. A failure names t
 import contextlib
 import io
 import math
-import os
 import tempfile
 import textwrap
 from pathlib import Path
