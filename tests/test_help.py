@@ -138,7 +138,8 @@ def test_train_help_reads_as_its_settings_do(capsys):
     assert rows["n_layer"] == ("model", "12 transformer blocks [at least 1]")
     assert rows["wandb_log"][0].startswith("wandb logging") and rows["wandb_log"][1].startswith("False log every ")
     assert rows["early_decay_to"] == ("learning rate schedule: linear warmup, then cosine decay to min_lr",
-                                      "0.3 [greater than 0 and at most 1]")
+                                      "0.3 with early_decay_iters: the fraction of learning_rate reached there "
+                                      "[greater than 0 and at most 1]")
     assert "usage: python train.py [CONFIG_FILE ...] [--key=value ...]" in out.splitlines()
     bench_rows = {name: rest for _, name, rest in help_sections(run_help(bench, ["-h"], capsys))}
     assert bench_rows["weights"] == ("None the weights' dtype per row: float32,bfloat16,int8 (int8 weight-only, "
