@@ -174,7 +174,7 @@ def test_python_train_py_help_prints_help_and_exits_0():
     result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
     assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout.startswith("Train a GPT on one CPU, one GPU, or many GPUs with DDP.\n")
+    assert result.stdout.startswith("Train a GPT on one CPU, one GPU, or many GPUs with DDP or FSDP2.\n")
     assert "\n# I/O\n  out_dir = 'out' " in result.stdout
     assert (REPO / "out").exists() == existed
 
