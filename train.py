@@ -329,6 +329,9 @@ def restore(run: Run, checkpoint: Checkpoint) -> int:
     load_optimizer_state(run.trainer.model, run.trainer.optimizers, state, options)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
         restore_rng(checkpoint.rng, run.batches.generator, run.rt)
+    else:  # nanoGPT's ckpt.pt, which this run's first save replaces: kept now, every check passed
+        from engine.nanogpt import keep_original
+        keep_original(Path(run.cfg.out_dir) / "ckpt.pt")
     run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
     return checkpoint.iter_num
 

@@ -25,8 +25,8 @@ COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before every
 
 def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_dir: Path | None = None) -> dict:
     """The fields of a Checkpoint for nanoGPT's checkpoint `contents` (read from `path`). Only a run that resumes
-    (`for_training`) gets the optimizer state, converted (refused without one), and keeps nanoGPT's file beside
-    the one it will save; sampling and export read the weights and vocabulary.
+    (`for_training`) gets the optimizer state, converted (refused without one), and keeps nanoGPT's file
+    (keep_original, once every check passed); sampling and export read the weights and vocabulary.
     `data_dir`: the training data's folder, whose meta.pkl is the first place looked for the vocabulary."""
     args = contents["model_args"]
     meta = nanogpt_meta(path.parent, contents.get("config") or {}, args["vocab_size"], path, data_dir)
@@ -38,11 +38,9 @@ def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_di
     config = GPTConfig.build(shape, {"dropout": args.get("dropout", 0.0)})
     model_state = nanogpt_model_state(contents["model"])
     optimizer = contents.get("optimizer") if for_training else None
-    if for_training:
-        if optimizer is None:
-            raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only one with "
-                            f"its optimizer resumes.")
-        keep_original(path)
+    if for_training and optimizer is None:
+        raise UserError(f"{path} is a nanoGPT checkpoint without optimizer state; it samples, but only one with its "
+                        f"optimizer resumes.")
     return dict(model=model_state, model_config=dataclasses.asdict(config), iter_num=int(contents.get("iter_num", 0)),
                 best_val_loss=float(contents.get("best_val_loss", float("inf"))),
                 optimizer=named_optimizer_state(optimizer, model_state, path) if optimizer else None,

@@ -558,3 +558,12 @@ def test_a_row_whose_spread_swamps_its_median_shows_no_speedup():
     assert "3.91x" in table.splitlines()[3] and "unreliable" in table.splitlines()[2] and "3.91x" not in \
         table.splitlines()[2]
     assert table.splitlines()[-1].startswith("unreliable: the row's spread (IQR) exceeds its median")
+
+
+def test_a_second_run_into_the_same_folder_keeps_the_first_ones_results(tmp_path, capsys):
+    first = run_bench(tmp_path, "--attn=manual", "--padding=off")
+    second = run_bench(tmp_path, "--attn=sdpa", "--padding=off")
+    kept = sorted(p.name for p in tmp_path.glob("train-*"))
+    assert len(kept) == 2 and kept[0].endswith(".json") and kept[1].endswith(".png")
+    assert json.loads((tmp_path / kept[0]).read_text())["rows"] == first["rows"] != second["rows"]
+    assert f"kept the earlier train results as {tmp_path / kept[0]}" in capsys.readouterr().err

@@ -314,6 +314,16 @@ def test_a_nanogpt_out_dir_resumes_with_its_optimizer_state_and_keeps_the_origin
     assert (folder / "ckpt.nanogpt.pt").read_bytes() == original
 
 
+def test_a_refused_nanogpt_resume_writes_nothing(char_data, tmp_path):
+    """Checked before anything is written: a block_size beyond the model's once first left a copy of the file."""
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(UserError, match="block_size=4096 is larger than the model's"):
+        train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}",
+                           "--block_size=4096"])
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
 def test_a_nanogpt_out_dir_samples_with_its_character_vocabulary(char_data, tmp_path, capsys):
     chars = chars_of(char_data)
     folder, _ = nanogpt_out_dir(tmp_path / "nano", chars)
