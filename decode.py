@@ -1,11 +1,6 @@
 """
 Decoding: the KV cache (everything a model keeps between generation steps) and the one generation loop, a prefill
-of the prompt, then a token at a time. model.GPT makes the cache (setup_cache) and runs the loop eagerly (nanoGPT's
-`generate`); engine/generate.py hands the loop compiled steps. Training never imports this.
-
-Positions are absolute (learned position embeddings), so once the text is longer than block_size every new token
-shifts the whole window: each such step is a full prefill of block_size tokens, which is what the cache-free path
-pays at every step. The cache saves work while the text fits in block_size.
+of the prompt, then a token at a time. GPT.setup_cache makes the cache; GPT.generate runs the loop eagerly.
 """
 
 from typing import Optional

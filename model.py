@@ -4,9 +4,6 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(attn="flash", pad_vocab=True))
     logits, loss = model(idx, targets)
-
-The implementations themselves, and what decides whether one can run here, are in attention.py; the KV cache and the
-generation loop behind nanoGPT's `model.generate` in decode.py; engine/generate.py compiles the loop's steps.
 """
 
 import dataclasses

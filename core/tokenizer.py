@@ -9,7 +9,7 @@ A prepared dataset is a folder with train.bin and val.bin (token ids as uint16) 
     {"tokenizer": "gpt2", "vocab_size": 50257}
     {"tokenizer": "char", "vocab_size": 65, "chars": ["\\n", " ", "!", ...]}
 
-    >>> tok = tokenizer_from_meta(read_meta(Path("data/shakespeare_char")))   # read_meta: dataset.py
+    >>> tok = tokenizer_from_meta(read_meta(Path("data/shakespeare_char")))   # read_meta: core/files.py
     >>> tok.decode(tok.encode("To be"))
 """
 from __future__ import annotations

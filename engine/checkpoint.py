@@ -1,10 +1,7 @@
 """
-The checkpoint format, in one place, and how train.py writes it: ckpt.pt (SingleFileSaver: the full state gathered
-on rank 0; tensors and plain Python types only, so it loads with torch.load(weights_only=True); written to a
-temporary file and renamed into place), or a sharded checkpoint (engine/sharded.py: a folder per step, each rank
-writing its own shards through torch.distributed.checkpoint). Every reader reads
-through engine/reader.py's load_checkpoint(out_dir / "ckpt.pt"), which reads out_dir's newer one of the two: no
-reader needs to know the format.
+The checkpoint format and how train.py writes it: ckpt.pt, the full state gathered on rank 0, tensors and plain
+Python types only (torch.load(weights_only=True) reads it), written to a temporary file and renamed into place.
+Readers go through engine/reader.py's load_checkpoint, whatever the format.
 
     Checkpoint(model=model.state_dict(), model_config=asdict(model.config), iter_num=100, ...).save(path)
     model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
@@ -26,7 +23,7 @@ from core import runtime
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
-# 1: every file before the version field (the same fields); 2: with it. Older layouts are read through upgrade().
+# 1: every file before the version field (the same fields); 2: with it. Older layouts are read through reader.upgrade().
 FORMAT_VERSION = 2
 POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (engine/sharded.py)
 TRAIN = "train"  # a sharded step's key for everything but the tensors of the model and optimizer
@@ -45,7 +42,7 @@ class Checkpoint:
                                          # None in a nanoGPT checkpoint: a resume starts fresh streams)
     settings: dict = field(default_factory=dict)  # the run's settings
     meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
-    version: int = FORMAT_VERSION        # of the format; what load() returns is always the current one
+    version: int = FORMAT_VERSION        # of the format; load_checkpoint always returns the current one
     shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
                                          # whose model and optimizer state each rank reads in place (train.restore)
 

@@ -184,16 +184,10 @@ def quantize_int8(model: GPT) -> GPT:
     return model
 
 
-def check_quantize(quantize: str) -> None:
-    if quantize not in QUANTIZE:
-        raise UserError(f"quantize must be '' (none) or 'int8', got '{quantize}'.")
-
-
 def for_inference(model: GPT, device: str, dtype: torch.dtype, quantize: str = "") -> GPT:
     """The model as generation reads it: on `device`, weights in `dtype` (at batch 1 decoding is bound by
     reading the weights, so bf16 weights, not bf16 autocast over fp32 ones, is what halves the bytes), then
     optionally int8. In place; returns the model in eval mode."""
-    check_quantize(quantize)
     model = model.to(device=device, dtype=dtype).eval()
     return quantize_int8(model) if quantize == "int8" else model
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core import flops
-from engine import parallel, trainer
+from engine import trainer
 from benchmarks import measure
 import bench
 from benchmarks import compare
@@ -54,7 +54,7 @@ def test_gpus_without_native_bf16_and_unlisted_gpus_have_no_datasheet_peak():
     assert flops.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
 
 
-def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches():
+def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches(measured_alone):
     """MFU cannot read over 100% for lack of a real peak: the measured one is at least the rate of the kind of
     matmul the model itself runs (here 1024 x 384 @ 384 x 1536, best of several)."""
     rt = runtime.Runtime("cpu", "float32")
@@ -213,7 +213,7 @@ def test_ddp_does_not_broadcast_the_derived_buffers_before_every_forward(tmp_pat
     try:
         model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
         assert torch.nn.parallel.DistributedDataParallel(model).will_sync_module_buffers()  # DDP's default
-        assert not parallel.wrap_ddp(model, runtime.Runtime("cpu", "float32")).will_sync_module_buffers()
+        assert not train.wrap_ddp(model, runtime.Runtime("cpu", "float32")).will_sync_module_buffers()
     finally:
         torch.distributed.destroy_process_group()
 
@@ -222,7 +222,7 @@ def test_gradient_accumulation_reduces_across_ranks_only_on_the_last_micro_step(
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
-        ddp = parallel.wrap(model, "ddp", compile=False, rt=runtime.Runtime("cpu", "float32"))
+        ddp = train.wrap_ddp(model, runtime.Runtime("cpu", "float32"))
         with trainer.gradient_sync(ddp, sync=False):
             assert not ddp.require_backward_grad_sync
         with trainer.gradient_sync(ddp, sync=True):
