@@ -4,7 +4,6 @@ with both steps compiled - and int8 weight-only weights for sampling.
 
     decoder = Decoder(model, compile=True)     # the decode step compiles once (fullgraph), the prefill once too
     idx = decoder.generate(idx, max_new_tokens=100, temperature=0)
-    idx = generate(model, idx, 100)            # nanoGPT's model.generate: the same loop, eager
 
 Positions are absolute (learned position embeddings), so once the text is longer than block_size every new token
 shifts the whole window: each such step is a full prefill of block_size tokens, which is what the cache-free path
@@ -97,14 +96,6 @@ class Decoder:
                              f"pass Decoder(..., dtype={dtype})")
         return decode_tokens(self.model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
                              self.prefill, self.decode, dtype)
-
-
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             use_cache: bool = True) -> torch.Tensor:
-    """nanoGPT's `model.generate`, as a function: eager generation over the KV cache (use_cache=False: the
-    cache-free loop)."""
-    return Decoder(model).generate(idx, max_new_tokens, temperature, top_k, generator, use_cache)
 
 
 # -----------------------------------------------------------------------------

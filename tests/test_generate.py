@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import attention
 from core import runtime
-from engine.generate import Decoder, Sampling, for_inference, generate, quantize_int8, tensor_bytes, weight_bytes
+from engine.generate import Decoder, Sampling, for_inference, quantize_int8, tensor_bytes, weight_bytes
 from model import GPT, GPTConfig, UserError
 from conftest import runnable_on_cpu
 
@@ -126,8 +126,8 @@ def test_the_compiled_decode_step_compiles_once_for_every_position():
 
 def test_batched_prompts_give_each_prompt_its_own_tokens():
     model = small_model()
-    together = generate(model, prompts(B=3), 15, temperature=0.0)
-    alone = torch.cat([generate(model, prompts(B=3)[i:i + 1], 15, temperature=0.0) for i in range(3)])
+    together = Decoder(model).generate(prompts(B=3), 15, temperature=0.0)
+    alone = torch.cat([Decoder(model).generate(prompts(B=3)[i:i + 1], 15, temperature=0.0) for i in range(3)])
     assert torch.equal(together, alone)
 
 
@@ -135,10 +135,10 @@ def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatc
     """CUDA's flash kernel takes no mask: eager decoding then slices the cache to the written positions (run here
     by making CPU flash claim the same), and a compiled decode step is refused with one sentence."""
     model = small_model("flash")
-    expected = generate(model, prompts(), 20, temperature=0.0, use_cache=False)
+    expected = Decoder(model).generate(prompts(), 20, temperature=0.0, use_cache=False)
     monkeypatch.setattr("attention.decodes_with_mask", lambda *args: False)
     monkeypatch.setattr("engine.generate.decodes_with_mask", lambda *args: False)
-    assert torch.equal(generate(model, prompts(), 20, temperature=0.0), expected)
+    assert torch.equal(Decoder(model).generate(prompts(), 20, temperature=0.0), expected)
     with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
         Decoder(model, compile=True)
 
@@ -222,7 +222,8 @@ def test_int8_logits_are_within_2_percent_of_fp32_and_greedy_tokens_agree(traine
     assert (logits - ref).abs().max() <= 0.02 * ref.abs().max()
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
     prompt = x[:1, :8]
-    assert torch.equal(generate(int8, prompt, 40, temperature=0.0), generate(trained, prompt, 40, temperature=0.0))
+    assert torch.equal(Decoder(int8).generate(prompt, 40, temperature=0.0),
+                       Decoder(trained).generate(prompt, 40, temperature=0.0))
 
 
 def test_int8_weights_take_about_a_quarter_of_fp32_bytes():
@@ -255,9 +256,9 @@ def test_torchao_is_installed_only_by_those_who_quantize(monkeypatch):
 
 @pytest.mark.slow  # a fresh interpreter: torchao's import-time output can only be seen once per process
 def test_importing_torchao_prints_nothing():
-    code = ("import torch; from engine.generate import generate, quantize_int8; from model import GPT, GPTConfig; "
+    code = ("import torch; from engine.generate import Decoder, quantize_int8; from model import GPT, GPTConfig; "
             "m = quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "
-            "print(generate(m, torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
+            "print(Decoder(m).generate(torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "torch.Size([1, 4])\n" and result.stderr == ""

@@ -22,7 +22,7 @@ import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
 from attention import ATTENTION, attention_problem
 from attention import decodes_with_mask
-from engine.generate import Decoder, for_inference, generate, weight_bytes
+from engine.generate import Decoder, for_inference, weight_bytes
 from model import GPT, GPTConfig, UserError
 
 pytestmark = [pytest.mark.gpu,
@@ -171,15 +171,15 @@ def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_s
     x = torch.randint(512, (2, 5), device="cuda")
     if not runs(attn, dtype, training=False):
         with pytest.raises(UserError, match=f"attn='{attn}' cannot run for inference on cuda"):
-            generate(model, x, 4)
+            Decoder(model).generate(x, 4)
         return
-    plain = generate(model, x, 70, temperature=0.0, use_cache=False)  # 5 + 70 > block_size 64: refills too
+    plain = Decoder(model).generate(x, 70, temperature=0.0, use_cache=False)  # 5 + 70 > block_size 64: refills too
 
     def agrees(tokens, reference):
         if dtype == torch.float32:
             return torch.equal(tokens, reference)
         return (tokens == reference).float().mean() >= 0.95
-    assert agrees(generate(model, x, 70, temperature=0.0), plain)
+    assert agrees(Decoder(model).generate(x, 70, temperature=0.0), plain)
     if not decodes_with_mask(attn, "cuda", dtype, 64):  # flash: eager reads the written keys; compiled is refused
         with pytest.raises(UserError, match=f"attn='{attn}' takes no mask on cuda"):
             Decoder(model, compile=True)
@@ -187,7 +187,7 @@ def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_s
     # compiled: from a one-token prompt, 60 tokens within block_size, so only the decode step compiles (the
     # compiled prefill and a refill are the window test's and the CPU suite's): one compile per implementation
     one = x[:, :1]
-    plain = generate(model, one, 60, temperature=0.0, use_cache=False)
+    plain = Decoder(model).generate(one, 60, temperature=0.0, use_cache=False)
     torch._dynamo.reset()
     counters.clear()
     decoder = Decoder(copy.deepcopy(model), compile=True)

@@ -15,7 +15,7 @@ from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
 from core import kernels, runtime
 from core.runtime import Runtime
-from engine.generate import generate
+from engine.generate import Decoder
 from model import GPT, GPTConfig, UserError
 
 def qkv(T=32, hs=16, seed=0):
@@ -119,8 +119,9 @@ def test_cudnn_generates_from_a_one_token_prompt_without_a_cache(monkeypatch):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=32)).eval()
     one = torch.tensor([[3], [5]])
-    manual = generate(model.set_attention("manual"), one, 6, temperature=0.0, use_cache=False)
-    assert torch.equal(generate(model.set_attention("cudnn"), one, 6, temperature=0.0, use_cache=False), manual)
+    manual = Decoder(model.set_attention("manual")).generate(one, 6, temperature=0.0, use_cache=False)
+    cudnn = Decoder(model.set_attention("cudnn")).generate(one, 6, temperature=0.0, use_cache=False)
+    assert torch.equal(cudnn, manual)
 
 
 # -- the audit: flex's eager reference is named -------------------------------------------------------------

@@ -11,7 +11,7 @@ import model as model_module
 from benchmarks.measure import profiled_run
 from core.runtime import Runtime
 
-from engine.generate import generate
+from engine.generate import Decoder
 from core.hf import convert_hf_state_dict
 from attention import ATTENTION, attention_problem, check_attention
 from benchmarks.compare import attention_names
@@ -187,9 +187,9 @@ def test_padded_ids_are_never_sampled_even_when_their_logits_would_win():
         hidden = model.transformer.ln_f(model.transformer.wte(x) + model.transformer.wpe(torch.arange(4)))
         raw = hidden @ model.lm_head.weight.t()
     assert (raw.argmax(-1) >= 101).float().mean() > 0.5  # the padded rows would win without the mask
-    out = generate(model, x, 40, temperature=2.0, generator=torch.Generator().manual_seed(0))
+    out = Decoder(model).generate(x, 40, temperature=2.0, generator=torch.Generator().manual_seed(0))
     assert out.max().item() < 101
-    greedy = generate(model, x, 10, temperature=0)
+    greedy = Decoder(model).generate(x, 10, temperature=0)
     assert greedy.max().item() < 101
 
 
@@ -201,8 +201,8 @@ def test_padded_ids_are_never_sampled_even_when_their_logits_would_win():
 def test_the_same_seed_gives_the_same_tokens_and_prompts_longer_than_block_size_are_cropped():
     model = tiny_model().eval()
     prompt, _ = batch(B=1, T=40)  # longer than block_size=32
-    a = generate(model, prompt, 8, generator=torch.Generator().manual_seed(3))
-    b = generate(model, prompt, 8, generator=torch.Generator().manual_seed(3))
+    a = Decoder(model).generate(prompt, 8, generator=torch.Generator().manual_seed(3))
+    b = Decoder(model).generate(prompt, 8, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b) and a.shape == (1, 48)
     assert torch.equal(a[:, :40], prompt)
 
