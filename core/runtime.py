@@ -139,9 +139,8 @@ class Runtime:
 
     def stream_event(self) -> Optional["torch.cuda.Event"]:
         """On CUDA, a timing event recorded behind the work queued so far on the current stream; elsewhere None
-        (CPU work has run by the time its call returns; MPS is synchronized instead)."""
+        (CPU work has run by the time its call returns)."""
         if not self.is_cuda:
-            self.synchronize()
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -152,7 +151,8 @@ class Runtime:
         waits for that work alone, where .item() (memcpy_and_sync) would wait for all queued at the time of the
         read. On CUDA the copy lands in pinned memory, so it is queued, not waited for."""
         if not self.is_cuda:
-            return values.detach().to("cpu"), self.stream_event()
+            self.synchronize()  # MPS: the values are read at once
+            return values.detach().to("cpu"), None
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values.detach(), non_blocking=True)
         return host, self.stream_event()

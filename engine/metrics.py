@@ -73,8 +73,9 @@ class MetricsLog:
 
 @dataclass
 class StepEnd:
-    """Where training step `it` ends on the device: an event recorded behind it (CUDA), or the clock once it ran
-    (elsewhere a step has run when it returns); and `values` of it copied to the host behind it (or None)."""
+    """Where training step `it` ends on the device: an event recorded behind it (CUDA), or the clock (a CPU step has
+    run when it returns; MPS is synchronized where values are read); and `values` of it copied to the host behind it
+    (or None)."""
     it: int
     event: Optional[object]
     time: float
@@ -124,6 +125,8 @@ class StepTimer:
         """Stop the clock after step `last` (an evaluation follows); its time since the last lap is carried."""
         if self.running:
             self.rt.synchronize()
+            if last.event is None:  # no device clock: the step ended by now (MPS queues work like CUDA)
+                last = StepEnd(last.it, None, time.perf_counter())
             self.banked += time.perf_counter() - self._t0
             self._carried = self._add(self._carried, last)
             self._t0 = self._since = None
