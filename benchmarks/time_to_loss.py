@@ -99,7 +99,8 @@ def time_one(args: list[str], target_loss: Optional[float]) -> dict:
         while True:
             finished = process.poll() is not None  # read what a finished run wrote once more, then stop
             records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            evals += [(time.perf_counter() - start, r["iter"], r["val/loss"]) for r in records[read:] if "val/loss" in r]
+            now = time.perf_counter() - start
+            evals += [(now, r["iter"], r["val/loss"]) for r in records[read:] if "val/loss" in r]
             read = len(records)
             if finished or (target_loss is not None and any(loss <= target_loss for _, _, loss in evals)):
                 break

@@ -14,7 +14,8 @@ import torch
 
 from core.errors import UserError
 
-OVERRIDES = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token", "chunked_loss"}  # what from_pretrained may set
+# what from_pretrained may set
+OVERRIDES = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token", "chunked_loss"}
 
 
 def read_gpt2(name_or_path: str) -> tuple[dict, dict]:

@@ -251,9 +251,10 @@ def init_distributed(device: str) -> tuple[int, int, int, str]:
 
 
 def launch_variables(env) -> tuple[int, int, int]:
-    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them, with MASTER_ADDR and MASTER_PORT; a set that torchrun would not leave (a job script's leftovers, a launch line copied without torchrun) is
-    one sentence."""
-    fix = "launch with torchrun --nproc_per_node=N train.py ..., or unset RANK, LOCAL_RANK and WORLD_SIZE for one process"
+    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them, with MASTER_ADDR and MASTER_PORT; a set that torchrun
+    would not leave (a job script's leftovers, a launch line copied without torchrun) is one sentence."""
+    fix = ("launch with torchrun --nproc_per_node=N train.py ..., or unset RANK, LOCAL_RANK and WORLD_SIZE for one "
+           "process")
     missing = [name for name in ("LOCAL_RANK", "WORLD_SIZE") if name not in env]
     if missing:
         raise UserError(f"RANK is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not, as "
