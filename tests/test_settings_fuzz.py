@@ -138,6 +138,19 @@ def fuzz(examples: int):
                     suppress_health_check=list(HealthCheck))
 
 
+def explore(script, examples: int, fuzzed: dict, base, always: tuple = (), watch: Path = None) -> None:
+    """`examples` command lines of `script`: base(out) + drawn settings, each run with an out_dir of its own; the
+    property held for each (`watch`: a folder besides the repository that nothing may be written to)."""
+    @fuzz(examples)
+    @given(st.data())
+    def run(data):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            argv, valid = data.draw(command_lines(script, fuzzed, base(out), always))
+            holds(script.main, argv, valid, out, watch or Path(tmp))
+    run()
+
+
 # -- the scripts ------------------------------------------------------------------------------------------------
 
 TRAIN_SIZES = {
@@ -168,15 +181,8 @@ def checkpoint(char_data_session, tmp_path_factory) -> Path:
 
 
 def check_train(char_data_session, examples):
-    @fuzz(examples)
-    @given(st.data())
-    def run(data):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out"
-            argv, valid = data.draw(command_lines(train, limits_strategies(train, TRAIN_SIZES, TRAIN_SKIP),
-                                                  tiny_train(char_data_session, out), ("attn", "optimizer")))
-            holds(train.main, argv, valid, out, char_data_session)
-    run()
+    explore(train, examples, limits_strategies(train, TRAIN_SIZES, TRAIN_SKIP),
+            lambda out: tiny_train(char_data_session, out), ("attn", "optimizer"), char_data_session)
 
 
 SAMPLE_SIZES = {"num_samples": st.integers(1, 2), "max_new_tokens": st.integers(1, 4),
@@ -186,18 +192,11 @@ SAMPLE_SIZES = {"num_samples": st.integers(1, 2), "max_new_tokens": st.integers(
 
 
 def check_sample(checkpoint, examples):
-    @fuzz(examples)
-    @given(st.data())
-    def run(data):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out"
-            fuzzed = {**limits_strategies(sample, SAMPLE_SIZES, {"compile", "attn_auto_refresh"}),
-                      "compare": SAMPLE_SIZES["compare"]}
-            base = [f"--out_dir={checkpoint}", "--device=cpu", "--max_new_tokens=3", "--num_samples=1",
-                    f"--json={out / 'compare.json'}"]
-            argv, valid = data.draw(command_lines(sample, fuzzed, base, ("attn", "compare")))
-            holds(sample.main, argv, valid, out, checkpoint)
-    run()
+    fuzzed = {**limits_strategies(sample, SAMPLE_SIZES, {"compile", "attn_auto_refresh"}),
+              "compare": SAMPLE_SIZES["compare"]}
+    explore(sample, examples, fuzzed, lambda out: [f"--out_dir={checkpoint}", "--device=cpu", "--max_new_tokens=3",
+                                                   "--num_samples=1", f"--json={out / 'compare.json'}"],
+            ("attn", "compare"), checkpoint)
 
 
 BENCH_SIZES = {
@@ -214,34 +213,19 @@ BENCH_SKIP = {"compile", "attn_auto_refresh", "mode"}
 
 
 def check_bench(mode, examples):
-    @fuzz(examples)
-    @given(st.data())
-    def run(data):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out"
-            base = [f"--mode={mode}", "--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=61", "--seq_len=32",
-                    "--batch_size=1", "--iters=1", "--warmup=0", "--threads=1", "--attn_seq_lens=16,32",
-                    "--attn_head_sizes=16", "--attn_batch=1", "--attn_heads=2", "--new_tokens=2", "--doc_len=8",
-                    "--weights=float32", "--cache=none,cache", "--attn_auto_budget=0.05", "--device=cpu", f"--out_dir={out}"]
-            lists = {"train": ("attn", "padding", "mask", "loss"), "attention": ("attn", "mask"),
-                     "generate": ("attn", "padding", "weights", "cache")}[mode]
-            argv, valid = data.draw(command_lines(bench, limits_strategies(bench, BENCH_SIZES, BENCH_SKIP), base,
-                                                  lists))
-            holds(bench.main, argv, valid, out, Path(tmp))
-    run()
+    base = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=61", "--seq_len=32", "--batch_size=1",
+            "--iters=1", "--warmup=0", "--threads=1", "--attn_seq_lens=16,32", "--attn_head_sizes=16", "--attn_batch=1",
+            "--attn_heads=2", "--new_tokens=2", "--doc_len=8", "--weights=float32", "--cache=none,cache",
+            "--attn_auto_budget=0.05", "--device=cpu"]
+    lists = {"train": ("attn", "padding", "mask", "loss"), "attention": ("attn", "mask"),
+             "generate": ("attn", "padding", "weights", "cache")}[mode]
+    explore(bench, examples, limits_strategies(bench, BENCH_SIZES, BENCH_SKIP),
+            lambda out: [f"--mode={mode}", *base, f"--out_dir={out}"], lists)
 
 
 def check_export(checkpoint, examples):
-    @fuzz(examples)
-    @given(st.data())
-    def run(data):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out"
-            fuzzed = {"temperature": st.sampled_from([0.0, 0.8]), "top_k": st.sampled_from([1, 200])}
-            argv, valid = data.draw(command_lines(export_hf, fuzzed, [f"--out_dir={checkpoint}",
-                                                                       f"--hf_dir={out / 'hf'}"]))
-            holds(export_hf.main, argv, valid, out, checkpoint)
-    run()
+    explore(export_hf, examples, {"temperature": st.sampled_from([0.0, 0.8]), "top_k": st.sampled_from([1, 200])},
+            lambda out: [f"--out_dir={checkpoint}", f"--hf_dir={out / 'hf'}"], (), checkpoint)
 
 
 # time_to_loss launches train.py: here a stand-in that logs a falling val loss for whatever it is given
@@ -266,45 +250,26 @@ def check_time_to_loss(monkeypatch, examples):
     extra = st.lists(st.sampled_from(["--max_iters=2", "--dropout=0.0", "--n_layer=1", "--attn=manual"]),
                      max_size=2).map(" ".join)
 
-    @fuzz(examples)
-    @given(st.data())
-    def run(data):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out"
-            fuzzed = {"compare": st.sampled_from(["quickstart", "doc_mask", "attn", "gpu"]),
-                      "target": st.sampled_from([1.0, 2.5]), "runs": st.integers(1, 2), "full": st.booleans(),
-                      "extra": extra}
-            argv, valid = data.draw(command_lines(time_to_loss, fuzzed, [f"--out_dir={out}"]))
-            holds(time_to_loss.main, argv, valid, out, Path(tmp))
-    run()
+    fuzzed = {"compare": st.sampled_from(["quickstart", "doc_mask", "attn", "gpu"]),
+              "target": st.sampled_from([1.0, 2.5]), "runs": st.integers(1, 2), "full": st.booleans(), "extra": extra}
+    explore(time_to_loss, examples, fuzzed, lambda out: [f"--out_dir={out}"])
 
 
-# -- the tests: a handful per script in the fast tier, many in the slow one -----------------------------
+# -- the test: a handful per script in the fast tier, many in the slow one -------------------------------
 
+SCRIPTS = ["train", "sample --compare", "bench train", "bench attention", "bench generate", "export_hf",
+           "time_to_loss --extra"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
-def test_train_settings_end_in_a_run_or_one_sentence(char_data_session, examples):
-    check_train(char_data_session, examples)
-
-
-@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
-def test_sample_settings_with_compare_end_in_samples_or_one_sentence(checkpoint, examples):
-    check_sample(checkpoint, examples)
-
-
-@pytest.mark.parametrize("mode", ["train", "attention", "generate"])
-@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
-def test_bench_settings_in_every_mode_end_in_a_table_or_one_sentence(mode, examples):
-    check_bench(mode, examples)
-
-
-@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
-def test_export_settings_end_in_an_export_or_one_sentence(checkpoint, examples):
-    check_export(checkpoint, examples)
-
-
-@pytest.mark.parametrize("examples", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)])
-def test_time_to_loss_settings_with_extra_end_in_a_table_or_one_sentence(monkeypatch, examples):
-    check_time_to_loss(monkeypatch, examples)
+def test_every_combination_of_a_scripts_settings_ends_in_its_output_or_one_sentence(script, examples, request):
+    fixture = request.getfixturevalue
+    {"train": lambda: check_train(fixture("char_data_session"), examples),
+     "sample --compare": lambda: check_sample(fixture("checkpoint"), examples),
+     "export_hf": lambda: check_export(fixture("checkpoint"), examples),
+     "time_to_loss --extra": lambda: check_time_to_loss(fixture("monkeypatch"), examples),
+     }.get(script, lambda: check_bench(script.split()[-1], examples))()
 
 
 @pytest.mark.slow
