@@ -143,7 +143,7 @@ def test_a_decision_naming_an_implementation_that_no_longer_exists_is_measured_a
 
 
 def test_a_peak_flops_cache_holding_anything_else_is_measured_again_and_rewritten(char_data, tmp_path, monkeypatch,
-                                                                                  capsys):
+                                                                                  capsys, measured_alone):
     """A training run on a CPU reads it for MFU: it once died with a traceback on a list."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cache = tmp_path / "nanogpt-attn" / "peak_flops.json"
