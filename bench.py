@@ -122,14 +122,8 @@ SIZES = {
                 attn_batch=1, attn_heads=4, attn_seq_lens="256,512,1024,2048", attn_head_sizes="32,64"),
 }
 
-# Generation at batch 1 is bound by reading the weights. CPU: a 10M-parameter character model the size of nanoGPT's
-# shakespeare_char recipe (6 x 384, block 256), 255 tokens from one. CUDA: GPT-2 124M at its full context.
-# Every compiled row compiles once (on 2 CPU cores ~20-60 s with autotuning), so a CPU's default rows are few: manual
-# and sdpa (on a CPU sdpa runs flash), fp32 and int8 weights, and bf16 only where bf16 is native (an AVX2 CPU
-# emulates it at ~20x fp32's cost), with 127 new tokens (255 took 8 minutes on an AVX2 CPU, most of it in the
-# no-cache rows). A GPU's rows: manual and sdpa (the baselines) with bf16 weights: compiling is most of a GPU's sweep
-# (GENERATE_COMPILE_S), and the earlier default (manual, sdpa, flash x fp32, bf16, int8: 9 compiled rows) took 7 min.
-# --attn=all --weights=float32,bfloat16,int8 --new_tokens=255 for docs/bench.md's table.
+# Generation at batch 1 is bound by reading the weights. CPU: the size of nanoGPT's shakespeare_char recipe (6 x 384,
+# block 256); GPU: GPT-2 124M. Few default rows, since each compiled one compiles once (docs/bench.md, "Generation").
 GENERATE_SIZES = {
     "cuda": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024, new_tokens=127, iters=3,
                  attn="sdpa", weights="bfloat16"),
@@ -303,10 +297,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     return rows
 
 
-# Seconds one compiled generate row spends compiling (its decode step and its prefill), as measured: on an H200 (16
-# host cores, torch 2.11) 44-57 s for GPT-2 124M (fp32, bf16, int8 weights) in one run, 7-15 s (bf16, the default's
-# two rows) in another that followed the GPU suite on the same machine (inductor's on-disk caches may have been warm);
-# on 2 AVX2 cores 20-60 s for the 6 x 384 model. Compiling is most of a sweep, so the plan line multiplies it out.
+# Seconds one compiled generate row spends compiling, as measured (docs/bench.md): the plan line multiplies it out.
 GENERATE_COMPILE_S = {"cuda": (7, 60), "cpu": (20, 60)}
 
 
