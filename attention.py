@@ -220,12 +220,6 @@ def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size
     return attention_problem(attn, device_type, dtype, 0.0, head_size, False, 16, decode_step="masked") is None
 
 
-def reads_written_keys(attn: str, q: torch.Tensor) -> bool:
-    """Whether an eager decode step reads only the keys written so far, not the whole cache and a mask: a kernel
-    that takes no mask (CUDA's flash), or eager flex off CUDA, where a score mod costs more than the whole step."""
-    return not decodes_with_mask(attn, q.device.type, q.dtype, q.size(-1)) or (attn in FLEX and not q.is_cuda)
-
-
 def decode_form(attn: str, span: masks.Span, kv_len: int):
     """A decode step's span in `attn`'s form: flex's score mod reads the interval itself (span_score_mod), the others
     a dense (1 or B, 1, 1, kv_len) row over the whole cache, so a compiled decode step keeps one shape."""
@@ -233,10 +227,11 @@ def decode_form(attn: str, span: masks.Span, kv_len: int):
 
 
 def decode_inputs(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: masks.Span):
-    """k, v and the mask of a decode step: where the whole-cache mask does not suit the kernel (eager:
-    reads_written_keys) and every row sees the same interval, the keys in it and no mask; else the whole cache and
-    the span in `attn`'s form."""
-    if not torch.compiler.is_compiling() and reads_written_keys(attn, q):
+    """k, v and the mask of a decode step: eagerly, where the whole-cache mask does not suit the kernel (one that
+    takes no mask, CUDA's flash; or flex off CUDA, where a score mod costs more than the whole step) and every row
+    sees the same interval, the keys in it and no mask; else the whole cache and the span in `attn`'s form."""
+    if not torch.compiler.is_compiling() and (  # compiled steps keep one shape: the whole cache
+            not decodes_with_mask(attn, q.device.type, q.dtype, q.size(-1)) or (attn in FLEX and not q.is_cuda)):
         if span.bounds is None:  # one read per decode step, shared by every layer (compiled steps make none)
             span.bounds = tuple(torch.stack([*span.start.aminmax(), span.end[0]]).tolist())
         first, last, end = span.bounds
@@ -369,7 +364,7 @@ class Attention:
                  training: bool = False) -> torch.Tensor:
         """`training`: the calling module's mode; with gradients on, the call is checked with its backward."""
         decoding = isinstance(mask, masks.Span)  # a decode step: only generation makes one
-        if decoding:  # the span in this implementation's form, or the written keys alone (reads_written_keys)
+        if decoding:  # the span in this implementation's form, or the written keys alone (decode_inputs)
             k, v, mask = decode_inputs(self.name, q, k, v, mask)
         if torch.compiler.is_compiling():  # compiled code was checked before it was traced
             return self.fn(q, k, v, mask, dropout_p)

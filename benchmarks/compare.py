@@ -162,7 +162,7 @@ def appendix_a(qkv: tuple[torch.Tensor, ...], dtype: str) -> dict:
 # comparison
 
 @dataclass
-class Run:
+class Comparison:
     """What every implementation in a comparison runs with."""
     rt: Runtime
     reduced: str  # the reduced precision reported next to fp32
@@ -178,7 +178,7 @@ class Run:
                                  config.block_size, config.mask.restricted)
 
 
-def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str], dict[str, str]]:
+def resolve_compare(compare: str, run: Comparison, config: GPTConfig) -> tuple[list[str], dict[str, str]]:
     """The implementations asked for, in order, and why those that cannot run here are skipped."""
     names = attention_names(compare)
     skipped = {n: p for n in names if (p := run.problem(n, run.rt.dtype, config))}
@@ -187,7 +187,7 @@ def resolve_compare(compare: str, run: Run, config: GPTConfig) -> tuple[list[str
     return names, skipped
 
 
-def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
+def compare_one(model: GPT, run: Comparison, first: Optional[list[list[int]]]) -> dict:
     """Generation with and without the KV cache, and teacher-forced logits, of one implementation."""
     sampling, decoder = run.sampling, Decoder(model, run.compile, dtype=run.rt.torch_dtype)  # draws under autocast
     warmup = full_warmup(model, sampling)
@@ -206,7 +206,7 @@ def compare_one(model: GPT, run: Run, first: Optional[list[list[int]]]) -> dict:
     return result
 
 
-def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped: dict[str, str],
+def run_compare(model: GPT, tok: Tokenizer, run: Comparison, names: list[str], skipped: dict[str, str],
                 data: Optional[Path] = None) -> dict:
     """Every runnable implementation in turn, its samples printed as they come; returns all the numbers."""
     ids = numerics_ids(tok, run.prompt, model.config.block_size)
@@ -256,7 +256,7 @@ def run_compare(model: GPT, tok: Tokenizer, run: Run, names: list[str], skipped:
     return report
 
 
-def print_comparison(run: Run, report: dict) -> None:
+def print_comparison(run: Comparison, report: dict) -> None:
     """The summary tables (bench.py's layout): generation, teacher-forced logits, Appendix A."""
     sampling, gens, dts = run.sampling, report["implementations"], ("float32", run.reduced)
     first, short = next(iter(gens)), {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -337,7 +337,7 @@ def held_out_loss(model: GPT, windows: torch.Tensor) -> tuple[float, torch.Tenso
     return sum(losses) / windows.size(0), torch.cat(greedy)
 
 
-def weights_study(model: GPT, run: Run, quantize: str, data: Optional[Path]) -> dict:
+def weights_study(model: GPT, run: Comparison, quantize: str, data: Optional[Path]) -> dict:
     """The same weights in fp32, in the reduced dtype and as int8 (activations in the run's dtype): their memory,
     greedy tokens/s with the KV cache, loss on held-out text, and how often their greedy tokens agree with fp32's
     (teacher-forced on the held-out text, and in one greedy sample)."""
@@ -359,7 +359,7 @@ def weights_study(model: GPT, run: Run, quantize: str, data: Optional[Path]) -> 
     return {"held_out": source, "held_out_tokens": windows[:, 1:].numel(), "rows": rows}
 
 
-def print_weights_study(study: dict, run: Run) -> None:
+def print_weights_study(study: dict, run: Comparison) -> None:
     print(f"\n== weights: held-out loss on {study['held_out']} ({study['held_out_tokens']} tokens); agreement = "
           f"greedy token equal to fp32's, teacher-forced; greedy sample of {run.sampling.max_new_tokens} tokens")
     rows = [dict(r, weights=label, status="ok") for label, r in study["rows"].items()]
@@ -375,7 +375,7 @@ def compare(spec: str, model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampli
             compile: bool, quantize: str = "", data: Optional[Path] = None) -> dict:
     """sample.py --compare=SPEC: every implementation asked for, then the summary tables; returns the numbers.
     With quantize, also the weights study, through the first implementation that ran."""
-    run = Run(rt, reduced_dtype(rt), sampling, prompt, compile)
+    run = Comparison(rt, reduced_dtype(rt), sampling, prompt, compile)
     names, skipped = resolve_compare(spec, run, model.config)
     report = run_compare(model, tok, run, names, skipped, data)
     print_comparison(run, report)

@@ -211,7 +211,7 @@ def test_pre_scaling_by_a_power_of_two_rounds_nothing():
 
 
 def test_compare_names_are_checked_and_unrunnable_ones_skipped_with_the_reason():
-    run = compare.Run(CPU_FP32, "bfloat16", SAMPLING, [0], False)
+    run = compare.Comparison(CPU_FP32, "bfloat16", SAMPLING, [0], False)
     names, skipped = compare.resolve_compare("sdpa, manual,sdpa,efficient", run, GPTConfig(**TINY))
     assert names == ["sdpa", "manual", "efficient"]  # in the order given, each once
     assert skipped == {"efficient": "the memory-efficient kernel is CUDA-only"}
