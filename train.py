@@ -304,12 +304,12 @@ def train_loop(run: Run, resumed_at: int | None) -> None:
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
             if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (log_step)
                 out_of_time = cfg.max_seconds > 0 and timer.total >= cfg.max_seconds
-            ends = run.iter_num >= cfg.max_iters or run.iter_num % cfg.eval_interval == 0
-            if pending is not None and (ends or out_of_time):  # the training line before the evaluation's
+            evaluating = run.iter_num >= cfg.max_iters or run.iter_num % cfg.eval_interval == 0 or out_of_time
+            if pending is not None and evaluating:  # the training line before the evaluation's (it may say: stop)
                 out_of_time |= run.log_step(*pending, timer, peak_flops)
                 pending = None
             done = run.iter_num >= cfg.max_iters or out_of_time
-            if (done or run.iter_num % cfg.eval_interval == 0) and run.iter_num != resumed_at:
+            if evaluating and run.iter_num != resumed_at:
                 timer.pause(last)
                 # the lr both of iter N's lines show: the rate of the step that made iter N's weights
                 last_lr = cfg.learning_rate * lr_multiplier(max(0, run.iter_num - 1), cfg)
