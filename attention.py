@@ -1,20 +1,10 @@
 """
-The attention implementations model.GPT switches between, and the one place that decides which can run here.
-
-Every function in ATTENTION computes the same causal attention; they differ only in which kernel PyTorch runs:
+The attention implementations GPT switches between (IMPLEMENTATIONS), and the one decision whether one runs here
+(attention_problem). Each computes the same causal attention with another kernel:
 
     q: (B, nh, Tq, hs), k and v: (B, nh, Tk, hs) -> (B, nh, Tq, hs)
-    mask None: causal, aligned to the end: query i sees keys 0 .. i + Tk - Tq. With Tq == Tk that is the usual
-        causal mask (training, a prompt); with one query it is every key (a decode step over exactly the
-        positions written so far).
-    mask a (Tq, Tk) or (B, 1, Tq, Tk) bool tensor, True where attention is allowed; or, with doc_mask or a
-        window in training and prefill, the form the implementation takes (mask_form: a dense mask, a BlockMask,
-        or varlen's packing). A decode step over a fixed-size KV cache (one shape, so it compiles once) sees one
-        interval of it per row, a masks.Span: flex reads it as such, the others as a dense (1 or B, 1, 1, Tk) row
-        (decode_inputs).
-
-GPT resolves its implementation once (an Attention, called by every layer) and checks it where it will
-run (check_attention, from GPT.set_attention); a kernel that still refuses a call is reported in the same words.
+    mask None: causal, aligned to the end (query i sees keys 0 .. i + Tk - Tq); else documents and a window in the
+        implementation's form (doc_window_mask), or a decode step's masks.CacheSpan (decode_inputs).
 """
 
 import functools
@@ -143,7 +133,7 @@ def _flex() -> AttentionFn:
         # a decode step's span is read by a score mod; training and prefill take a block mask, causal or the
         # documents' and window's (built once per forward by the model)
         score_mod = None
-        if isinstance(mask, masks.Span):
+        if isinstance(mask, masks.CacheSpan):
             score_mod = span_score_mod(mask, k.size(-2), not q.is_cuda)
         block_mask = mask if isinstance(mask, BlockMask) else None
         if mask is None and q.size(-2) > 1:
@@ -168,8 +158,8 @@ def varlen_attention(q, k, v, mask, dropout_p):
         return sdpa_attention(q, k, v, mask, dropout_p)
     B, nh, Tq, hs = q.shape
     Tk = k.size(-2)  # more keys than queries: a one-query step over the written keys, causal aligned to the end
-    packing = mask if mask is not None else masks.packed(None, 0, B, Tq, q.device)  # Tq == Tk with documents
-    keys = packing if Tk == Tq else masks.packed(None, 0, B, Tk, q.device)
+    packing = mask if mask is not None else masks.varlen_packing(None, 0, B, Tq, q.device)  # Tq == Tk with documents
+    keys = packing if Tk == Tq else masks.varlen_packing(None, 0, B, Tk, q.device)
     window_size = (packing.window - 1 if packing.window else -1, 0)  # (-1, 0): causal, bottom-right aligned
     q = q.transpose(1, 2).reshape(B * Tq, nh, hs)  # (B*Tq, nh, hs): rows end to end
     k, v = (t.transpose(1, 2).reshape(B * Tk, nh, hs) for t in (k, v))  # (B*Tk, nh, hs)
@@ -178,7 +168,7 @@ def varlen_attention(q, k, v, mask, dropout_p):
     return y.reshape(B, Tq, nh, hs).transpose(1, 2)
 
 
-ATTENTION: dict[str, AttentionFn] = {
+IMPLEMENTATIONS: dict[str, AttentionFn] = {
     "manual": manual_attention,
     "sdpa_mask": sdpa_mask_attention,
     "sdpa": sdpa_attention,
@@ -191,42 +181,33 @@ ATTENTION: dict[str, AttentionFn] = {
 }
 FLEX = {"flex"}  # FlexAttention: block masks, score mods, compiled
 
-def mask_form(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
+def doc_window_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
     """The mask `attn` takes for training or a prefill with documents (docs (B, T), or None) and/or a window: a
     BlockMask for flex, varlen's packing, a dense mask for the others."""
     if attn in FLEX:
         return masks.block_mask(docs, window, T, device)
     if attn == "varlen":
-        return masks.packed(docs, window, B, T, device)
+        return masks.varlen_packing(docs, window, B, T, device)
     return masks.dense_mask(docs, window, T, device)
 
 
-def mask_for(attn: str, spec: masks.MaskSpec, idx: torch.Tensor):
-    """The mask value of the settings, for a batch of tokens idx (B, T), in `attn`'s form; None: plain causal."""
-    if not spec.restricted:
-        return None
-    docs = masks.document_ids(idx, spec.eot_token) if spec.documents else None  # (B, T)
-    return mask_form(attn, docs, spec.window, idx.size(0), idx.size(1), idx.device)
-
-
 # -----------------------------------------------------------------------------
-# a decode step: the interval of the KV cache it sees (a masks.Span, made by decode.KVCache.step) in each
+# a decode step: the interval of the KV cache it sees (a masks.CacheSpan, made by decode.KVCache.step) in each
 # implementation's form, and which kernels take a mask for it at all
 
 def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether `attn` takes an explicit mask for a decode step over a fixed-size KV cache (attention_problem's
-    answer). CUDA's flash kernel takes none: eager decoding then reads exactly the positions written so far, and
-    compiled decoding (one shape for every position) cannot use it."""
-    return attention_problem(attn, device_type, dtype, 0.0, head_size, False, 16, decode_step="masked") is None
+    """Whether `attn` takes a mask for a decode step over the whole cache. CUDA's flash takes none: eager decoding
+    then reads the written keys alone, and compiled decoding (one shape for every position) cannot use it."""
+    return attention_problem(attn, AttnCall(device_type, dtype, 0.0, head_size, False, 16, decode_step="masked")) is None
 
 
-def decode_form(attn: str, span: masks.Span, kv_len: int):
+def span_mask(attn: str, span: masks.CacheSpan, kv_len: int):
     """A decode step's span in `attn`'s form: flex's score mod reads the interval itself (span_score_mod), the others
     a dense (1 or B, 1, 1, kv_len) row over the whole cache, so a compiled decode step keeps one shape."""
     return span if attn in FLEX else masks.span_rows(span, kv_len)
 
 
-def decode_inputs(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: masks.Span):
+def decode_inputs(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: masks.CacheSpan):
     """k, v and the mask of a decode step: eagerly, where the whole-cache mask does not suit the kernel (one that
     takes no mask, CUDA's flash; or flex off CUDA, where a score mod costs more than the whole step) and every row
     sees the same interval, the keys in it and no mask; else the whole cache and the span in `attn`'s form."""
@@ -237,10 +218,10 @@ def decode_inputs(attn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         first, last, end = span.bounds
         if first == last:
             return k[:, :, first:end], v[:, :, first:end], None
-    return k, v, decode_form(attn, span, k.size(-2))
+    return k, v, span_mask(attn, span, k.size(-2))
 
 
-def span_score_mod(span: masks.Span, kv_len: int, on_cpu: bool):
+def span_score_mod(span: masks.CacheSpan, kv_len: int, on_cpu: bool):
     # A decode step's one query row has no blocks worth skipping: the score mod keeps the keys of the row's span,
     # read as its first key and its length, (1 or B,) each.
     first, length = span.start, span.end - span.start
@@ -262,32 +243,47 @@ def span_score_mod(span: masks.Span, kv_len: int, on_cpu: bool):
 # what can run here: we ask PyTorch by running each implementation once, because which kernel accepts which
 # device/dtype/dropout/head size/layout changes from release to release.
 
+@dataclass(frozen=True)
+class AttnCall:
+    """What decides whether a kernel takes a call, beside the implementation's name."""
+    device_type: str
+    dtype: torch.dtype
+    dropout_p: float
+    head_size: int
+    needs_grad: bool
+    seq_len: int = 64             # training is checked at its own length (cuDNN's hazard depends on it)
+    masked: bool = False          # with a document or window mask
+    decode_step: bool | str = True  # inference also checked as a decode step; False: whole sequences only;
+                                    # "masked": a decode step over the whole cache with a mask, alone
+
+    def describe(self) -> str:
+        mask = ", a document or window mask" if self.masked else ""
+        return (f"for {'training' if self.needs_grad else 'inference'} on {self.device_type} in "
+                f"{str(self.dtype).removeprefix('torch.')} with dropout={self.dropout_p}{mask} and head size "
+                f"{self.head_size}")
+
+
 @functools.lru_cache(maxsize=None)
-def attention_problem(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                      needs_grad: bool, seq_len: int = 64, masked: bool = False,
-                      decode_step: bool | str = True) -> Optional[str]:
-    """None if `attn` runs here (`masked`: with a document or window mask), else why not: the one answer, cached,
-    that training, sampling, decoding, bench and attn=auto ask. Inference is checked with a decode step too, unless
-    `decode_step` is False (an evaluation or a prompt: whole sequences only); "masked": a decode step over the whole
-    cache with a mask, alone (decodes_with_mask)."""
-    cpu = device_type == "cpu"
-    if attn in ("efficient", "cudnn") and device_type != "cuda":
+def attention_problem(attn: str, call: AttnCall) -> Optional[str]:
+    """None if `attn` runs `call` here, else why not: the one answer, cached, that training, sampling, decoding,
+    bench and attn=auto ask."""
+    cpu, cuda = call.device_type == "cpu", call.device_type == "cuda"
+    if attn in ("efficient", "cudnn") and not cuda:
         return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
-    if attn == "varlen" and device_type != "cuda":
+    if attn == "varlen" and not cuda:
         return "varlen_attn is CUDA-only (FlashAttention's variable-length kernel)"
-    if (attn in FLEX or attn == "varlen") and dropout_p > 0:
+    if (attn in FLEX or attn == "varlen") and call.dropout_p > 0:
         return f"{'varlen_attn' if attn == 'varlen' else 'FlexAttention'} has no attention dropout"
-    if attn in FLEX and cpu and needs_grad:
+    if attn in FLEX and cpu and call.needs_grad:
         return "FlexAttention has no backward pass on CPU"
-    if attn == "flash" and cpu and dropout_p > 0:
+    if attn == "flash" and cpu and call.dropout_p > 0:
         return "the CPU flash kernel does not support dropout"
-    if attn == "cudnn" and device_type == "cuda":
+    if attn == "cudnn" and cuda:
         from core import kernels  # a CUDA run's
-        hazard = kernels.cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
+        hazard = kernels.cudnn_mask_hazard(attn, call.needs_grad, call.masked, call.seq_len, *kernels.cuda_facts())
         if hazard is not None:
             return hazard
-    return probe(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked=masked,
-                 decode_step=decode_step)
+    return probe(attn, call)
 
 
 def attention_pass(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
@@ -308,37 +304,33 @@ def attention_pass(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return run
 
 
-def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-           needs_grad: bool, seq_len: int, masked: bool = False, decode_step: bool | str = True) -> Optional[str]:
-    """Run `attn` on what the model really passes it: q, k, v as strided views of one projection at the full
-    sequence length (with backward when training; with `masked`, two documents and a window in the form `attn`
-    takes), and for inference also a one-query decode step against a longer KV cache: a slice of exactly the
-    written positions, or with decode_step="masked" (alone) the whole cache and a mask. Kernels' limits differ
-    between these layouts."""
-    T = seq_len
+def probe(attn: str, call: AttnCall) -> Optional[str]:
+    """Run `attn` on what the model really passes it, since kernels' limits differ between layouts: q, k, v as
+    strided views of one projection (with backward when training), and for inference a one-query decode step over
+    a longer cache: a slice of the written keys, or (decode_step="masked") the whole cache and a mask."""
+    T, hs, device, dtype = call.seq_len, call.head_size, call.device_type, call.dtype
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
-    # forward (the first call with new facts): in exactly `dtype`, whatever autocast says, and with gradients
-    # when it checks training, whatever no_grad says
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []), \
-            torch.autocast(device_type, enabled=False), torch.set_grad_enabled(needs_grad):
-        qkv = torch.randn(1, T, 3 * head_size, device=device_type, dtype=dtype, requires_grad=needs_grad)
-        q, k, v = (t.view(1, T, 1, head_size).transpose(1, 2) for t in qkv.split(head_size, dim=2))  # (1, 1, T, hs)
-        cache = torch.randn(2, 1, T + 8, head_size, device=device_type, dtype=dtype)  # (k|v, 1, T + 8, hs)
+    # forward: in exactly `dtype` whatever autocast says, with gradients when training whatever no_grad says
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []), \
+            torch.autocast(device, enabled=False), torch.set_grad_enabled(call.needs_grad):
+        qkv = torch.randn(1, T, 3 * hs, device=device, dtype=dtype, requires_grad=call.needs_grad)
+        q, k, v = (t.view(1, T, 1, hs).transpose(1, 2) for t in qkv.split(hs, dim=2))  # (1, 1, T, hs)
+        cache = torch.randn(2, 1, T + 8, hs, device=device, dtype=dtype)  # (k|v, 1, T + 8, hs)
         try:
             with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
                 warnings.simplefilter("always")
-                if decode_step == "masked":
-                    written = masks.Span(torch.zeros(1, dtype=torch.long, device=device_type),
-                                         torch.full((1,), T, device=device_type))  # the last 8 unwritten
-                    ATTENTION[attn](q[:, :, -1:], cache[:1], cache[1:], decode_form(attn, written, T + 8), 0.0)
+                if call.decode_step == "masked":
+                    written = masks.CacheSpan(torch.zeros(1, dtype=torch.long, device=device),
+                                              torch.full((1,), T, device=device))  # the last 8 unwritten
+                    IMPLEMENTATIONS[attn](q[:, :, -1:], cache[:1], cache[1:], span_mask(attn, written, T + 8), 0.0)
                     return None
                 mask = None
-                if masked:
-                    docs = (torch.arange(T, device=device_type) >= T // 2).long()[None]  # (1, T): two documents
-                    mask = mask_form(attn, docs, T // 4, 1, T, device_type)
-                attention_pass(ATTENTION[attn], q, k, v, mask, dropout_p, needs_grad)()
-                if not needs_grad and decode_step:
-                    ATTENTION[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
+                if call.masked:
+                    docs = (torch.arange(T, device=device) >= T // 2).long()[None]  # (1, T): two documents
+                    mask = doc_window_mask(attn, docs, T // 4, 1, T, device)
+                attention_pass(IMPLEMENTATIONS[attn], q, k, v, mask, call.dropout_p, call.needs_grad)()
+                if not call.needs_grad and call.decode_step:
+                    IMPLEMENTATIONS[attn](q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
         except (RuntimeError, NotImplementedError) as e:
             from core import kernels  # read only when a kernel refuses
             reason = kernels.refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
@@ -347,44 +339,40 @@ def probe(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, hea
 
 
 @dataclass(frozen=True)
-class Attention:
-    """An implementation resolved once (GPT.set_attention), called by every layer with ATTENTION's signature; the
-    mask may also be a decode step's masks.Span, which it hands on in the implementation's form. Its first eager
-    call with new facts (device, the dtype q really has under autocast or mixed precision, gradients or not, dropout,
-    head size, a mask) asks attention_problem, whose cache makes every later call a lookup: a refusal is one
-    sentence before any kernel runs, whoever built the model and however it was set."""
-    name: str  # a key of ATTENTION
-    probe_len: int = 64  # the length inference is checked at (the model's block_size): one probe, whatever the prompt
+class Implementation:
+    """An implementation resolved once (GPT.set_attention) and called by every layer. Its first eager call with new
+    facts asks attention_problem (cached: every later call is a lookup), so a refusal is one sentence before any
+    kernel runs, however the model was built."""
+    name: str             # a key of IMPLEMENTATIONS
+    block_size: int = 64  # inference is checked at this one length, whatever the prompt
 
     @property
     def fn(self) -> AttentionFn:
-        return ATTENTION[self.name]
+        return IMPLEMENTATIONS[self.name]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
                  training: bool = False) -> torch.Tensor:
         """`training`: the calling module's mode; with gradients on, the call is checked with its backward."""
-        decoding = isinstance(mask, masks.Span)  # a decode step: only generation makes one
-        if decoding:  # the span in this implementation's form, or the written keys alone (decode_inputs)
+        decoding = isinstance(mask, masks.CacheSpan)  # a decode step: only generation makes one
+        if decoding:
             k, v, mask = decode_inputs(self.name, q, k, v, mask)
         if torch.compiler.is_compiling():  # compiled code was checked before it was traced
             return self.fn(q, k, v, mask, dropout_p)
-        masked = mask is not None and not decoding
         needs_grad = training and q.requires_grad  # an eval-mode forward with gradients on is still inference
-        # training is checked at its own length (cuDNN's hazard depends on it), inference at one length for all
-        seq_len = q.size(-2) if needs_grad else self.probe_len
-        # a decode step is checked as one, an evaluation or a prompt (whole sequences) without one
-        facts = (q.device.type, q.dtype, dropout_p, q.size(-1), needs_grad, seq_len, masked, q.size(-2) == 1)
-        check_attention(self.name, *facts)
+        call = AttnCall(q.device.type, q.dtype, dropout_p, q.size(-1), needs_grad,
+                        q.size(-2) if needs_grad else self.block_size, mask is not None and not decoding,
+                        q.size(-2) == 1)
+        check_attention(self.name, call)
         try:
             return self.fn(q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)
         except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the probe could not foresee
             if "No available kernel" not in str(e):
                 raise
-            check_attention(self.name, *facts, problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
+            check_attention(self.name, call, problem=f"PyTorch refused q of shape {tuple(q.shape)} at run time")
             raise
 
 
-@functools.lru_cache(maxsize=None)  # once per process and setting: every call is checked
+@functools.lru_cache(maxsize=None)  # once per process and setting
 def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) -> None:
     from core import kernels  # a CUDA run's
     hazard = kernels.cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *kernels.cuda_facts())
@@ -392,21 +380,13 @@ def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) 
         print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
 
 
-def check_attention(attn: str, device_type: str, dtype: torch.dtype, dropout_p: float, head_size: int,
-                    needs_grad: bool, seq_len: int = 64, masked: bool = False, decode_step: bool = True,
-                    problem: Optional[str] = None) -> None:
-    """Raise UserError, naming what can run instead, if `attn` cannot run with these settings (`masked`: with a
-    document or window mask), or if the caller already knows the `problem`, say a kernel that refused a real call."""
-    problem = problem or attention_problem(attn, device_type, dtype, dropout_p, head_size, needs_grad, seq_len,
-                                           masked, decode_step)
+def check_attention(attn: str, call: AttnCall, problem: Optional[str] = None) -> None:
+    """Raise UserError, naming what can run instead, if `attn` cannot run `call` here, or if the caller already
+    knows the `problem` (a kernel that refused a real call)."""
+    problem = problem or attention_problem(attn, call)
     if problem is None:
-        if device_type == "cuda" and attn in ("sdpa", "sdpa_mask"):  # SDPA may pick cuDNN: it runs, with a warning
-            _warn_cudnn_hazard(attn, needs_grad, masked, seq_len)
+        if call.device_type == "cuda" and attn in ("sdpa", "sdpa_mask"):  # SDPA may pick cuDNN: it runs, warned
+            _warn_cudnn_hazard(attn, call.needs_grad, call.masked, call.seq_len)
         return
-    runnable = [a for a in ATTENTION if a != attn and attention_problem(
-        a, device_type, dtype, dropout_p, head_size, needs_grad, seq_len, masked, decode_step) is None]
-    dtype_name = str(dtype).removeprefix("torch.")
-    mode = "training" if needs_grad else "inference"
-    mask = ", a document or window mask" if masked else ""
-    raise UserError(f"attn='{attn}' cannot run for {mode} on {device_type} in {dtype_name} with dropout={dropout_p}"
-                    f"{mask} and head size {head_size}: {problem}; use one of {', '.join(runnable)}.")
+    runnable = [a for a in IMPLEMENTATIONS if a != attn and attention_problem(a, call) is None]
+    raise UserError(f"attn='{attn}' cannot run {call.describe()}: {problem}; use one of {', '.join(runnable)}.")

@@ -108,19 +108,19 @@ def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Ca
     """One timed call of `attn`: forward and backward for training; for sampling a prefill of the prompt and a
     decode step over a cache of block_size positions. Returns the prefill's or the forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
-    mask = attention.mask_form(attn, docs, w.window, w.batch_size, w.seq_len, q.device) \
+    mask = attention.doc_window_mask(attn, docs, w.window, w.batch_size, w.seq_len, q.device) \
         if w.documents or w.window else None
-    fn = compiled(attention.ATTENTION[attn])
+    fn = compiled(attention.IMPLEMENTATIONS[attn])
     if w.training:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         return attention.attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
     cache = torch.cat([k, k.new_zeros(k.size(0), k.size(1), w.block_size - w.seq_len, k.size(-1))], dim=2)
-    span = masks.Span(torch.zeros(1, dtype=torch.long, device=q.device),
+    span = masks.CacheSpan(torch.zeros(1, dtype=torch.long, device=q.device),
                       torch.full((1,), w.seq_len, device=q.device))  # the prompt written, the step reads it
 
     prefill = attention.attention_pass(fn, q, k, v, mask, 0.0, backward=False)
     decode_step = attention.attention_pass(fn, q[:, :, -1:], cache, cache,
-                                           attention.decode_form(attn, span, w.block_size), 0.0, backward=False)
+                                           attention.span_mask(attn, span, w.block_size), 0.0, backward=False)
 
     def sample_step() -> torch.Tensor:
         y = prefill()
@@ -153,9 +153,10 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
     if compiled is None:
         compiled = compile_isolated if w.compiled else (lambda fn: fn)
     data, rows, calls = inputs(w, rt.device), {}, {}
-    for attn in attention.ATTENTION:
-        problem = attention.attention_problem(attn, rt.device_type, getattr(torch, w.dtype), w.dropout,
-                                              w.head_size, w.training, w.seq_len, masked=w.documents or bool(w.window))
+    for attn in attention.IMPLEMENTATIONS:
+        problem = attention.attention_problem(attn, attention.AttnCall(
+            rt.device_type, getattr(torch, w.dtype), w.dropout, w.head_size, w.training, w.seq_len,
+            masked=w.documents or bool(w.window)))
         rows[attn] = dict(attn=attn, status="refused" if problem else "ok", ms=None, ratio=None, reason=problem)
         if problem is None:
             calls[attn] = attention_call(attn, w, data, compiled)
@@ -190,7 +191,7 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
 
 def is_decision(entry) -> bool:
     """An entry of the decision cache as choose() writes it, naming an implementation this code has."""
-    return (isinstance(entry, dict) and entry.get("pick") in attention.ATTENTION
+    return (isinstance(entry, dict) and entry.get("pick") in attention.IMPLEMENTATIONS
             and isinstance(entry.get("rows"), list) and all(isinstance(row, dict) for row in entry["rows"]))
 
 
@@ -246,7 +247,7 @@ def choose_for_training(model, cfg, rt: Runtime, checkpoint=None) -> dict:
     w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
                     compiled=cfg.compile)
     saved = (checkpoint.settings.get("attn_auto") if checkpoint is not None else None) or {}
-    if saved.get("attn_auto/workload") == w.key() and saved.get("attn_auto/pick") in attention.ATTENTION:
+    if saved.get("attn_auto/workload") == w.key() and saved.get("attn_auto/pick") in attention.IMPLEMENTATIONS:
         if rt.is_master:
             print(f"attn=auto: {saved['attn_auto/pick']}, as the checkpoint decided for {w.describe()}")
         return {**saved, "attn_auto/cached": True}

@@ -34,10 +34,10 @@ from core import runtime
 from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
 from core.configurator import Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
-from attention import ATTENTION, FLEX, attention_pass, attention_problem, reset_compiled_flex
+from attention import FLEX, IMPLEMENTATIONS, AttnCall, attention_pass, attention_problem, reset_compiled_flex
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
-from benchmarks.bench_train import Workbench, auto_rows, build_trainer, fits  # noqa: F401 - Workbench: for tests
+from benchmarks.bench_train import SharedTrainer, auto_rows, build_trainer, fits  # noqa: F401 - SharedTrainer: for tests
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from core.runtime import Runtime
@@ -46,7 +46,7 @@ from model import GPTConfig
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone;
                           # "generate": greedy generation (bench_generate.py)
-attn = None               # comma-separated keys of attention.ATTENTION, or "all" (None: all; generate: GENERATE_SIZES)
+attn = None               # comma-separated keys of attention.IMPLEMENTATIONS, or "all" (None: all; generate: GENERATE_SIZES)
 padding = None            # vocab padding to a multiple of 64 (50257 -> 50304): "off", "on" or "off,on" (None: off,on;
                           # generate: off)
 # model (None: sized for the device, see SIZES)
@@ -109,7 +109,7 @@ LIMITS = {"n_layer": "[1, inf) int", "n_head": "[1, inf) int", "n_embd": "[1, in
           "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"),
           "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
           "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",
-          "doc_len": "[0, inf)", "attn": comma_list_of("all", *ATTENTION), "attn_auto_budget": "(0, inf)"}
+          "doc_len": "[0, inf)", "attn": comma_list_of("all", *IMPLEMENTATIONS), "attn_auto_budget": "(0, inf)"}
 
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
@@ -139,7 +139,7 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     cfg.device, cfg.dtype = rt.device, rt.dtype
     generating = cfg.mode == "generate"
     sizes = (GENERATE_SIZES if generating else SIZES)["cuda" if rt.is_cuda else "cpu"]
-    if generating and rt.device_type == "cpu" and runtime.bf16_is_native("cpu", runtime.cpu_capability()):
+    if generating and rt.device_type == "cpu" and runtime.bf16_native("cpu"):
         sizes = {**sizes, "weights": "float32,bfloat16,int8"}
     for key, value in {**SIZES["cuda" if rt.is_cuda else "cpu"], **sizes}.items():
         if getattr(cfg, key) is None:
@@ -202,8 +202,8 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     rows, trainers, calls, audits = {}, {}, {}, {}
     for a, m, pad, loss in ((a, m, pad, loss) for a in cfg.attn for m in cfg.mask for pad in cfg.padding
                             for loss in cfg.loss):
-        problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
-                                    cfg.seq_len, masked=m != "causal")
+        problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
+                                                cfg.seq_len, masked=m != "causal"))
         key = row_key(a, pad, m, loss)
         vocab = GPTConfig(vocab_size=cfg.vocab_size, pad_vocab=pad).padded_vocab_size  # skipped rows' too
         rows[key] = dict(attn=a, pad_vocab=pad, vocab=vocab, mask=m, loss=loss, status="skipped" if problem else "ok",
@@ -267,10 +267,10 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             # every case compiles afresh, each attn apart, with a full recompile budget: one compiled callable over
             # every head size, length, pass and mask would pass its limit and run the later rows eagerly
             reset_compiled_flex()
-            functions = {a: compiled(ATTENTION[a], cfg) for a in cfg.attn}
+            functions = {a: compiled(IMPLEMENTATIONS[a], cfg) for a in cfg.attn}
             for a in cfg.attn:
-                problem = attention_problem(a, rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward, T,
-                                            masked=mask != "causal")
+                problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward,
+                                                        T, masked=mask != "causal"))
                 here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, mask=mask,
                                eager_reference=eager_reference(a, problem, cfg, rt),
                                status="skipped" if problem else "ok", reason=problem)
@@ -280,7 +280,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                         here[a]["boundaries_per_block"] = boundaries_per_block(docs)
                     masking = row_mask(a, docs, window, cfg.attn_batch, T, rt.device)  # None: causal
                     calls[a] = attention_pass(functions[a], q, k, v, masking, cfg.dropout, backward)
-                    audits[a] = attention_pass(ATTENTION[a], q, k, v, masking, cfg.dropout, backward)
+                    audits[a] = attention_pass(IMPLEMENTATIONS[a], q, k, v, masking, cfg.dropout, backward)
                 else:
                     bar.update(cfg.warmup + 1 + cfg.iters)
             name = f"attention_hs{hs}_T{T}_{'fwdbwd' if backward else 'fwd'}" + ("" if mask == "causal" else f"_{mask}")

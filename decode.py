@@ -29,10 +29,10 @@ class KVCache(nn.Module):
 
     def __init__(self, config, batch_size: int, device, dtype):  # config: a model.GPTConfig
         super().__init__()
-        self.mask, self.batch_size, self.dtype = config.mask, batch_size, dtype
+        self.window, self.eot_token, self.batch_size, self.dtype = config.window, config.eot_token, batch_size, dtype
         shape = (batch_size, config.n_head, config.block_size, config.head_size)
         self.layers = nn.ModuleList([LayerCache(shape, device, dtype) for _ in range(config.n_layer)])
-        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.mask.documents else None  # (B,)
+        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.doc_mask else None  # (B,)
         self.register_buffer("doc_start", starts, persistent=False)
         self.length = 0
 
@@ -54,17 +54,17 @@ class KVCache(nn.Module):
         """A prompt idx (B, T) from position 0: where its rows' last documents start (0 without end-of-text)."""
         if self.doc_start is not None:
             pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
-            self.doc_start.copy_(torch.where(idx == self.mask.eot_token, pos, 0).amax(dim=1))  # (B,)
+            self.doc_start.copy_(torch.where(idx == self.eot_token, pos, 0).amax(dim=1))  # (B,)
 
-    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.Span:
+    def step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> masks.CacheSpan:
         """A decode step writes idx (B, 1) at input_pos (1,); it sees the cache positions
         [max(document start, pos - window + 1), pos], and an end-of-text it writes opens a document."""
         end = input_pos + 1  # (1,)
-        start = (end - self.mask.window).clamp(min=0) if self.mask.window else torch.zeros_like(end)  # (1,)
+        start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
         if self.doc_start is not None:
-            self.doc_start.copy_(torch.where(idx[:, 0] == self.mask.eot_token, input_pos, self.doc_start))  # (B,)
+            self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
             start = torch.maximum(start, self.doc_start)  # (B,): each row's own document
-        return masks.Span(start, end)
+        return masks.CacheSpan(start, end)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())

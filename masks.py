@@ -1,20 +1,14 @@
 """
-Which keys a query may see beyond causality: its own document only (`doc_mask`), and at most the last `window`
-tokens (`window`). The settings become one value, MaskSpec (GPTConfig.mask); one rule, `allowed`, says what it
-lets through; attention.mask_for turns it into each implementation's form, built once per forward and shared by
-every layer:
+Which keys a query may see beyond causality: its own document only (doc_mask: the dataset's end-of-text token
+opens the next document, as a beginning-of-sequence token would) and at most the last `window` tokens. One rule,
+`allowed`, in the forms the implementations take (attention.doc_window_mask picks one, once per forward):
 
-    dense_mask   (B, 1, T, T) bool, True where allowed: manual, sdpa_mask and the SDPA rows
-    block_mask   a FlexAttention BlockMask: blocks where nothing is allowed are skipped, not computed
-    packed       the documents as varlen_attn's cu_seqlens (and the window as its window_size)
+    dense_mask      (B, 1, T, T) bool, True where allowed: manual, sdpa_mask and the SDPA rows
+    block_mask      a FlexAttention BlockMask: blocks where nothing is allowed are skipped
+    varlen_packing  the documents as varlen_attn's cu_seqlens (and the window as its window_size)
+    span_rows       a decode step's CacheSpan as a dense row over the whole cache
 
-A decode step sees one interval of the KV cache per row, a Span [start, end), made by the cache (KVCache.step in
-decode.py, beside each row's document start) and passed to the kernel: flex's score mod
-reads it, a kernel that takes no mask reads the keys in it, the others take it as a dense row.
-
-Documents are separated by the dataset's end-of-text token. End-of-text opens the next document, as a
-beginning-of-sequence token would: it is that document's first token, so the prediction after it sees nothing of
-the document before. Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
+Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
 """
 
 import functools
@@ -25,22 +19,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
-@dataclass(frozen=True)
-class MaskSpec:
-    """The attention mask the settings ask for beyond causality, as one value: documents (end-of-text, eot_token,
-    opens the next one) and a window (0: none)."""
-    documents: bool = False
-    window: int = 0
-    eot_token: int = -1
-
-    @property
-    def restricted(self) -> bool:
-        """Whether attention is narrower than causal: documents, a window, or both."""
-        return self.documents or self.window > 0
-
-
 @dataclass
-class Span:
+class CacheSpan:
     """The cache positions a decode step sees, [start, end): start (1 or B,), one per row with documents; end (1,),
     the step's own position plus one."""
     start: torch.Tensor
@@ -100,17 +80,17 @@ def _window_tensor(window: int, device: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Packed:
+class VarlenPacking:
     """The batch as varlen_attn sees it: every document of every row one sequence of the flattened (B*T) tokens."""
     cu_seqlens: torch.Tensor  # (N + 1,) int32: where each sequence starts, and the total at the end
     max_len: int              # the longest sequence
     window: int               # 0: causal over the whole document
 
 
-def packed(docs: Optional[torch.Tensor], window: int, B: int, T: int, device) -> Packed:
+def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, device) -> VarlenPacking:
     """Sequences start at each row's first token and wherever the document id changes."""
     if docs is None:  # one sequence per row: no search, no host sync
-        return Packed(torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device), T, window)
+        return VarlenPacking(torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device), T, window)
     starts = torch.zeros(B, T, dtype=torch.bool, device=device)
     starts[:, 0] = True
     starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
@@ -121,10 +101,10 @@ def packed(docs: Optional[torch.Tensor], window: int, B: int, T: int, device) ->
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if str(device).startswith("cuda"):  # back without a second sync: a pinned copy queued on the stream
         cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
-    return Packed(cu_seqlens.to(device), max_len, window)
+    return VarlenPacking(cu_seqlens.to(device), max_len, window)
 
 
-def span_rows(span: Span, kv_len: int) -> torch.Tensor:
+def span_rows(span: CacheSpan, kv_len: int) -> torch.Tensor:
     """The span as a dense mask over kv_len cache positions, (1 or B, 1, 1, kv_len) bool: for the implementations
     that take a mask and no interval."""
     kv = torch.arange(kv_len, device=span.end.device)

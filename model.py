@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import masks
-from attention import ATTENTION, Attention, check_attention, mask_for
+from attention import IMPLEMENTATIONS, AttnCall, Implementation, check_attention, doc_window_mask
 from core.errors import UserError
 
 
@@ -37,7 +37,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True         # biases in Linear and LayerNorm, as GPT-2
-    attn: str = "sdpa"        # a key of ATTENTION
+    attn: str = "sdpa"        # a key of IMPLEMENTATIONS
     pad_vocab: bool = False   # round the embedding/lm_head up to a multiple of 64 (50257 -> 50304)
     gelu: str = "tanh"        # GPT-2's GELU is the tanh approximation; "none" is the exact erf GELU
     doc_mask: bool = False    # attend within a document only: end-of-text (eot_token) opens the next one
@@ -49,8 +49,8 @@ class GPTConfig:
         if self.attn == "auto":
             raise UserError("attn='auto' is measured on a model, not stored in a config: build it with another attn "
                             "(say 'sdpa'), then call model.set_attention('auto').")
-        if self.attn not in ATTENTION:
-            raise UserError(f"unknown attn '{self.attn}'; choose one of {', '.join(ATTENTION)}.")
+        if self.attn not in IMPLEMENTATIONS:
+            raise UserError(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
         if self.n_embd % self.n_head != 0:
             raise UserError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                             f"pick sizes where n_embd is a multiple of n_head.")
@@ -67,8 +67,6 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}.")
-        # the mask settings as one value, made once (not a field: asdict(config), what checkpoints hold, stays plain)
-        self.mask = masks.MaskSpec(self.doc_mask, self.window, self.eot_token)
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
@@ -77,6 +75,11 @@ class GPTConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"chunked_loss"}  # the caller's, never the weights'
         return cls(**{**{k: v for k, v in shape.items() if k in names},
                       **{k: v for k, v in run.items() if k in RUN_FIELDS}})
+
+    @property
+    def masked(self) -> bool:
+        """Whether attention is narrower than causal: documents, a window, or both."""
+        return self.doc_mask or self.window > 0
 
     @property
     def head_size(self) -> int:
@@ -156,20 +159,20 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer: int, attention: Attention):
+    def __init__(self, config: GPTConfig, layer: int, impl: Implementation):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
-        self.attention = attention  # resolved once by GPT (set_attention), shared by every layer
+        self.impl = impl  # resolved once by GPT (set_attention), shared by every layer
 
     def forward(self, x: torch.Tensor, mask=None, cache: Optional["KVCache"] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, T, C). Causal attention over x (narrowed by `mask`: documents or a window, in the implementation's
         form); with a cache, k and v are also written at input_pos: T > 1 a prefill from 0, T == 1 a decode step
-        over the whole cache within `mask`, a masks.Span."""
+        over the whole cache within `mask`, a masks.CacheSpan."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -179,7 +182,7 @@ class CausalSelfAttention(nn.Module):
             cached_k, cached_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, block_size, hs)
             k, v = (cached_k, cached_v) if T == 1 else (k, v)
         dropout_p = self.attn_dropout if self.training else 0.0
-        y = self.attention(q, k, v, mask, dropout_p, self.training)  # (B, nh, T, hs)
+        y = self.impl(q, k, v, mask, dropout_p, self.training)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -199,10 +202,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer: int, attention: Attention):
+    def __init__(self, config: GPTConfig, layer: int, impl: Implementation):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer, attention)
+        self.attn = CausalSelfAttention(config, layer, impl)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -216,12 +219,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.attention = Attention(config.attn, config.block_size)  # checked at every first call (and set_attention)
+        self.impl = Implementation(config.attn, config.block_size)  # checked at every first call (and set_attention)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, layer, self.attention) for layer in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, layer, self.impl) for layer in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
@@ -287,14 +290,17 @@ class GPT(nn.Module):
         return logits, loss
 
     def _attention_mask(self, idx: torch.Tensor, cache: Optional["KVCache"], input_pos: Optional[torch.Tensor]):
-        """What the layers' attention takes beyond causality, from the one mask value (config.mask): for training
-        and a prefill, None (causal) or the documents' and window's mask in the implementation's form; for a decode
-        step, the interval of cache positions it sees (masks.Span), which the cache works out."""
+        """The mask every layer takes beyond causality: for training and a prefill, None (causal) or the documents'
+        and window's mask in the implementation's form; for a decode step, the cache positions it sees."""
         if cache is not None and idx.size(1) == 1:
             return cache.step(idx, input_pos)
         if cache is not None:
             cache.prefill(idx)
-        return mask_for(self.attention.name, self.config.mask, idx)
+        config = self.config
+        if not config.masked:
+            return None
+        docs = masks.document_ids(idx, config.eot_token) if config.doc_mask else None  # (B, T)
+        return doc_window_mask(config.attn, docs, config.window, idx.size(0), idx.size(1), idx.device)
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
         """A KV cache (all the state decoding keeps) for batch_size sequences, in the keys' `dtype`."""
@@ -321,7 +327,7 @@ class GPT(nn.Module):
         """Read the same weights through another attention implementation, in place; returns the model. Checked
         where the model is (after .to(device)), in its mode (or `training`) and the dtype it computes in now
         (compute_dtype, or `dtype`): one sentence naming what can run instead. Every call is checked again for the
-        facts it has (attention.Attention). check=False: the caller asked attention_problem itself (the measuring
+        facts it has (attention.Implementation). check=False: the caller asked attention_problem itself (the measuring
         tools). attn='auto': the fastest correct one on this model's shapes, measured (attn_auto.py)."""
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
@@ -329,13 +335,12 @@ class GPT(nn.Module):
             from attn_auto import choose_for_model
             attn = choose_for_model(self, training, dtype)
         config, device = dataclasses.replace(self.config, attn=attn), self.transformer.wpe.weight.device.type
-        facts = (device, dtype, config.dropout if training else 0.0, config.head_size, training, config.block_size,
-                 config.mask.restricted)
         if check:
-            check_attention(attn, *facts)
-        self.config, self.attention = config, Attention(attn, config.block_size)
+            check_attention(attn, AttnCall(device, dtype, config.dropout if training else 0.0, config.head_size,
+                                           training, config.block_size, config.masked))
+        self.config, self.impl = config, Implementation(attn, config.block_size)
         for block in self.transformer.h:
-            block.attn.attention = self.attention
+            block.attn.impl = self.impl
         return self
 
     def crop_block_size(self, block_size: int) -> None:

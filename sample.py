@@ -17,7 +17,7 @@ from typing import Optional
 
 from core import files
 from core import runtime
-from attention import ATTENTION
+from attention import IMPLEMENTATIONS
 from engine.checkpoint import sharded_folder
 from engine.reader import load_checkpoint
 from core.configurator import configure, one_of
@@ -41,7 +41,7 @@ temperature = 0.8                 # 1.0 samples the model's distribution, lower 
 top_k = 200                       # sample among the top_k most likely tokens only; None for all
 seed = 1337                       # seed of the sampling generator: the same seed gives the same text
 # model and precision
-attn = None                       # an attention.ATTENTION key, or 'auto' (measured here); None: the checkpoint's
+attn = None                       # an attention.IMPLEMENTATIONS key, or 'auto' (measured here); None: the checkpoint's
 attn_auto_budget = 20.0           # attn='auto': seconds to spend measuring (a cached decision takes none)
 attn_auto_refresh = False         # attn='auto': measure again even when an earlier run decided this workload
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
@@ -55,7 +55,7 @@ json = ""                         # write every number (settings, tokens, timing
 # the allowed range of every numeric setting and the words of every choice
 LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)",
           "top_k": "[1, inf) int or None",
-          "seed": "[0, inf)", "attn": one_of("auto", *ATTENTION), "dtype": one_of("auto", *runtime.DTYPES),
+          "seed": "[0, inf)", "attn": one_of("auto", *IMPLEMENTATIONS), "dtype": one_of("auto", *runtime.DTYPES),
           "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)"}
 
 
@@ -63,7 +63,7 @@ LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature"
 # -----------------------------------------------------------------------------
 # model, tokenizer, prompt
 
-def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, Tokenizer, str, Optional[Path]]:
+def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str, Optional[Path]]:
     """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the folder of its
     training data (for held-out text; None for GPT-2 weights or when it is gone)."""
     data = None
@@ -80,8 +80,6 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str]) -> tuple[GPT, 
         if model.config.vocab_size != tok.vocab_size:  # e.g. a character model exported by export_hf.py
             raise UserError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not GPT-2's; sample.py "
                             f"reads Hugging Face directories with GPT-2 BPE only - sample from the training out_dir.")
-    if attn not in (None, "auto"):  # auto is decided in main, on the sampling's own shapes
-        model.set_attention(attn, check=False)  # checked where it runs: sample() or compare
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
                         f"{tok.vocab_size} tokens; sample from a checkpoint trained on this tokenizer's data.")
@@ -124,42 +122,41 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.json:  # find out now, not after a long comparison
         files.check_writable_dir(Path(cfg.json).parent, "json")
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
-    model, tok, source, data = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
+    model, tok, source, data = load_model(cfg.init_from, cfg.out_dir)
     prompt = encode_prompt(tok, read_prompt(cfg.start))
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
               "source": source, "prompt_tokens": len(prompt)}
     print(f"{source}: {model.get_num_params() / 1e6:.2f}M parameters, {rt.dtype} on {rt.name}")
-    if cfg.attn == "auto" and not cfg.compare:  # --compare runs every implementation anyway
-        report["attn_auto"] = choose_attention(model, rt, cfg, len(prompt))
+    attn = cfg.attn or model.config.attn  # None: the checkpoint's
+    if attn == "auto" and not cfg.compare:  # --compare runs every implementation anyway
+        report["attn_auto"], attn = choose_attention(model, rt, cfg, len(prompt))
     if cfg.compare:
         from benchmarks import compare  # the comparison harness imports this module: only now, when it is asked for
         report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile,
                                       cfg.quantize, data))
     else:
-        report.update(sample(model, tok, rt, sampling, prompt, cfg.compile, cfg.quantize))
+        report.update(sample(model, attn, tok, rt, sampling, prompt, cfg.compile, cfg.quantize))
     if cfg.json:
         write_json(Path(cfg.json), report)
     return 0
 
 
-def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> dict:
-    """attn='auto': the fastest implementation for this sampling (its batch, prompt, dtype, mask, compile), measured
-    or read from the cache of earlier decisions (attn_auto.py), set on the model; returns the table."""
+def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> tuple[dict, str]:
+    """attn='auto': the table and the fastest implementation for this sampling (its batch, prompt, dtype, mask,
+    compile), measured or read from the cache of earlier decisions (attn_auto.py)."""
     from attn_auto import Workload, choose
     workload = Workload.of(model.config, rt, cfg.num_samples, min(prompt_len, model.config.block_size),
                            training=False, compiled=cfg.compile)
     decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
     print(decision.line())
-    model.set_attention(decision.pick, check=False)  # checked in sample(), where it runs
-    return decision.metrics()
+    return decision.metrics(), decision.pick
 
 
-def sample(model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int], compile: bool,
+def sample(model: GPT, attn: str, tok: Tokenizer, rt: Runtime, sampling: Sampling, prompt: list[int], compile: bool,
            quantize: str = "") -> dict:
-    """Print num_samples samples and the generation speed; return the tokens, texts and tokens/s."""
-    model = for_inference(model, rt.device, rt.torch_dtype, quantize).set_attention(model.config.attn,
-                                                                                    dtype=rt.torch_dtype)
+    """Print num_samples samples through `attn` and the generation speed; return the tokens, texts and tokens/s."""
+    model = for_inference(model, rt.device, rt.torch_dtype, quantize).set_attention(attn, dtype=rt.torch_dtype)
     decoder = Decoder(model, compile)
     warmup = full_warmup(model, sampling) if compile else 8
     samples, seconds, warmup_s = draw_samples(decoder, prompt, rt, sampling, warmup=warmup)

@@ -25,7 +25,7 @@ from engine.checkpoint import FULL_STATE, Checkpoint, restore_rng, rng_state, sh
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from attention import ATTENTION
+from attention import IMPLEMENTATIONS
 from engine.metrics import MetricsLog, StepEnd, StepTimer, check_wandb
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, GPTConfig
@@ -99,7 +99,7 @@ seed = 1337                       # weights, data order and dropout (each rank i
 # the allowed range of every numeric setting ("[1, inf)" is 1 or more) and the words of every choice, checked before
 # anything runs
 LIMITS = {
-    "attn": one_of("auto", *ATTENTION), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
+    "attn": one_of("auto", *IMPLEMENTATIONS), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
     "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
     "parallel": one_of("ddp", "fsdp"), "checkpoint_format": one_of("single", "sharded"),
     "keep_checkpoints": "[1, inf)",

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import FLEX, attention_problem
+from attention import FLEX, AttnCall, attention_problem
 from core.errors import UserError
 from engine.generate import Decoder, for_inference, weight_bytes
 from benchmarks.measure import audit as audit_kernel
@@ -66,7 +66,8 @@ def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, 
     for attn in cfg.attn:
         for weights in cfg.weights:
             dtype, quantize = weights_dtype(weights, rt)
-            problem = attention_problem(attn, rt.device_type, dtype, 0.0, cfg.n_embd // cfg.n_head, False, cfg.seq_len)
+            problem = attention_problem(attn, AttnCall(rt.device_type, dtype, 0.0, cfg.n_embd // cfg.n_head, False,
+                                                       cfg.seq_len))
             model = None
             try:  # int8 without torchao: its rows are skipped in its sentence, the others run
                 model = None if problem else for_inference(copy.deepcopy(base).set_attention(attn, check=False),

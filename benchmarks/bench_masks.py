@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from core import files
 import masks
-from attention import FLEX, mask_form
+from attention import FLEX, doc_window_mask
 from core.dataset import dataset_dir, prepare_if_missing
 from core.errors import UserError
 
@@ -84,7 +84,7 @@ def row_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: in
     """What an attention-mode row passes its implementation: None for causal, else the mask in its form."""
     if docs is None and window == 0:
         return None
-    return mask_form(attn, None if docs is None else docs.to(device), window, B, T, device)
+    return doc_window_mask(attn, None if docs is None else docs.to(device), window, B, T, device)
 
 
 def boundaries_per_block(docs: torch.Tensor) -> float:

@@ -23,7 +23,7 @@ from model import GPT, GPTConfig
 
 
 @dataclass
-class Workbench:
+class SharedTrainer:
     """One model and its Trainer (engine/trainer.py: train.py's step), with one batch, shared by every attn row of
     one vocab setting, mask and loss: a row switches the attention and takes real training steps. Rows sharing
     weights keep one model's memory, not one per row."""
@@ -67,7 +67,7 @@ class Workbench:
 
 
 def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int,
-                  mask: str = "causal", loss: str = "chunked") -> Workbench:
+                  mask: str = "causal", loss: str = "chunked") -> SharedTrainer:
     torch.manual_seed(cfg.seed)  # the same weights whatever the row
     doc_mask, window = mask_settings(mask, cfg.window)
     config = GPTConfig.build({**cfg.as_dict(), "block_size": cfg.seq_len, "pad_vocab": pad_vocab},
@@ -80,7 +80,7 @@ def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_
     docs = document_ids(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
     if doc_mask:  # the inputs carry end-of-text where the documents of real blocks begin
         batch[0] = tokens_with_documents(docs, cfg.vocab_size, cfg.vocab_size - 1, cfg.seed)
-    return Workbench(Trainer(model, [optimizer], rt.grad_scaler(), rt), cfg.compile, batch.to(rt.device), docs)
+    return SharedTrainer(Trainer(model, [optimizer], rt.grad_scaler(), rt), cfg.compile, batch.to(rt.device), docs)
 
 
 def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int, mask: str = "causal",
@@ -104,7 +104,7 @@ def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int
         free_memory(rt)
 
 
-def auto_rows(rows: dict, trainers: dict[tuple, Workbench], cfg: Settings, rt: Runtime) -> list[dict]:
+def auto_rows(rows: dict, trainers: dict[tuple, SharedTrainer], cfg: Settings, rt: Runtime) -> list[dict]:
     """One row per (padding, mask, loss) with a measured row: the pick's measurements, labelled auto, with `auto_pick`,
     `fastest`, `pick_vs_fastest` (the pick's time over the fastest's, paired) and `within_noise`."""
     out = []

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 import numpy as np
 
 from core import runtime
-from attention import ATTENTION, attention_problem
+from attention import IMPLEMENTATIONS, AttnCall, attention_problem
 from core.dataset import TOKEN_BYTES, read_windows
 from core.errors import UserError
 from engine.generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
@@ -36,13 +36,13 @@ from benchmarks.bench_report import format_table
 
 
 def attention_names(spec) -> list[str]:
-    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked ATTENTION keys, each once."""
+    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked IMPLEMENTATIONS keys, each once."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = list(ATTENTION) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
-    unknown = [n for n in names if n not in ATTENTION]
+    names = list(IMPLEMENTATIONS) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
+    unknown = [n for n in names if n not in IMPLEMENTATIONS]
     if unknown or not names:
         raise UserError(f"unknown attn {', '.join(map(repr, unknown)) or '(none given)'}; "
-                        f"use all or a comma-separated list of {', '.join(ATTENTION)}.")
+                        f"use all or a comma-separated list of {', '.join(IMPLEMENTATIONS)}.")
     return list(dict.fromkeys(names))
 
 
@@ -144,7 +144,7 @@ def formulations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str,
         "a": attend((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))),
         "b": attend((q * d ** -0.25) @ (k * d ** -0.25).transpose(-2, -1)),
         "c": F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "d": ATTENTION["math"](q, k, v, None, 0.0),  # None: causal
+        "d": IMPLEMENTATIONS["math"](q, k, v, None, 0.0),  # None: causal
     }
 
 
@@ -174,8 +174,8 @@ class Comparison:
     held_out: Optional[tuple] = None  # (windows (N, T + 1), where they came from): each implementation's loss on them
 
     def problem(self, attn: str, dtype: str, config: GPTConfig) -> Optional[str]:
-        return attention_problem(attn, self.rt.device_type, runtime.DTYPES[dtype], 0.0, config.head_size, False,
-                                 config.block_size, config.mask.restricted)
+        return attention_problem(attn, AttnCall(self.rt.device_type, runtime.DTYPES[dtype], 0.0, config.head_size,
+                                                False, config.block_size, config.masked))
 
 
 def resolve_compare(compare: str, run: Comparison, config: GPTConfig) -> tuple[list[str], dict[str, str]]:

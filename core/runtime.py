@@ -63,20 +63,13 @@ def cuda_has_bf16() -> bool:
     return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def bf16_is_native(device_type: str, capability: str) -> bool:
-    """bf16 matmuls run in hardware: CUDA from Ampere on, CPUs with AMX or AVX512-BF16. Elsewhere (AVX2 CPUs) they
-    are emulated, ~20-35x slower than fp32 (docs/quickstart.md)."""
+def bf16_native(device_type: str, training: bool = False) -> bool:
+    """bf16 matmuls run in hardware: CUDA from Ampere on, CPUs with AMX or AVX512-BF16 (AVX2 emulates them, ~20-35x
+    slower than fp32). For training, AMX only: a bf16 step with AVX512-BF16 alone measured 1.5x *slower* than fp32
+    (docs/training.md, "Precision on CPU")."""
     if device_type == "cuda":
         return cuda_has_bf16()
-    return device_type == "cpu" and capability in ("AMX", "AVX512_BF16")
-
-
-def bf16_autocast_pays(device_type: str, capability: str) -> bool:
-    """bf16 autocast trains faster than fp32: CUDA with native bf16, and CPUs with AMX. With AVX512-BF16 alone a
-    bf16 training step measured 1.5x *slower* than fp32 (docs/training.md, "Precision on CPU")."""
-    if device_type == "cuda":
-        return cuda_has_bf16()
-    return device_type == "cpu" and capability == "AMX"
+    return device_type == "cpu" and cpu_capability() in (("AMX",) if training else ("AMX", "AVX512_BF16"))
 
 
 def pick_dtype(dtype: str, device: str) -> str:
@@ -84,7 +77,7 @@ def pick_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":  # a key of DTYPES: every script's LIMITS says so
         return dtype
     kind = device.split(":")[0]
-    if bf16_autocast_pays(kind, cpu_capability()):
+    if bf16_native(kind, training=True):
         return "bfloat16"
     return "float16" if kind == "cuda" else "float32"
 
@@ -207,7 +200,7 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: st
     torch.backends.cudnn.allow_tf32 = True
     kind = device.split(":")[0]
     if orthogonalize == "auto":
-        orthogonalize = "bfloat16" if bf16_is_native(kind, cpu_capability()) else "float32"
+        orthogonalize = "bfloat16" if bf16_native(kind) else "float32"
     return Runtime(device, pick_dtype(dtype, device), orthogonalize, rank, local_rank, world_size)
 
 

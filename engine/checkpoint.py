@@ -23,8 +23,6 @@ from core import runtime
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
-# 1: every file before the version field (the same fields); 2: with it. Older layouts are read through reader.upgrade().
-FORMAT_VERSION = 2
 POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (engine/sharded.py)
 TRAIN = "train"  # a sharded step's key for everything but the tensors of the model and optimizer
 # DCP says so at every save and load of a process without a process group, which is how one process works here
@@ -42,7 +40,6 @@ class Checkpoint:
                                          # None in a nanoGPT checkpoint: a resume starts fresh streams)
     settings: dict = field(default_factory=dict)  # the run's settings
     meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
-    version: int = FORMAT_VERSION        # of the format; load_checkpoint always returns the current one
     shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
                                          # whose model and optimizer state each rank reads in place (train.restore)
 

@@ -14,9 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from core.files import GPT2_VOCAB_SIZE
+from core.files import GPT2_VOCAB_SIZE, read_nanogpt_meta
 from core.errors import UserError
-from core.nanogpt_meta import read_nanogpt_meta
 from model import GPTConfig
 
 NANOGPT_PADDED_VOCAB = 50304  # nanoGPT's default for GPT-2 BPE: 50257 rounded up to a multiple of 64

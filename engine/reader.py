@@ -1,7 +1,7 @@
 """
 Reading checkpoints: the one path every reader takes (a resume, sample.py, export_hf.py, the docs' conversion), for
-every format - ckpt.pt, a sharded step folder written by engine/sharded.py (read through DCP), nanoGPT's ckpt.pt and
-this project's older files, which become the current format in upgrade(). A run that only writes never imports it.
+every format: ckpt.pt, a sharded step folder written by engine/sharded.py (read through DCP), and nanoGPT's ckpt.pt
+(engine/nanogpt.py converts it). A run that only writes never imports it.
 
     model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
-from engine.checkpoint import FORMAT_VERSION, POINTER, TRAIN, Checkpoint, sharded_folder
+from engine.checkpoint import POINTER, TRAIN, Checkpoint, sharded_folder
 from engine.sharded import is_whole, steps_in
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
@@ -55,16 +55,18 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
     if contents and all(torch.is_tensor(v) for v in contents.values()):
         raise UserError(f"{path} is a bare state dict (only tensors); this project's checkpoints are a dict "
                         f"with 'model' and 'model_config', as train.py writes them.")
-    # nanoGPT's files carry no RNG state: a resumed run starts fresh streams
-    training_state = ("optimizer",) if is_nanogpt(contents) else TRAINING_STATE
-    contents = upgrade(contents, path, for_training, data_dir)
+    training_state = TRAINING_STATE
+    if "model_args" in contents and "model_config" not in contents:  # nanoGPT's ckpt.pt: converted
+        from engine import nanogpt  # the conversion is read only for nanoGPT's files
+        contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
+        training_state = ("optimizer",)  # no RNG state: a resumed run starts fresh streams
     required = ("model_config",) if shards and for_training else (
         ("model", "model_config") + (training_state if for_training else ()))
     missing = [k for k in required if contents.get(k) is None]
     if missing:
         raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
                         f"checkpoint written by train.py.")
-    known = {f.name for f in dataclasses.fields(Checkpoint)}
+    known = {f.name for f in dataclasses.fields(Checkpoint)}  # earlier files' `version` field is read no more
     return Checkpoint(**{"model": None, **{k: v for k, v in contents.items() if k in known}},
                       shards=str(shards) if shards and for_training else None)
 
@@ -74,26 +76,6 @@ def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:
     if shards is None:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     return read_step(shards, parts)
-
-
-def is_nanogpt(contents: dict) -> bool:
-    """nanoGPT's ckpt.pt: its shape under model_args, where this project's files have model_config."""
-    return "model_args" in contents and "model_config" not in contents
-
-
-def upgrade(contents: dict, path: Path, for_training: bool, data_dir: Path | None) -> dict:
-    """The one place older files become the current format: nanoGPT's layout (nanogpt.py: only a run that resumes
-    converts its optimizer state, and keeps nanoGPT's file, which its first save replaces, as ckpt.nanogpt.pt) and
-    this project's files from before the version field (version 1: the same fields). A file from a newer version of
-    this project is refused."""
-    if is_nanogpt(contents):
-        from engine import nanogpt  # the conversion is read only for nanoGPT's files
-        contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
-    version = contents.get("version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise UserError(f"{path} is checkpoint format {version}, newer than this code reads ({FORMAT_VERSION}); "
-                        f"update this repository to read it.")
-    return {**contents, "version": FORMAT_VERSION}
 
 
 # -----------------------------------------------------------------------------

@@ -168,8 +168,8 @@ def checkpoint_of(model, **fields):
 def runnable_on_cpu(training: bool) -> list[str]:
     """The registry's implementations that run on this CPU in fp32 without dropout, for training or inference, as
     attention.attention_problem decides: what the tests parametrize over, so a new implementation is tested by
-    adding it to ATTENTION. test_model.py states the expected set for torch 2.13."""
+    adding it to IMPLEMENTATIONS. test_model.py states the expected set for torch 2.13."""
     import torch
 
-    from attention import ATTENTION, attention_problem
-    return [a for a in ATTENTION if attention_problem(a, "cpu", torch.float32, 0.0, 16, training) is None]
+    from attention import IMPLEMENTATIONS, AttnCall, attention_problem
+    return [a for a in IMPLEMENTATIONS if attention_problem(a, AttnCall("cpu", torch.float32, 0.0, 16, training)) is None]

@@ -43,7 +43,7 @@ def test_the_fastest_implementation_that_runs_is_picked_and_the_refused_are_list
 
 def test_a_numerically_wrong_implementation_is_dropped_however_fast(monkeypatch):
     wrong = lambda q, k, v, mask, dropout_p: v * 1.01  # noqa: E731 - the shape of attention, not its values
-    monkeypatch.setitem(attention.ATTENTION, "flash", wrong)
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, "flash", wrong)
     decision = attn_auto.measure(workload(training=False), CPU, budget_s=1.0,
                                  timer=fake_timer({**FAKE_MS, "flex": 9.0}))
     rows = {r["attn"]: r for r in decision.rows}

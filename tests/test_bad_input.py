@@ -322,18 +322,15 @@ def test_a_weights_only_checkpoint_samples_but_does_not_resume(tiny_model, char_
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={tmp_path}")
 
 
-def test_a_checkpoint_from_before_the_version_field_is_upgraded_and_a_newer_format_is_refused(tiny_model, tmp_path):
+def test_checkpoints_written_with_and_without_the_retired_version_field_load_alike(tiny_model, tmp_path):
     checkpoint_of(tiny_model, iter_num=5).save(tmp_path / "ckpt.pt")
     contents = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert contents["version"] == 2
-    del contents["version"]  # as every file written before the field was
-    torch.save(contents, tmp_path / "old.pt")
-    old = load_checkpoint(tmp_path / "old.pt")
-    assert old.version == 2 and old.iter_num == 5
-    assert all(torch.equal(old.model[k], v) for k, v in tiny_model.state_dict().items())
-    torch.save({**contents, "version": 3}, tmp_path / "new.pt")
-    with pytest.raises(UserError, match="new.pt is checkpoint format 3, newer than this code reads \\(2\\)"):
-        load_checkpoint(tmp_path / "new.pt")
+    assert "version" not in contents
+    for name, version in (("v1.pt", None), ("v2.pt", 2)):  # earlier releases wrote no field, then version 2
+        torch.save(contents if version is None else {**contents, "version": version}, tmp_path / name)
+        old = load_checkpoint(tmp_path / name)
+        assert old.iter_num == 5
+        assert all(torch.equal(old.model[k], v) for k, v in tiny_model.state_dict().items())
 
 
 def test_bench_and_sample_check_where_they_write_before_any_work(tmp_path):

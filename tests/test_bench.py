@@ -17,7 +17,7 @@ import bench
 from benchmarks import bench_train, measure
 from core import flops, runtime
 from core.configurator import Settings
-from attention import ATTENTION
+from attention import IMPLEMENTATIONS
 from conftest import runnable_on_cpu, strict_recompile_limit
 from core.runtime import Runtime
 
@@ -63,7 +63,7 @@ def sweep(tmp_path_factory):
 def test_sweep_has_a_row_per_attn_and_padding_with_time_throughput_memory_and_kernel(sweep):
     _, result = sweep
     rows = rows_by(result, "attn", "pad_vocab")
-    assert set(rows) == {(a, p) for a in ATTENTION for p in (False, True)}
+    assert set(rows) == {(a, p) for a in IMPLEMENTATIONS for p in (False, True)}
     ran = [row for row in rows.values() if row["status"] == "ok"]
     assert [row["attn"] for row in ran if not row["pad_vocab"]] == runnable_on_cpu(training=True)
     for row in ran:
@@ -123,8 +123,8 @@ def test_a_compiled_flex_call_is_audited_as_flex(monkeypatch):
     monkeypatch.setattr(attention, "_compile_flex_here", lambda q: not torch.compiler.is_compiling())
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))  # (B, nh, T, hs)
     with torch.no_grad():
-        attention.ATTENTION["flex"](q, k, v, None, 0.0)  # compiles, unprofiled
-        ops, _ = measure.profiled_run(lambda: attention.ATTENTION["flex"](q, k, v, None, 0.0), Runtime("cpu", "float32"))
+        attention.IMPLEMENTATIONS["flex"](q, k, v, None, 0.0)  # compiles, unprofiled
+        ops, _ = measure.profiled_run(lambda: attention.IMPLEMENTATIONS["flex"](q, k, v, None, 0.0), Runtime("cpu", "float32"))
     assert "FlexAttentionAutogradOp" not in ops  # what the audit used to look for is not there when compiled
     assert measure.kernel_of(ops)[0] == "flex"
 
@@ -258,7 +258,7 @@ def test_the_command_line_prints_a_bad_setting_as_one_line_on_stderr_and_exit_co
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: attn must be a comma list of 'all', "
-                                                + ", ".join(map(repr, ATTENTION)) + ", got 'fast'; did you mean "
+                                                + ", ".join(map(repr, IMPLEMENTATIONS)) + ", got 'fast'; did you mean "
                                                 "'flash'?"]
 
 
@@ -343,13 +343,13 @@ def test_compiled_rows_are_audited_through_an_eager_twin_so_inductor_decompositi
 # -- out of memory --------------------------------------------------------------------------------------------
 
 def test_a_row_that_runs_out_of_memory_is_reported_and_the_others_finish(tmp_path, monkeypatch, capsys):
-    step = bench.Workbench.step
+    step = bench.SharedTrainer.step
 
     def step_or_oom(self, attn):
         if attn == "math":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
         step(self, attn)
-    monkeypatch.setattr(bench.Workbench, "step", step_or_oom)
+    monkeypatch.setattr(bench.SharedTrainer, "step", step_or_oom)
     rows = rows_by(run_bench(tmp_path, "--attn=manual,math,sdpa", "--padding=off"), "attn")
     assert rows[("math",)]["status"] == "oom" and "Tried to allocate 9.00 GiB" in rows[("math",)]["reason"]
     assert rows[("manual",)]["status"] == rows[("sdpa",)]["status"] == "ok"

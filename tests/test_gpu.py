@@ -20,8 +20,7 @@ from core import runtime
 import sample
 import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
-from attention import ATTENTION, attention_problem
-from attention import decodes_with_mask
+from attention import IMPLEMENTATIONS, AttnCall, attention_problem, decodes_with_mask
 from engine.generate import Decoder, for_inference, weight_bytes
 from model import GPT, GPTConfig, UserError
 
@@ -36,12 +35,12 @@ BF16_TOLERANCE = 3e-2
 
 
 def runs(attn: str, dtype: torch.dtype, dropout: float = 0.0, training: bool = True) -> bool:
-    return attention_problem(attn, "cuda", dtype, dropout, 64, training, 32) is None
+    return attention_problem(attn, AttnCall("cuda", dtype, dropout, 64, training, 32)) is None
 
 
 # flex trains in test_compile_and_flex_train_together (fp16, compiled: one compile of its backward, not three); its
 # bf16 forward and backward are the mask tests'
-@pytest.mark.parametrize("attn,dtype", [(a, d) for a in ATTENTION for d in ("bfloat16", "float16") if a != "flex"])
+@pytest.mark.parametrize("attn,dtype", [(a, d) for a in IMPLEMENTATIONS for d in ("bfloat16", "float16") if a != "flex"])
 def test_every_attention_trains_in_reduced_precision_or_says_why_not(char_data, tmp_path, attn, dtype):
     # catches: a kernel that crashes, NaNs under fp16 loss scaling, a refusal that is a traceback, no memory logged
     args = GPU + [f"--data_dir={char_data}", f"--attn={attn}", f"--dtype={dtype}", "--max_iters=4",
@@ -63,7 +62,7 @@ def test_logits_of_every_implementation_agree_with_fp32_manual_within_the_bf16_t
     x = torch.randint(512, (2, 256), device="cuda")
     with torch.no_grad():
         reference = model(x, x)[0].float()  # fp32, TF32 matmuls as every script runs them
-        for attn in ATTENTION:
+        for attn in IMPLEMENTATIONS:
             if not runs(attn, torch.bfloat16, training=False):
                 continue
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -151,11 +150,11 @@ def test_sample_compare_all_finishes_on_the_gpu(tmp_path, monkeypatch):
                         "--temperature=0", "--dtype=float32", "--start=To be",
                         f"--json={tmp_path / 'compare.json'}"]) == 0
     report = json.loads((tmp_path / "compare.json").read_text())
-    assert set(report["implementations"]) | set(report["skipped"]) == set(ATTENTION)
+    assert set(report["implementations"]) | set(report["skipped"]) == set(IMPLEMENTATIONS)
     assert all(r["cache_equals_no_cache"] for r in report["implementations"].values())
 
 
-@pytest.mark.parametrize("attn", list(ATTENTION))
+@pytest.mark.parametrize("attn", list(IMPLEMENTATIONS))
 def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_says_why_not(attn, monkeypatch):
     """fp32 where the kernel takes it (TF32 off: the three paths then round alike), else bf16, where paths that
     sum in another order may flip a near tie: there 95% of the tokens must agree.
@@ -273,9 +272,9 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
     ref_logits, ref_loss = model.set_attention("manual")(x, x, all_positions=True)  # the unchunked loss, fp32
     ref_loss.backward()
     ref_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
-    for attn in ATTENTION:
+    for attn in IMPLEMENTATIONS:
         model.zero_grad()
-        if attention_problem(attn, "cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True) is not None:
+        if attention_problem(attn, AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True)) is not None:
             with pytest.raises(UserError, match=f"attn='{attn}' cannot run for training on cuda"):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     model.set_attention(attn)(x, x)
@@ -290,8 +289,8 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
         for name, grad in ref_grads.items():
             p = dict(model.named_parameters())[name]
             assert ((p.grad.float() - grad).abs().max() / grad.abs().max()).item() <= 0.1, (attn, name)
-    assert attention_problem("varlen", "cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True) is None
-    assert attention_problem("flex", "cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True) is None
+    assert attention_problem("varlen", AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True)) is None
+    assert attention_problem("flex", AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True)) is None
 
 
 def test_flex_skips_the_blocks_documents_leave_empty_and_the_audit_names_varlen():

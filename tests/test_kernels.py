@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import attention
 import masks
-from attention import ATTENTION, check_attention
+from attention import IMPLEMENTATIONS, AttnCall, check_attention
 from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
 from core import kernels, runtime
@@ -62,10 +62,10 @@ def test_set_attention_checks_the_dtype_autocast_gives_not_the_weights(monkeypat
     (the GPU run refused varlen there); outside autocast the sentence names float32."""
     real = attention.attention_problem
 
-    def cuda_like(attn, device_type, dtype, *args, **kwargs):
-        if attn == "flash" and dtype == torch.float32:
+    def cuda_like(attn, call):
+        if attn == "flash" and call.dtype == torch.float32:
             return "FlashAttention only supports fp16 and bf16"
-        return real(attn, device_type, dtype, *args, **kwargs)
+        return real(attn, call)
     monkeypatch.setattr(attention, "attention_problem", cuda_like)
     model = GPT(GPTConfig(**TINY_MODEL)).eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -101,7 +101,7 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
 
     monkeypatch.setattr(kernels, "cuda_facts", lambda: (h100, new_cudnn))
     monkeypatch.setattr(attention, "attention_problem", lambda *args, **kw: None)  # the probe: runs
-    check_attention("sdpa", "cuda", torch.bfloat16, 0.0, 64, True, 192, masked=True)
+    check_attention("sdpa", AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 192, masked=True))
     err = capsys.readouterr().err.strip()
     assert err.startswith("warning: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err
     assert err.count("\n") == 0
@@ -134,8 +134,8 @@ def test_the_audit_tells_flexs_eager_reference_from_the_other_kernels():
     q, k, v = qkv()
     eager_flex = profiled_ops(lambda: flex_attention(q, k, v))
     assert measure.kernel_of(eager_flex)[0] == "flex" and measure.ran_eager_flex(eager_flex)
-    assert not measure.ran_eager_flex(profiled_ops(lambda: ATTENTION["math"](q, k, v, None, 0.0)))  # softmax too
-    assert not measure.ran_eager_flex(profiled_ops(lambda: ATTENTION["manual"](q, k, v, None, 0.0)))
+    assert not measure.ran_eager_flex(profiled_ops(lambda: IMPLEMENTATIONS["math"](q, k, v, None, 0.0)))  # softmax too
+    assert not measure.ran_eager_flex(profiled_ops(lambda: IMPLEMENTATIONS["manual"](q, k, v, None, 0.0)))
     assert measure.with_eager_flex("flex") == "flex_eager" and measure.with_eager_flex("flash+none") == "flash+none"
     row = measure.audited_row(dict(attn="flex"), dict(ops=eager_flex, ran_ops=eager_flex), "flex",
                               Runtime("cpu", "float32"))
@@ -190,9 +190,9 @@ def test_a_masked_rows_computed_share_comes_from_a_block_mask_built_where_the_ro
 def test_varlen_packing_gives_every_document_its_own_sequence():
     g = torch.Generator().manual_seed(0)
     docs = torch.randint(0, 2, (3, 40), generator=g).cumsum(1)  # (3, 40): documents of random lengths
-    packing = masks.packed(docs, 5, 3, 40, "cpu")
+    packing = masks.varlen_packing(docs, 5, 3, 40, "cpu")
     starts = [r * 40 + t for r in range(3) for t in range(40) if t == 0 or docs[r, t] != docs[r, t - 1]]
     expected = starts + [120]
     assert packing.cu_seqlens.tolist() == expected and packing.cu_seqlens.dtype == torch.int32
     assert packing.max_len == max(b - a for a, b in zip(expected, expected[1:])) and packing.window == 5
-    assert masks.packed(None, 0, 3, 40, "cpu").cu_seqlens.tolist() == [0, 40, 80, 120]
+    assert masks.varlen_packing(None, 0, 3, 40, "cpu").cu_seqlens.tolist() == [0, 40, 80, 120]

@@ -60,7 +60,7 @@ def reference_run(model: GPT, idx, targets):
         att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5  # (B, nh, T, T)
         return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     for block in ref.transformer.h:  # what each layer calls: the model's resolved implementation, replaced
-        block.attn.attention = softmax_attention
+        block.attn.impl = softmax_attention
     logits, loss = ref(idx, targets, all_positions=True)  # the whole logits and F.cross_entropy: no chunks
     loss.backward()
     return logits.detach(), {n: p.grad for n, p in ref.named_parameters()}
@@ -151,19 +151,19 @@ def decoded(model: GPT, new_tokens: int = 40, temperatures=(0.0, 1.0), **kw) -> 
 
 @pytest.mark.parametrize("attn", CPU_ALL)
 def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_names(attn):
-    """A decode step's visible keys travel as one interval per row (masks.Span): each implementation, called as a
+    """A decode step's visible keys travel as one interval per row (masks.CacheSpan): each implementation, called as a
     layer calls it, computes a softmax over exactly those keys of the cache - written out by hand here in float64 -
     with rows starting in their own documents, rows starting alike, and one start for every row."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 2, 1, 16, generator=g)  # (B, nh, 1, hs): one query per row
     k, v = torch.randn(2, 2, 2, 48, 16, generator=g)  # (B, nh, block, hs) each: the whole cache
     for starts in ([3, 17], [5, 5], [0]):
-        span = masks.Span(torch.tensor(starts), torch.tensor([30]))  # keys [start, 30) of each row
+        span = masks.CacheSpan(torch.tensor(starts), torch.tensor([30]))  # keys [start, 30) of each row
         expected = torch.stack([
             ((q[b].double() @ k[b, :, s:30].double().transpose(-2, -1)) / 4.0).softmax(-1) @ v[b, :, s:30].double()
             for b, s in enumerate(starts * 2 if len(starts) == 1 else starts)])  # (B, nh, 1, hs)
         with torch.no_grad():
-            got = attention.Attention(attn)(q, k, v, span, 0.0)
+            got = attention.Implementation(attn)(q, k, v, span, 0.0)
         assert rel_err(got, expected) <= 1e-5, starts
 
 
@@ -214,11 +214,11 @@ def test_a_flash_like_kernel_without_a_mask_is_refused_for_masked_training(monke
         if mask is not None:
             raise RuntimeError("No available kernel. Aborting execution.")
         return attention.sdpa_attention(q, k, v, None, dropout_p)
-    monkeypatch.setitem(attention.ATTENTION, "flash", no_mask_flash)
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, "flash", no_mask_flash)
     attention.attention_problem.cache_clear()
     try:
-        assert attention.attention_problem("flash", "cpu", torch.float32, 0.0, 16, True) is None
-        problem = attention.attention_problem("flash", "cpu", torch.float32, 0.0, 16, True, masked=True)
+        assert attention.attention_problem("flash", attention.AttnCall("cpu", torch.float32, 0.0, 16, True)) is None
+        problem = attention.attention_problem("flash", attention.AttnCall("cpu", torch.float32, 0.0, 16, True, masked=True))
         assert problem.startswith("PyTorch has no kernel for it")
     finally:
         attention.attention_problem.cache_clear()
@@ -249,7 +249,7 @@ def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys
     monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", fake_varlen_attn)
     attention.attention_problem.cache_clear()
     try:
-        assert attention.probe("varlen", "cpu", torch.float32, 0.0, 16, needs_grad=False, seq_len=32) is None
+        assert attention.probe("varlen", attention.AttnCall("cpu", torch.float32, 0.0, 16, needs_grad=False, seq_len=32)) is None
     finally:
         attention.attention_problem.cache_clear()
     q, k, v = torch.randn(3, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1))  # (B, nh, T, hs) each
@@ -267,7 +267,7 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
     idx = documents()
     q, k, v = torch.randn(3, 2, 2, 48, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each
     docs = masks.document_ids(idx, EOT) if settings.get("doc_mask") else None
-    packing = attention.mask_form("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
+    packing = attention.doc_window_mask("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
     expected = attention.manual_attention(q, k, v, reference_mask(idx, bool(docs is not None),
                                                                   settings.get("window", 0)), 0.0)
     assert torch.allclose(attention.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)

@@ -13,7 +13,7 @@ from core.runtime import Runtime
 
 from engine.generate import Decoder
 from core.hf import convert_hf_state_dict
-from attention import ATTENTION, attention_problem, check_attention
+from attention import IMPLEMENTATIONS, AttnCall, attention_problem, check_attention
 from benchmarks.compare import attention_names
 from conftest import runnable_on_cpu
 from model import GPT, GPTConfig, UserError
@@ -27,8 +27,8 @@ TINY = dict(block_size=32, vocab_size=101, n_layer=2, n_head=4, n_embd=32)
 def test_on_a_cpu_every_implementation_but_the_cuda_only_ones_runs_and_flex_only_for_inference():
     """torch 2.13's CPU kernels, as the registry's own check finds them: what the tests below parametrize over."""
     cuda_only = ("efficient", "cudnn", "varlen")
-    assert runnable_on_cpu(training=False) == [a for a in ATTENTION if a not in cuda_only]
-    assert runnable_on_cpu(training=True) == [a for a in ATTENTION if a not in (*cuda_only, "flex")]
+    assert runnable_on_cpu(training=False) == [a for a in IMPLEMENTATIONS if a not in cuda_only]
+    assert runnable_on_cpu(training=True) == [a for a in IMPLEMENTATIONS if a not in (*cuda_only, "flex")]
 
 
 def tiny_model(attn="manual", pad_vocab=False, seed=0, **kw) -> GPT:
@@ -263,7 +263,7 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
     attention._compiled_flex_attention.cache_clear()
     attention.attention_problem.cache_clear()
     torch._dynamo.reset()
-    flex, generator = attention.ATTENTION["flex"], torch.Generator().manual_seed(0)
+    flex, generator = attention.IMPLEMENTATIONS["flex"], torch.Generator().manual_seed(0)
     try:
         with strict_recompile_limit(), torch.no_grad():
             for dtype in (torch.float32, torch.bfloat16):
@@ -275,13 +275,13 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
                                                            cache[1][:, :, :T].float(), None, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
                 for position in range(5, 40, 3):  # decode steps over the whole cache, a span each
-                    span = masks.Span(torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]))  # written
+                    span = masks.CacheSpan(torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]))  # written
                     mask = torch.arange(64)[None, None, None, :] <= position  # (1, 1, 1, block): the same, densely
                     q = torch.randn(1, 2, 1, 16, generator=generator).to(dtype)
                     y = flex(q, cache[0], cache[1], span, 0.0)
                     reference = attention.manual_attention(q.float(), cache[0].float(), cache[1].float(), mask, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
-                assert attention.attention_problem("flex", "cpu", dtype, 0.0, 16, False, 32) is None  # the probes
+                assert attention.attention_problem("flex", attention.AttnCall("cpu", dtype, 0.0, 16, False, 32)) is None  # the probes
     finally:
         attention._compiled_flex_attention.cache_clear()
         attention.attention_problem.cache_clear()
@@ -308,17 +308,17 @@ def test_flex_training_on_cpu_says_no_backward():
 
 def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
     with pytest.raises(UserError, match="does not support dropout"):
-        check_attention("flash", "cpu", torch.float32, 0.1, 8, needs_grad=True)
-    assert attention_problem("sdpa", "cpu", torch.float32, 0.1, 8, True) is None  # sdpa falls back to math
+        check_attention("flash", AttnCall("cpu", torch.float32, 0.1, 8, needs_grad=True))
+    assert attention_problem("sdpa", AttnCall("cpu", torch.float32, 0.1, 8, True)) is None  # sdpa falls back to math
 
 
 def probe_with(monkeypatch, attn: str, fn) -> str:
     """attention_problem for `attn` with its function replaced by `fn`."""
     import attention
-    monkeypatch.setitem(attention.ATTENTION, attn, fn)
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, attn, fn)
     attention_problem.cache_clear()
     try:
-        return attention_problem(attn, "cpu", torch.float32, 0.0, 8, True)
+        return attention_problem(attn, AttnCall("cpu", torch.float32, 0.0, 8, True))
     finally:
         attention_problem.cache_clear()
 
@@ -326,7 +326,7 @@ def probe_with(monkeypatch, attn: str, fn) -> str:
 def test_a_kernel_refusal_on_cpu_reports_pytorchs_reason_without_the_cpp_location(monkeypatch):
     """A real refusal of the CPU flash kernel: C++ warns a header, then the reason, each ending in
     '(Triggered internally at <file>:<line>.)'."""
-    flash = ATTENTION["flash"]
+    flash = IMPLEMENTATIONS["flash"]
 
     def mismatched_v(q, k, v, mask, dropout_p):
         v = torch.cat([v, v], dim=-1)  # (B, nh, T, 2 hs): the flash kernel needs one head size for q, k and v
@@ -366,12 +366,12 @@ def test_dropout_applies_in_training_only():
 
 
 def test_unknown_attn_lists_the_valid_names():
-    with pytest.raises(UserError, match="unknown attn 'fast'.*" + ", ".join(ATTENTION)):
+    with pytest.raises(UserError, match="unknown attn 'fast'.*" + ", ".join(IMPLEMENTATIONS)):
         GPTConfig(attn="fast")
 
 
 def test_attention_lists_accept_all_or_comma_separated_names():
-    assert attention_names("all") == list(ATTENTION)
+    assert attention_names("all") == list(IMPLEMENTATIONS)
     assert attention_names("sdpa, manual,sdpa") == ["sdpa", "manual"]
     with pytest.raises(UserError, match="unknown attn 'fast'; use all or a comma-separated list of manual"):
         attention_names("manual,fast")

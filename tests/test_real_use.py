@@ -46,7 +46,7 @@ def test_a_second_run_on_a_trained_out_dir_is_refused_naming_the_holder_and_kill
             with pytest.raises(UserError, match=rf"{out} is in use by another run \(pid {holder.pid} on .+\); wait"):
                 train.main(tiny(char_data, out, *args))
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written
-        _, tok, _, _ = sample.load_model("resume", str(out), None)  # readers read while a run holds it
+        _, tok, _, _ = sample.load_model("resume", str(out))  # readers read while a run holds it
     finally:
         holder.kill()  # SIGKILL: the OS drops the lock with the process
         holder.wait()

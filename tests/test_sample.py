@@ -79,7 +79,7 @@ def test_the_same_seed_prints_the_same_text_twice(char_ckpt, capsys):
 
 
 def test_kv_cache_and_cache_free_paths_give_the_same_tokens_past_block_size(char_ckpt):
-    model, tok, _, _ = sample.load_model("resume", str(char_ckpt), None)
+    model, tok, _, _ = sample.load_model("resume", str(char_ckpt))
     prompt = sample.encode_prompt(tok, "To be")
     cached = draw(model, prompt, CPU_FP32, SAMPLING, use_cache=True)
     plain = draw(model, prompt, CPU_FP32, SAMPLING, use_cache=False)
@@ -90,7 +90,8 @@ def test_kv_cache_and_cache_free_paths_give_the_same_tokens_past_block_size(char
 
 
 def test_char_checkpoint_decodes_with_its_own_characters(char_ckpt):
-    model, tok, source, _ = sample.load_model("resume", str(char_ckpt), "flash")
+    model, tok, source, _ = sample.load_model("resume", str(char_ckpt))
+    model.set_attention("flash")
     assert isinstance(tok, CharTokenizer) and tok.chars == CHARS
     assert model.config.attn == "flash" and "iter 7" in source
     samples = draw(model, tok.encode("To be"), CPU_FP32, SAMPLING)
@@ -105,7 +106,7 @@ def test_bpe_checkpoint_without_meta_never_emits_padded_ids(tmp_path):
     with torch.no_grad():
         model.lm_head.weight[50257:] = 50.0  # the padded rows would win every step without the mask
     save_checkpoint(tmp_path, model, meta=None)
-    model, tok, _, _ = sample.load_model("resume", str(tmp_path), None)
+    model, tok, _, _ = sample.load_model("resume", str(tmp_path))
     assert isinstance(tok, GPT2Tokenizer) and model.config.padded_vocab_size == 50304
     prompt = sample.encode_prompt(tok, "Hello world")
     assert prompt == [15496, 995]
@@ -119,7 +120,8 @@ def test_gpt2_weights_from_a_local_hf_directory_sample_with_gpt2_bpe(tmp_path):
     cfg = transformers.GPT2Config(vocab_size=50257, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
-    model, tok, source, _ = sample.load_model(str(tmp_path), "unused", "math")
+    model, tok, source, _ = sample.load_model(str(tmp_path), "unused")
+    model.set_attention("math")
     assert isinstance(tok, GPT2Tokenizer) and model.config.attn == "math" and source == str(tmp_path)
     samples = draw(model, tok.encode("<|endoftext|>"), CPU_FP32, SAMPLING)
     assert max(i for s in samples for i in s) < 50257
@@ -178,7 +180,7 @@ def test_compare_reports_each_implementations_held_out_loss_as_the_readme_promis
 
 
 def test_reference_logits_are_large_enough_for_a_relative_bound(char_ckpt):
-    model, tok, _, _ = sample.load_model("resume", str(char_ckpt), None)
+    model, tok, _, _ = sample.load_model("resume", str(char_ckpt))
     x = torch.tensor([compare.numerics_ids(tok, tok.encode("T"), model.config.block_size)])
     ref = compare.forced_logits(compare.with_attn(model, "manual").double(), x, CPU_FP32)
     assert ref.abs().max().item() > 2.0
@@ -256,7 +258,7 @@ def test_the_command_line_prints_bad_input_as_one_line_and_exit_code_2(char_ckpt
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: attn must be one of {', '.join(map(repr, ['auto', *attention.ATTENTION]))}, got 'fast'; did you mean "
+        f"error: attn must be one of {', '.join(map(repr, ['auto', *attention.IMPLEMENTATIONS]))}, got 'fast'; did you mean "
         f"'flash'?"]
 
 
@@ -289,7 +291,7 @@ def refusing_prefills(attention):
 
 
 def test_a_kernel_refusing_a_real_call_is_one_sentence(monkeypatch):
-    monkeypatch.setitem(attention.ATTENTION, "math", refusing_prefills(attention.ATTENTION["math"]))
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, "math", refusing_prefills(attention.IMPLEMENTATIONS["math"]))
     model = confident_char_model().set_attention("math")
     model(torch.zeros(1, TINY["block_size"], dtype=torch.long))  # the shape the probe met runs
     with pytest.raises(UserError, match=r"attn='math' cannot run for inference on cpu in float32 .*PyTorch refused "
@@ -299,7 +301,7 @@ def test_a_kernel_refusing_a_real_call_is_one_sentence(monkeypatch):
 
 
 def test_compare_skips_an_implementation_that_refuses_at_run_time_and_finishes(char_ckpt, monkeypatch, capsys):
-    monkeypatch.setitem(attention.ATTENTION, "math", refusing_prefills(attention.ATTENTION["math"]))
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, "math", refusing_prefills(attention.IMPLEMENTATIONS["math"]))
     assert sample.main([f"--out_dir={char_ckpt}", "--compare=manual,math,sdpa", "--dtype=float32",
                         "--num_samples=1", "--max_new_tokens=10", "--start=To be"]) == 0
     out = capsys.readouterr().out
