@@ -29,6 +29,7 @@ def fake_timer(ms: dict):
     return lambda attn, call: ms[attn] / 1e3
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_the_fastest_implementation_that_runs_is_picked_and_the_refused_are_listed_with_their_reason():
     decision = attn_auto.measure(workload(), CPU, budget_s=1.0, timer=fake_timer(FAKE_MS))
     assert decision.pick == "flash"  # flex would be faster, but has no backward on a CPU
@@ -51,6 +52,7 @@ def test_a_numerically_wrong_implementation_is_dropped_however_fast(monkeypatch)
     assert decision.pick == "sdpa"  # the next fastest that is right
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_masks_are_measured_in_each_implementations_form_and_checked_against_the_masked_reference():
     decision = attn_auto.measure(workload(training=False, doc_mask=True, window=8, eot_token=0), CPU,
                                  budget_s=1.0, timer=fake_timer(FAKE_MS))

@@ -174,6 +174,7 @@ def test_sdpa_fits_a_larger_batch_than_manual_at_a_long_sequence_under_a_cpu_mem
     assert 1 <= rows[("manual",)]["max_batch"] < rows[("sdpa",)]["max_batch"]
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_the_chunked_loss_row_takes_less_memory_and_fits_a_larger_batch_than_the_whole_logits(tmp_path):
     # a wide vocabulary at a narrow model: the (B*T, V) logits, their softmax and gradient are most of a step's memory
     result = run_bench(tmp_path, "--attn=manual", "--padding=on", "--loss=chunked,whole", "--vocab_size=8191",
@@ -185,6 +186,7 @@ def test_the_chunked_loss_row_takes_less_memory_and_fits_a_larger_batch_than_the
     assert 1 <= whole["max_batch"] < chunked["max_batch"]
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_attention_mode_measures_forward_and_backward_and_manual_needs_more_memory(tmp_path):
     result = run_bench(tmp_path, "--mode=attention", "--attn=manual,flash,flex", "--attn_seq_lens=128",
                        "--attn_head_sizes=16", "--attn_heads=2")
@@ -201,6 +203,7 @@ def test_attention_mode_measures_forward_and_backward_and_manual_needs_more_memo
     assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_the_mask_axis_gives_a_row_per_mask_with_the_share_of_scores_each_kernel_computes(tmp_path):
     """Documents of 32 tokens in blocks of 128 (flex's block size): flex computes the 4 diagonal blocks of 16 and
     skips the rest; the mask lets through 33/64 of each 32 x 32 diagonal block."""

@@ -238,6 +238,7 @@ def test_openwebtext_pipeline_on_a_local_jsonl_corpus(tmp_path):
                                                                         "eot_token": 50256}
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_openwebtext_pipeline_on_a_text_corpus_keeps_one_val_document(tmp_path):
     docs = [f"Paragraph {i} — with  spaces\nand a second line." for i in range(25)]
     (tmp_path / "corpus.txt").write_text("\n\n".join(docs), encoding="utf-8")  # documents are paragraphs

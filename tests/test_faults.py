@@ -120,6 +120,7 @@ def train_config():
     return GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8)
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_a_decision_naming_an_implementation_that_no_longer_exists_is_measured_again_by_train_and_sample(
         char_data, tmp_path, monkeypatch, capsys):
     """The workload's own entry names 'flash9': train.py and sample.py measure again (no 'unknown attn'), rewrite
@@ -188,6 +189,7 @@ UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_a_save_cut_short_by_the_file_size_limit_says_so_and_keeps_the_previous_step(char_data, tmp_path):
     runs = {}
     for async_save in ("False", "True"):

@@ -77,6 +77,7 @@ def test_fp32_logits_and_gradients_match_float64_reference(reference, attn):
         assert rel_err(grads[name], ref) <= 1e-5, name
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_flex_forward_matches_float64_reference(reference):
     model, x, y, ref_logits, _ = reference
     with torch.no_grad():  # eval: FlexAttention has no backward on a CPU, so set_attention refuses training mode

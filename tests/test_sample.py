@@ -137,6 +137,7 @@ def test_file_prompt_is_read_from_the_file(char_ckpt, tmp_path, capsys):
 
 # -- comparison --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(char_ckpt, tmp_path, capsys):
     out = run_sample(capsys, f"--out_dir={char_ckpt}", "--compare=all", "--dtype=float32", "--num_samples=1",
                      "--max_new_tokens=8", "--start=To be, or not", f"--json={tmp_path / 'c.json'}")
@@ -327,6 +328,7 @@ def test_int8_sampling_draws_the_fp32_greedy_tokens_of_a_trained_model(trained_c
     assert reports["int8"]["samples"] == reports[""]["samples"]
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_compare_with_int8_weighs_memory_speed_held_out_loss_and_agreement(trained_ckpt, char_data, tmp_path, capsys):
     out = run_sample(capsys, f"--out_dir={trained_ckpt}", "--compare=sdpa", "--quantize=int8", "--dtype=float32",
                      "--num_samples=1", "--max_new_tokens=30", "--start=To be", f"--json={tmp_path / 'c.json'}")

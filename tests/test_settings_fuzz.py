@@ -26,7 +26,7 @@ from conftest import REPO
 from core import errors
 from core.configurator import _INTERVAL, Choice
 
-FAST, SLOW = 3, 30  # examples per script and tier
+FAST, SLOW = 2, 30  # examples per script and tier
 
 
 # -- drawing settings from LIMITS ----------------------------------------------------------------------------

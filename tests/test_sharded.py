@@ -55,6 +55,7 @@ def test_a_sharded_run_keeps_the_newest_steps_and_resumes_exactly(char_data, tmp
     assert steps(out) == ["step-000008"]
 
 
+@pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_readers_read_a_sharded_checkpoint_as_the_single_file_of_the_same_run(char_data, tmp_path, straight, capsys):
     out = tmp_path / "out"  # the folder docs/training.md's conversion names
     tiny(char_data, out, "--max_iters=6", *SHARDED)
