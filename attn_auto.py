@@ -1,17 +1,10 @@
 """
-attn='auto': time every attention implementation that can run this run's own attention (its batch, length, heads,
-head size, dtype, mask, dropout, compiled or not; forward and backward for training, a prefill and a decode step for
-sampling), drop any whose output is not the reference's within the dtype's tolerance, and pick the fastest. No
-anchor decides this way: transformers' attn_implementation and SDPA's own choice follow fixed priority lists.
+attn='auto': time every implementation that can run this run's own attention (its shapes, dtype, mask, dropout,
+compile; training or sampling), drop any whose output is off the reference, and pick the fastest. Decisions are
+cached, keyed by everything measured.
 
-    workload = Workload.of(model.config, rt, batch_size=12, seq_len=1024, training=True, compiled=True)
-    decision = choose(workload, rt)               # measured, or read from the cache of earlier decisions
-    print(decision.line())  # attn=auto: flex (1.00) < sdpa (2.41) < manual (6.8); B=12 T=1024 hs=64 bf16, ...
+    decision = choose(Workload.of(model.config, rt, batch_size=12, seq_len=1024, training=True, compiled=True), rt)
     model.set_attention(decision.pick, training=True, dtype=rt.torch_dtype)
-
-Timing is bench.py's: every round runs each candidate once, starting one further along each time, so the
-machine's drift hits them alike; the pick is the lowest median. Decisions are kept in the user's cache folder
-(attn_auto.json beside peak_flops.json), keyed by everything measured, so a second run decides in milliseconds.
 """
 
 import dataclasses

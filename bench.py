@@ -144,8 +144,6 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     for key, value in {**SIZES["cuda" if rt.is_cuda else "cpu"], **sizes}.items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
-        if isinstance(value, int) and type(getattr(cfg, key)) is not int:  # LIMITS checked the range already
-            raise UserError(f"{key} must be a whole number, got {getattr(cfg, key)!r}.")
     cfg.attn = attention_names(cfg.attn or "all")
     for baseline in ("manual", "sdpa") if generating else ("manual",):  # what speedups are measured against
         if baseline not in cfg.attn:

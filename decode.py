@@ -1,6 +1,8 @@
 """
-Decoding: the KV cache (everything a model keeps between generation steps) and the one generation loop, a prefill
-of the prompt, then a token at a time. GPT.setup_cache makes the cache; GPT.generate runs the loop eagerly.
+Decoding: the KV cache (all a model keeps between generation steps) and the one generation loop.
+
+    model.setup_cache(batch_size=2)
+    idx = decode_tokens(model, idx, max_new_tokens=100, temperature=0.0, top_k=None)
 """
 
 from typing import Optional

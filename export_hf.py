@@ -1,13 +1,9 @@
 """
-Export a training run to a Hugging Face GPT-2 directory that transformers loads with no custom code.
+Export a training run to a Hugging Face GPT-2 directory (weights, config, tokenizer, vocabulary unpadded) that
+transformers loads with no custom code.
 
     python export_hf.py --out_dir=out-shakespeare-char-cpu --hf_dir=hf-shakespeare-char
-    >>> from transformers import pipeline
     >>> pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=100, do_sample=False)
-
-The directory holds config.json, model.safetensors, generation_config.json and the tokenizer (tokenizer.json and
-tokenizer_config.json; BPE models also get GPT-2's vocab.json and merges.txt). Vocabulary padding is undone: the
-export has the real vocabulary only. GPT.from_pretrained(hf_dir) reads it back into this repo.
 """
 
 import shutil

@@ -115,12 +115,9 @@ def loss_chunk_rows(weight: torch.Tensor) -> int:
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
-    """lm_head and the mean cross-entropy over rows of x, one chunk of rows at a time, so the (N, V) logits and
-    their gradient never exist whole: each chunk's logits give its loss and, at once, its gradients (softmax minus
-    one-hot), which backward only scales. The three matmuls of lm_head's forward and backward, done in the forward;
-    nothing recomputed. The loss is F.nll_loss's over the chunk's log-softmax, so targets are ignored (-1) and
-    refused (out of range, -100 included) exactly as F.cross_entropy(ignore_index=-1) does; all ignored: a NaN loss
-    and zero gradients, as there. `bias` (-inf on padded ids, or None) keeps padded ids out of the softmax."""
+    """lm_head and the mean cross-entropy, a chunk of rows at a time: each chunk's logits give its loss and at once
+    its gradients (softmax minus one-hot), which backward only scales, so the (N, V) logits never exist whole and
+    nothing is recomputed. F.nll_loss ignores and refuses targets exactly as F.cross_entropy(ignore_index=-1)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, dtype: torch.dtype):  # x (N, C), weight (V, C), targets (N,)
@@ -170,9 +167,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask=None, cache: Optional["KVCache"] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (B, T, C). Causal attention over x (narrowed by `mask`: documents or a window, in the implementation's
-        form); with a cache, k and v are also written at input_pos: T > 1 a prefill from 0, T == 1 a decode step
-        over the whole cache within `mask`, a masks.CacheSpan."""
+        """x (B, T, C), attended causally within `mask`; with a cache, k and v are written at input_pos too, and a
+        decode step (T == 1) attends over the cache."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -316,19 +312,16 @@ class GPT(nn.Module):
         return self.cache.nbytes() if self.cache is not None else 0
 
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the model computes in here and now: autocast's when autocast is on for its device, else the
-        weights'."""
+        """Autocast's dtype when autocast is on for the model's device, else the weights'."""
         weight = self.transformer.wpe.weight  # never quantized (int8 weights report their own dtype)
         device = weight.device.type
         return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
     def set_attention(self, attn: str, training: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
                       check: bool = True) -> "GPT":
-        """Read the same weights through another attention implementation, in place; returns the model. Checked
-        where the model is (after .to(device)), in its mode (or `training`) and the dtype it computes in now
-        (compute_dtype, or `dtype`): one sentence naming what can run instead. Every call is checked again for the
-        facts it has (attention.Implementation). check=False: the caller asked attention_problem itself (the measuring
-        tools). attn='auto': the fastest correct one on this model's shapes, measured (attn_auto.py)."""
+        """Read the same weights through another attention implementation, in place; returns the model. Checked on
+        the model's device, in its mode (or `training`) and compute dtype (or `dtype`); check=False: the caller asked
+        attention_problem itself. attn='auto': the fastest correct one on this model's shapes, measured."""
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
         if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (attn_auto.py)
@@ -394,9 +387,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None) -> torch.Tensor:
-        """idx (B, T) with max_new_tokens tokens appended, drawn with torch's global RNG from the last position's
-        softmax over temperature (0: greedy), among the top_k likeliest if given, over the KV cache (decode_tokens).
-        The model stays in its mode: call model.eval() first, as with nanoGPT, unless dropout is wanted."""
+        """nanoGPT's: idx (B, T) with max_new_tokens tokens appended, drawn with torch's global RNG (temperature 0:
+        greedy), over a KV cache. The model stays in its mode: call model.eval() first, as with nanoGPT."""
         from decode import decode_tokens  # the one generation loop, beside the KV cache
         had_cache = self.cache_bytes() > 0
         try:
@@ -406,6 +398,6 @@ class GPT(nn.Module):
                 self.clear_cache()
 
     def estimate_mfu(self, fwdbwd_per_iter: float, dt: float, peak_flops: float = 312e12) -> float:
-        """nanoGPT's MFU: the fraction of an A100's bf16 peak (312 TFLOP/s, or `peak_flops`) an iteration of
-        fwdbwd_per_iter sequences of block_size tokens reaches in dt s (this project's: model_flops_utilization)."""
+        """nanoGPT's MFU: the fraction of an A100's bf16 peak (or `peak_flops`) reached by an iteration of
+        fwdbwd_per_iter sequences of block_size tokens in dt seconds."""
         return self.model_flops_utilization(fwdbwd_per_iter * self.config.block_size / dt, peak_flops)

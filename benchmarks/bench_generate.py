@@ -1,15 +1,8 @@
 """
-bench.py --mode=generate: what generation costs, over attention implementation x cache (none, static cache,
-compiled static cache) x weights (fp32, bf16, int8), all rows reading the same weights and drawing greedy tokens
-from the same prompt:
+bench.py --mode=generate: implementation x cache (none, static, compiled) x weights (fp32, bf16, int8), the same
+greedy tokens from the same prompt. The baseline is nanoGPT's generate: sdpa, no cache, fp32 weights.
 
-    python bench.py --mode=generate                                  # sized for the device (bench.GENERATE_SIZES)
     python bench.py --mode=generate --attn=all --weights=float32,int8 --cache=none,compiled
-
-"no cache" is nanoGPT's generate (the whole context through the model for every token), and nanoGPT's model runs
-SDPA's is_causal kernel wherever torch has it (its manual attention is the fallback for torch < 2.0): so the baseline
-row is sdpa, no cache, fp32 weights (or the sweep's first weights without fp32 rows), and "vs nanoGPT (sdpa, no
-cache)" is every row's speed over it, paired within each timed round.
 """
 
 import copy

@@ -1,12 +1,6 @@
 """
-bench.py's mask axis: the documents a row's blocks hold, and the share of the score matrix each implementation
-computes under a mask.
-
-    causal       plain causal attention (every table before the axis existed)
-    doc          document-causal: each block's documents from a prepared dataset's real end-of-text boundaries
-                 (--doc_data), or documents of --doc_len tokens each
-    window       a sliding window of --window tokens
-    doc+window   both
+bench.py's mask axis (causal, doc, window, doc+window): the documents a row's batch holds, and the share of the
+score matrix each implementation computes under a mask.
 """
 
 from pathlib import Path

@@ -1,9 +1,6 @@
 """
-bench.py's train mode, the machinery of one row: a model, its Trainer and batch shared by the rows of one vocab
-setting, mask and loss (each row switching the attention and taking train.py's real training steps, compiled apart
-per attn), whether a batch size fits, and the `auto` rows: what attn='auto' (attn_auto.py) picks for each padding,
-mask and loss, beside the fastest row the sweep measured (the pick should be that row, or within the round-robin's
-noise of it: the two rows' interquartile ranges overlap).
+bench.py's train mode: a model and Trainer shared by the rows of one padding, mask and loss, whether a batch fits,
+and the `auto` rows beside the fastest measured row.
 """
 
 import functools

@@ -1,13 +1,7 @@
 """
-Read the same weights through every attention implementation and compare: `python sample.py --compare=all`.
-
-It tests the claim of PyTorch's post "Accelerating Large Language Models with Accelerated Transformers": the
-original attention and SDPA give no noticeable difference in samples, though their outputs are not bit-identical
-(its Appendix A: SDPA scales q and k each by d^-1/4 before multiplying them). Per implementation it samples with
-the same seed (identical tokens? first difference?), times generation with and without the KV cache, measures
-teacher-forced logits against a float64 reference (max |dlogit|, KL) in fp32 and in a reduced dtype, and runs
-Appendix A's formulations on one layer's q, k, v. With --quantize=int8 it also weighs fp32, reduced-precision and
-int8 weights against each other: memory, tokens/s, loss on held-out text and agreement with fp32's tokens.
+The same weights through every attention implementation (`python sample.py --compare=all`), testing the claim of
+PyTorch's post that the original attention and SDPA sample alike: tokens with one seed, speed with and without the
+cache, teacher-forced logits against float64, Appendix A's formulations; with --quantize=int8, int8 weights too.
 """
 
 import copy

@@ -1,10 +1,7 @@
 """
-Measuring calls for bench.py: time (round robin, so drift hits every row alike), the tensor memory a call adds, and
-the attention kernel that really ran (the audit), read from torch.profiler; rows that run out of memory are
-reported, not fatal.
+Measuring calls for bench.py: time (round robin, so drift hits every row alike), added tensor memory, and the
+kernel that really ran, read from torch.profiler; a row out of memory is reported, not fatal.
 
-    ops, added_bytes = profiled_run(step, rt)
-    kernel, op_names = kernel_of(ops)           # 'flash', 'efficient', 'cudnn', 'math', 'flex' or 'none'
     results = measure_calls({"manual": step_a, "flash": step_b}, rt, bar, warmup=2, iters=10)
 """
 

@@ -1,17 +1,10 @@
 """
-Time to a validation loss: each recipe launched as a user launches it (python train.py ...), the recipes back to
-back and in turn, several times; the wall time from launch to the first logged val/loss at or below the target
-(start-up included; prepare the data beforehand), the iteration it came at, and the run's final val loss.
+Time to a validation loss: each recipe launched as a user would (python train.py ...), in turn, for several rounds;
+wall time from launch to the first val/loss at or below the target. Ratios are taken within a round.
 
-    python -m benchmarks.time_to_loss                        # nanoGPT's CPU recipe vs the quickstart, 3 rounds, target 1.89
-    python -m benchmarks.time_to_loss --runs=5 --target=1.95 --full=False   # stop each run at the target
-    python -m benchmarks.time_to_loss --compare=doc_mask --runs=1 --target=6.5  # Shakespeare BPE, causal vs doc_mask
+    python -m benchmarks.time_to_loss                        # nanoGPT's CPU recipe vs the quickstart
     python -m benchmarks.time_to_loss --compare=attn --full=False   # the quickstart through each attn, and auto
-    python -m benchmarks.time_to_loss --compare=attn_masked --full=False  # masks.md's recipe, likewise
     python -m benchmarks.time_to_loss --compare=gpu          # on a GPU: nanoGPT's shakespeare_char vs the fast recipe
-
-Writes the table to stdout and every run to <out_dir>/time_to_loss.json. Ratios are taken within a round (the
-recipes run one after the other, the first alternating), then the median over rounds: drift hits both alike.
 """
 
 import json

@@ -1,16 +1,9 @@
 """
-Settings for train.py, sample.py and bench.py: each script keeps its settings as module globals with a comment
-each, declares the allowed range of every numeric one and the allowed words of every choice in LIMITS
-("[1, inf)", one_of("ddp", "fsdp"), comma_list_of("off", "on")), then calls
-`cfg = configure(globals(), argv, LIMITS)`, which returns the settings as an object (cfg.batch_size) and leaves
-the globals as they were.
+Settings for every script: module globals with a comment each, LIMITS for the allowed numbers and words, then
+`cfg = configure(globals(), argv, LIMITS)`. Config files (Python assignments) apply in order, then --key=value
+overrides (read with ast.literal_eval; a bare word stays a string); --help prints every setting (settings_help.py).
 
     python train.py config/train_shakespeare_char.py --batch_size=32 --attn=flash
-
-Positional arguments are Python files of assignments, applied in order; `--key=value` overrides come after, the
-value read with ast.literal_eval (a bare word that is not a Python literal stays a string). `--help` (or `-h`)
-anywhere prints the script's docstring summary and every setting with its default, comment and allowed values,
-grouped under the comment headers of the script's source (`# I/O`), then exits (settings_help.py).
 """
 
 import ast

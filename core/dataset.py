@@ -1,10 +1,8 @@
 """
-The prepared data a training run reads (its files' format is files.py's): finding a dataset (preparing the
-embedded ones on first use, never over existing data), checking its files once when they are opened, and drawing
-the batches.
+The prepared data a training run reads: finding a dataset (preparing an embedded one on first use), checking its
+files once, and drawing the batches.
 
-    data_dir = dataset_dir("", "shakespeare_char")       # data/shakespeare_char, or a --data_dir
-    batches = Batches(data_dir, block_size=256, batch_size=64, seed=1337)
+    batches = Batches(dataset_dir("", "shakespeare_char"), block_size=256, batch_size=64, seed=1337)
     x, y = batches.micro_batches("train", 1)[0]          # (B, T) each
 """
 

@@ -1,7 +1,6 @@
 """
-The project's one error type for bad input, and the one place a script turns it into an `error:` line. It lives
-alone so that what only reads and writes files (the configurator, files.py, tokenizer.py, the prepare scripts) can
-raise it without importing torch.
+The one error type for bad input, and the one place a script turns it into an `error:` line, apart from torch so
+that what only reads and writes files can raise it.
 """
 
 import signal

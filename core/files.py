@@ -1,12 +1,8 @@
 """
-What is on disk, and writing it safely, for everything from the prepare scripts to train.py - without torch, so
-preparing data never imports it.
-
-A prepared dataset is a folder with train.bin and val.bin (token ids as uint16, native byte order) and meta.json,
-which names the tokenizer:
+What is on disk, and writing it safely, without torch (preparing data never imports it). A prepared dataset is a
+folder of train.bin and val.bin (uint16 token ids) and meta.json naming the tokenizer, or nanoGPT's meta.pkl:
     {"tokenizer": "gpt2", "vocab_size": 50257}
     {"tokenizer": "char", "vocab_size": 65, "chars": ["\\n", " ", "!", ...]}
-nanoGPT's folders have a meta.pkl instead (or nothing, for GPT-2 BPE), read here without running any code.
 """
 
 import contextlib

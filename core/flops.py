@@ -1,8 +1,8 @@
 """
-Peak FLOP/s, the denominator of MFU: a vendor's datasheet for a known GPU, else the best matmul rate measured on
-the machine (CPUs, unlisted GPUs, and bf16 on GPUs that only emulate it) while nothing else used its cores.
+Peak FLOP/s, the denominator of MFU: a datasheet for a known GPU, else the best matmul rate measured while
+nothing else used the cores (None when no such measurement exists).
 
-    mfu = model.model_flops_utilization(tokens_per_s, peak_flops(rt), seq_len)   # peak_flops: None if unknown
+    mfu = model.model_flops_utilization(tokens_per_s, peak_flops(rt), seq_len)
 """
 
 import functools

@@ -1,9 +1,7 @@
 """
-GPT-2 weights in Hugging Face's format: reading a local directory (model.safetensors or pytorch_model.bin, plus
-config.json) or a hub name, and converting GPT2LMHeadModel's state dict to this project's names. GPT.from_pretrained
-builds the model from what this reads (so this module imports no model):
+GPT-2 weights in Hugging Face's format, read from a local directory or the hub and renamed to this project's
+names; GPT.from_pretrained builds the model from them.
 
-    from model import GPT
     model = GPT.from_pretrained("gpt2", dict(attn="flash"))
 """
 

@@ -1,6 +1,6 @@
 """
-What PyTorch's attention kernels say beyond what the probe (attention.py) finds by running them: the reason SDPA's
-warnings give for a refusal, and a known cuDNN hazard that no probe of one length can see.
+What PyTorch's attention kernels say beyond what running them shows: the reason in SDPA's warnings for a refusal,
+and a known cuDNN hazard that no probe of one length can see.
 """
 
 import re

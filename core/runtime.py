@@ -1,7 +1,6 @@
 """
-What train.py, sample.py and bench.py would otherwise each write again: the Runtime (device, dtype, autocast,
-grad scaler, TF32, memory, the ranks), compiling, process-group setup and teardown, the one clock, and the exit of
-a script.
+Where and how a script runs: the Runtime (device, dtype, autocast, grad scaler, memory, the ranks), compiling,
+process groups, the one clock, and a script's exit.
 """
 
 import functools

@@ -1,14 +1,9 @@
 """
-`--help` for every script, reached through configurator.configure, which imports this module only then and hands it
-the settings and their allowed values in words (so this module imports nothing of the project). It prints the
-script's docstring summary, how to start it, and each setting as `name = default` with the comment beside it and its
-allowed values from LIMITS, grouped under the comment headers above the settings in the script's source:
+`--help` for every script: its docstring summary, how to start it, and each setting with its default, comment and
+allowed values, grouped under the comment headers of the script's source (read with tokenize and ast).
 
     # I/O
       out_dir = 'out'                   checkpoint (ckpt.pt) and metrics.jsonl go here
-      eval_interval = 2000              evaluate (and checkpoint) every this many iterations [at least 1]
-
-The source is read with tokenize (comments) and ast (assignments), so a '#' inside a string is not a comment.
 """
 
 import ast

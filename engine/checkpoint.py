@@ -1,10 +1,8 @@
 """
-The checkpoint format and how train.py writes it: ckpt.pt, the full state gathered on rank 0, tensors and plain
-Python types only (torch.load(weights_only=True) reads it), written to a temporary file and renamed into place.
-Readers go through engine/reader.py's load_checkpoint, whatever the format.
+The checkpoint train.py writes: ckpt.pt, the full state gathered on rank 0, tensors and plain types only
+(torch.load(weights_only=True) reads it), written whole or not at all.
 
     Checkpoint(model=model.state_dict(), model_config=asdict(model.config), iter_num=100, ...).save(path)
-    model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
 """
 
 import dataclasses

@@ -1,13 +1,8 @@
 """
-Generation: a prefill of the prompt, then one token at a time over the model's static KV cache - eagerly, or
-with both steps compiled - and int8 weight-only weights for sampling.
+Generation: a prefill of the prompt, then a token at a time over the model's KV cache, eagerly or with both steps
+compiled; and int8 weight-only weights for sampling.
 
-    decoder = Decoder(model, compile=True)     # the decode step compiles once (fullgraph), the prefill once too
-    idx = decoder.generate(idx, max_new_tokens=100, temperature=0)
-
-Positions are absolute (learned position embeddings), so once the text is longer than block_size every new token
-shifts the whole window: each such step is a full prefill of block_size tokens, which is what the cache-free path
-pays at every step. The cache saves work while the text fits in block_size.
+    idx = Decoder(model, compile=True).generate(idx, max_new_tokens=100, temperature=0)
 """
 
 import contextlib

@@ -1,6 +1,6 @@
 """
-The training log: one line on the console, one JSON line in out_dir/metrics.jsonl, and wandb when enabled; and the
-clock of its ms_per_iter, which times training steps only.
+The training log (console, out_dir/metrics.jsonl, wandb) and the clock of its ms_per_iter, which counts training
+steps only.
 """
 
 import json

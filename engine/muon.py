@@ -1,12 +1,7 @@
 """
-Muon (momentum, then Newton-Schulz orthogonalization) for the blocks' weight matrices, with the dtype of the
-orthogonalization as a parameter.
-
-torch.optim.Muon (torch 2.13) casts every update to bf16 before orthogonalizing it, and the cast is not a setting.
-Where bf16 matmuls are emulated (a CPU with AVX2 only) that iteration costs ~20x the fp32 one, so the runtime
-decides the dtype once (Runtime.orthogonalize_dtype: bf16 where the hardware has it natively, fp32 elsewhere).
-Everything else is torch.optim.Muon's algorithm with its hyperparameters and its state (one momentum buffer per
-matrix): in bf16 it takes exactly torch's steps, and a checkpoint of either optimizer resumes in the other.
+Muon for the blocks' weight matrices, with the orthogonalization's dtype a parameter: torch.optim.Muon always casts
+to bf16, which a CPU without native bf16 emulates at ~20x fp32's cost. Otherwise torch's algorithm and state, so a
+checkpoint of either resumes in the other.
 
     muon, adamw = muon_optimizers(model, 0.1, 6e-4, 2e-2, 0.95, (0.9, 0.95), "cpu", torch.float32)
 """

@@ -1,11 +1,7 @@
 """
-nanoGPT's checkpoints, read as this project's: an out_dir written by karpathy/nanoGPT's train.py resumes here
-(`python train.py ... --init_from=resume --out_dir=that_dir`) and samples (`python sample.py --out_dir=that_dir`).
-
-nanoGPT's ckpt.pt holds `model` (a state dict, with `_orig_mod.` prefixes when the run was compiled, and with
-older versions a causal-mask buffer `attn.bias` per block), `optimizer` (AdamW's own state dict, parameters by
-number), `model_args`, `iter_num`, `best_val_loss` and `config`. Its character vocabularies live in a pickle,
-`meta.pkl`, which is read here without running any code. engine/reader.py's load_checkpoint calls `from_nanogpt`.
+nanoGPT's checkpoints read as this project's, so an out_dir written by karpathy/nanoGPT resumes and samples here:
+`model` (with `_orig_mod.` prefixes when compiled, older files with `attn.bias` buffers), AdamW's `optimizer`
+state by parameter number, `model_args`, and the vocabulary in meta.pkl.
 """
 
 import dataclasses

@@ -1,7 +1,6 @@
 """
-Reading checkpoints: the one path every reader takes (a resume, sample.py, export_hf.py, the docs' conversion), for
-every format: ckpt.pt, a sharded step folder written by engine/sharded.py (read through DCP), and nanoGPT's ckpt.pt
-(engine/nanogpt.py converts it). A run that only writes never imports it.
+Reading checkpoints: the one path for every reader and format (ckpt.pt, a sharded step read through DCP, nanoGPT's
+ckpt.pt).
 
     model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
 """

@@ -1,16 +1,9 @@
 """
-Sharded checkpoints (train.py's checkpoint_format='sharded'): torch.distributed.checkpoint (DCP) writes each rank's
-own part of the model and optimizer state, nothing is gathered on rank 0, and a checkpoint reshards when it is read
-(another world size, FSDP2 or DDP, or one process). This is the writer, and what names its step folders; reading a
-step is engine/reader.py's, as every reading is.
+Sharded checkpoints (checkpoint_format='sharded'): DCP writes each rank's part, nothing gathered, resharded on
+reading. Only the folder `latest` names is read, so a save killed half-way leaves the previous step loadable:
 
-    out_dir/step-000500/   one step: DCP's files, one per rank (__0_0.distcp, ...), and .metadata, which DCP writes
-                           last and renames into place
-    out_dir/latest         the name of the newest whole step folder, replaced (os.replace) only once a save is whole
-
-Only the folder `latest` names is ever read, so a save killed half-way leaves the previous step loadable. Besides
-the model ('model') and optimizer ('optimizer') state, DCP keeps the rest of engine.checkpoint.Checkpoint ('train':
-the step, every rank's RNG and the data generator, the settings, the config) as pickled objects of its own.
+    out_dir/step-000500/   DCP's files, one per rank, and .metadata (written last)
+    out_dir/latest         the newest whole step's name, replaced only once a save is whole
 """
 
 import re

@@ -1,7 +1,5 @@
 """
-The training step, in one place, for train.py's loop and bench.py's rows alike: the Trainer (micro-batches,
-accumulation, the update), the optimizers (AdamW, or Muon for the blocks' matrices and AdamW for the rest), their
-state from a checkpoint, and the learning-rate schedule every group follows.
+The training step for train.py and bench.py alike, its optimizers (AdamW, or Muon and AdamW) and their schedule.
 
     trainer = Trainer(model, make_optimizers(model, cfg, rt, None), rt.grad_scaler(), rt, grad_clip=1.0)
     loss = trainer.step([(x, y), (x2, y2)])   # one optimizer step over two micro-batches; the loss stays on device
