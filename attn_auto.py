@@ -87,8 +87,8 @@ class Decision:
 # -- what is timed --------------------------------------------------------------------------------------------
 
 def inputs(w: Workload, device: str, seed: int = 0) -> dict:
-    """q, k, v at the run's shapes, (B, nh, T, hs), and its documents (B, T) when it has them: documents of the
-    lengths a block of the run's data would hold are not known here, so they are cut every block_size / 8 tokens."""
+    """q, k, v at the run's shapes, (B, nh, T, hs), and documents (B, T) cut every block_size / 8 tokens when it has
+    them (the real lengths are the data's, unknown here)."""
     g = torch.Generator().manual_seed(seed)
     shape = (w.batch_size, w.n_head, w.seq_len, w.head_size)
     q, k, v = (torch.randn(shape, generator=g).to(device, getattr(torch, w.dtype)) for _ in range(3))
@@ -138,9 +138,8 @@ def numerics_problem(output: torch.Tensor, data: dict, w: Workload) -> Optional[
 
 def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable] = None,
             compiled: Optional[Callable] = None) -> Decision:
-    """Time every implementation that can run `w` (attention.attention_problem), round-robin, within about
-    budget_s seconds; drop the numerically wrong ones; pick the lowest median. `timer(attn, call)` -> seconds (a
-    test's stand-in; by default the runtime's clock, device synchronized); `compiled(fn)` compiles when the run does."""
+    """Time every implementation that can run `w`, round-robin within about budget_s seconds, drop the numerically
+    wrong ones and pick the lowest median. `timer(attn, call)` and `compiled(fn)`: a test's stand-ins."""
     started = time.perf_counter()
     timer = timer or (lambda attn, call: time_call(call, rt)[1])
     if compiled is None:
@@ -210,9 +209,8 @@ def choose(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = Fal
 
 def choose_across_ranks(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = False,
                         path: Optional[Path] = None, measure_fn: Optional[Callable] = None) -> Decision:
-    """choose() on rank 0 and the same answer on every rank (the others wait for it: every rank must run the same
-    kernel). If measuring fails, one line says so and every rank runs FALLBACK; a UserError (nothing can run)
-    stops every rank with the same sentence."""
+    """choose() on rank 0 and its answer on every rank (all must run the same kernel); if measuring fails, one line
+    and FALLBACK everywhere; a UserError stops every rank with the same sentence."""
     decision, problem = None, None
     if rt.is_master:
         try:
@@ -233,10 +231,8 @@ def choose_across_ranks(w: Workload, rt: Runtime, budget_s: float = 20.0, refres
 
 
 def choose_for_training(model, cfg, rt: Runtime, checkpoint=None) -> dict:
-    """attn='auto' for train.py: this run's workload (micro-batch, block_size, the model's heads, mask and dropout,
-    autocast's dtype, compile; forward only for eval_only) decided on rank 0 for every rank, said in one line, and
-    returned as the table (Decision.metrics) with the workload, which the run keeps in its settings: a resumed run
-    whose checkpoint decided the same workload runs the same implementation without measuring."""
+    """attn='auto' for train.py: this run's workload decided on rank 0, said in one line, and returned as the table with
+    the workload; a resume whose checkpoint decided the same workload runs the same implementation unmeasured."""
     w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
                     compiled=cfg.compile)
     saved = (checkpoint.settings.get("attn_auto") if checkpoint is not None else None) or {}
@@ -251,8 +247,7 @@ def choose_for_training(model, cfg, rt: Runtime, checkpoint=None) -> dict:
 
 
 def choose_for_model(model, training: bool = False, dtype: Optional[torch.dtype] = None, batch_size: int = 1) -> str:
-    """GPT.set_attention('auto'): the fastest implementation for `model` where it is, over its full block_size, in
-    `dtype` (by default its weights'), said in one line; measured once per workload (the cache's)."""
+    """GPT.set_attention('auto'): the fastest implementation for `model` where it is, at its block_size, in `dtype`."""
     weight = model.lm_head.weight
     dtype_name = str(dtype or weight.dtype).removeprefix("torch.")
     rt = Runtime(str(weight.device), dtype_name)

@@ -93,9 +93,8 @@ def kernel_of(op_names: set[str]) -> tuple[str, list[str]]:
 
 
 def ran_eager_flex(op_names: set[str]) -> bool:
-    """Whether a call ran FlexAttention's unfused reference (the whole T x T scores) rather than a generated
-    kernel: the reference's softmax is an aten op, which compiled flex never calls (the math SDPA kernel, which calls
-    it too, is told apart by its own op). A compiled flex past its recompile limit runs this reference."""
+    """Whether a call ran FlexAttention's unfused reference (the whole T x T scores), as a compiled flex past its
+    recompile limit does: its softmax is an aten op that compiled flex never calls."""
     return "aten::_safe_softmax" in op_names and not op_names & {
         op for op, kernel in KERNEL_OPS.items() if kernel == "math"}
 
@@ -116,8 +115,7 @@ def kernel_context(rt: Runtime) -> dict:
 
 
 def dynamo_counts() -> Counter:
-    """What dynamo has done in this process so far: graphs compiled, graph breaks, and frames that hit their
-    recompile limit (each then runs eagerly, without a word but a log line)."""
+    """Graphs compiled, graph breaks, and frames past their recompile limit (each then runs eagerly) so far."""
     from torch._dynamo.utils import counters
     return Counter(graphs_compiled=counters["stats"]["unique_graphs"],
                    graph_breaks=sum(counters["graph_break"].values()),
@@ -142,11 +140,8 @@ def counted(call: Callable[[], T], tally: Counter) -> Callable[[], T]:
 
 
 def cpu_peak_bytes(prof: profiler.profile) -> int:
-    """The most tensor bytes live at once during a profiled region, beyond those live when it began.
-    With profile_memory=True the profiler records every allocation (+bytes) and free (-bytes); their running
-    sum in time order is the live tensor memory, the CPU twin of CUDA's max_memory_allocated. The process's
-    peak RSS would not do: it only grows, and it counts the allocator's caches, Python and the libraries.
-    (Frees of blocks allocated before the region are not recorded, so this can only err upwards.)"""
+    """The most tensor bytes live at once in a profiled region beyond those at its start: the running sum of the
+    profiler's allocations and frees, the CPU twin of CUDA's max_memory_allocated (peak RSS only grows)."""
     # The raw records, a private attribute: the public prof.events() books allocations to ops net of what each op
     # frees inside itself, which loses the peak within an op (the T x T scores of attention, for one).
     records = [e for e in prof.profiler.kineto_results.events()
@@ -160,9 +155,8 @@ def cpu_peak_bytes(prof: profiler.profile) -> int:
 
 @contextlib.contextmanager
 def without_profiler_banner() -> Iterator[None]:
-    """torch's profiler prints 'USDT: ... profiler_start' and '... profiler_stop' on stderr from C++, past
-    sys.stderr, straight through a progress bar. Send file descriptor 2 to a temporary file for the region,
-    then pass on every other line (warnings, errors) as it was."""
+    """Keep the profiler's C++ 'USDT: ... profiler_start/stop' lines on fd 2 out of the progress bar, passing every
+    other line on."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
@@ -222,13 +216,9 @@ def out_of_memory(e: Exception, rt: Runtime) -> str:
 
 def measure_calls(calls: dict, rt: Runtime, bar, warmup: int, iters: int, trace_prefix: Optional[str] = None,
                   audits: Optional[dict] = None) -> dict:
-    """Warm each call up, profile one run of each (ops, memory, and a chrome trace at trace_prefix_<key>.json if
-    asked), then time them round-robin; `bar` (tqdm) counts the runs.
-    `audits` (compiled runs): eager twins of the calls, profiled for the kernel audit instead of the compiled
-    code, in which inductor decomposes the math kernel and generates flex's; the call's own ops still show
-    whether flex ran its eager reference. Every call is
-    counted (dynamo_counts) and each result carries its kernel_context. A call that runs out of memory comes back
-    as {"status": "oom", "reason": ...}; the others still run."""
+    """Warm each call up, profile one run of each (ops, memory, a chrome trace if asked), then time them round-robin.
+    `audits`: eager twins of compiled calls, profiled for the kernel audit. A call out of memory comes back as
+    {"status": "oom", "reason": ...}; the others still run."""
     out, failed, tallies = {}, {}, {key: Counter() for key in calls}
     calls = {key: counted(call, tallies[key]) for key, call in calls.items()}
     for key, call in calls.items():
@@ -254,9 +244,8 @@ def measure_calls(calls: dict, rt: Runtime, bar, warmup: int, iters: int, trace_
 
 
 def paired_speedup(base: dict, row: dict) -> float:
-    """The median over timed iterations of base time / row time. One iteration runs every row back to back, so
-    the ratio within it cancels drift that hits all rows (a neighbour's load, clocks), which the ratio of two
-    medians taken over different moments would keep."""
+    """The median over iterations of base time / row time: within one iteration the rows run back to back, so the
+    ratio cancels drift that a ratio of medians would keep."""
     return float(np.median(np.array(base["ms_all"]) / np.array(row["ms_all"])))
 
 
@@ -273,10 +262,8 @@ def audited_row(row: dict, measured: dict, attn: str, rt: Runtime) -> dict:
 
 def audit(ops: set[str], ran_ops: set[str], attn: str, device_type: str, eager_reference: bool,
           recompile_limit_hits: int, generation: bool = False) -> dict:
-    """The audit's columns: the kernel the profiled ops show (`ops`: the row's own call, or its eager twin's),
-    written flex_eager when the row's own call (`ran_ops`) ran flex's unfused reference, what was expected, and
-    kernel_ok. A row run eagerly on purpose (flex uncompiled on a CPU: `eager_reference`) expects the reference;
-    for any other it, or a recompile-limit hit, is a fallback."""
+    """The audit's columns: the kernel the profiled ops show (flex_eager when the row's own call ran flex's reference),
+    what was expected, and kernel_ok; a row run eagerly on purpose (`eager_reference`) expects the reference."""
     kernel, names = kernel_of(ops)
     if ran_eager_flex(ran_ops):
         kernel = with_eager_flex(kernel)

@@ -26,8 +26,7 @@ GPT2_EOT_TOKEN = 50256  # <|endoftext|>: ends each document in GPT-2's data (and
 
 
 def read_meta(data_dir: Path) -> dict | None:
-    """The vocabulary of a prepared folder: its meta.json, else nanoGPT's meta.pkl (read without running any code),
-    else None (GPT-2 BPE, as nanoGPT's shakespeare and openwebtext folders are)."""
+    """A prepared folder's meta.json, else nanoGPT's meta.pkl, else None (GPT-2 BPE, as nanoGPT's BPE folders are)."""
     path = Path(data_dir) / "meta.json"
     if path.exists():
         try:
@@ -88,8 +87,7 @@ def _is_plain(value) -> bool:
 
 
 def eot_token_of(meta: dict | None) -> int:
-    """The end-of-text id that separates a dataset's documents: meta.json's "eot_token", GPT-2's for GPT-2 BPE
-    (a folder without meta is GPT-2 BPE, as nanoGPT's are), else -1: a character vocabulary has none."""
+    """The end-of-text id between a dataset's documents: meta.json's "eot_token", GPT-2's for GPT-2 BPE, else -1."""
     if meta is None:
         return GPT2_EOT_TOKEN
     return int(meta.get("eot_token", GPT2_EOT_TOKEN if meta.get("tokenizer") == "gpt2" else -1))
@@ -100,10 +98,8 @@ def eot_token_of(meta: dict | None) -> int:
 @contextlib.contextmanager
 def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                    advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
-    """The one way files are written here (datasets, checkpoints): yield temporary paths (name + ".tmp", in out_dir)
-    to write; only when the block finishes without an error are they renamed over the real names, so a crash or a
-    full disk never leaves half a file and the previous ones stay whole. A failure to write is one sentence about
-    `what` (by default the folder) and what to do."""
+    """The one way files are written here: temporary paths to write, renamed over the real names only when the block
+    finishes without an error, so a crash or a full disk keeps the previous files whole. A failure is one sentence."""
     out_dir = Path(out_dir)
     tmp = {name: out_dir / f"{name}.tmp" for name in names}
     try:
@@ -128,8 +124,7 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
 
 
 def with_umask_permissions(folder: Path) -> None:
-    """Give a folder made through tempfile (0700, its files 0600 where a library used a temporary file too) and
-    everything in it the permissions any other tool would: 0777 and 0666 less the umask."""
+    """A folder made through tempfile (0700, files 0600) given the permissions any other tool would give it."""
     umask = os.umask(0)
     os.umask(umask)  # reading the umask means setting it: put it back at once
     for path in [folder, *folder.rglob("*")]:
@@ -150,10 +145,8 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
 
 
 class OutDirLock:
-    """One run owns an out_dir at a time: an exclusive lock on out_dir/.lock (fcntl.flock), held for the run's life
-    and released by the OS when the process dies, kill -9 included, so a dead run never blocks the next. A second
-    run is refused naming the holder. Readers (sample.py, export_hf.py, --eval_only) take no lock: every file is
-    renamed into place whole (staged_outputs)."""
+    """One run per out_dir: flock on out_dir/.lock for the run's life, released by the OS when the process dies.
+    Readers take no lock: every file is renamed into place whole."""
 
     def __init__(self, out_dir: Path, made_dir: bool):
         import fcntl
@@ -186,9 +179,8 @@ class OutDirLock:
 
 
 def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dict:
-    """A cache this project writes in the user's cache folder (a JSON object of entries), as far as it can be used.
-    Whatever cannot (the file unreadable or not JSON, another shape, entries that fail entry_ok) is left out and
-    said in one line on stderr: the caller measures again, and its next write replaces the file."""
+    """A JSON cache in the user's cache folder, as far as it can be used; what cannot is left out and said in one line,
+    and the caller measures again."""
     if not path.exists():
         return {}
     try:
@@ -207,8 +199,7 @@ def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dic
 
 
 def write_cache(path: Path, entries: dict) -> None:
-    """Write a cache read_cache reads; a home that cannot be written (read-only) keeps this run's result in memory
-    only, and the next run measures again."""
+    """Write a cache read_cache reads; a read-only home keeps the result in memory only."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(entries, indent=1))

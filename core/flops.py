@@ -25,9 +25,8 @@ ALONE = 0.9
 
 
 def peak_flops(rt: Runtime) -> Optional[float]:
-    """Peak FLOP/s in rt's dtype: the datasheet for a known GPU, else measured; None where no measurement could be
-    trusted (the machine was busy: an MFU over it would be inflated). Under torchrun rank 0 measures alone while
-    the others wait (ranks share the machine's cores), and every rank gets its figure."""
+    """Peak FLOP/s in rt's dtype: the datasheet for a known GPU, else measured (rank 0 alone, the others waiting);
+    None where no measurement could be trusted, since an MFU over a busy machine's rate would be inflated."""
     listed = datasheet_peak_flops(rt.name, rt.dtype) if rt.is_cuda else None
     if listed:
         return listed
@@ -38,10 +37,8 @@ def peak_flops(rt: Runtime) -> Optional[float]:
 
 @functools.lru_cache(maxsize=None)
 def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> Optional[float]:
-    """The practical peak FLOP/s of a CPU or an unlisted GPU in rt's dtype: the best rate of large square matmuls
-    ever measured alone on this machine. A rate measured while other work loads the machine comes out low, and an
-    MFU over it high, so a measurement taken under load (best_matmul_flops: None) is never kept, and the best of
-    this run's and earlier runs' (peak_flops.json in the user's cache folder) is used: None if there is none yet."""
+    """The best large-matmul rate ever measured alone on this machine (this run's and peak_flops.json's); a round
+    taken under load is never kept. None if there is none yet."""
     key = f"{rt.name}, {rt.dtype}, torch {torch.__version__}"
     cache = peak_flops_cache()
     known = files.read_cache(cache, is_flops, "a positive number of FLOP/s")
@@ -62,9 +59,8 @@ def peak_flops_cache() -> Path:
 
 
 def best_matmul_flops(rt: Runtime, repeats: int) -> Optional[float]:
-    """The best FLOP/s of `repeats` rounds of large square matmuls, among the rounds this process ran alone (on a
-    CPU: cpu_share >= ALONE); None if none did. On a GPU many matmuls run between two synchronizations, so launch
-    latency is not what gets measured."""
+    """The best FLOP/s of `repeats` rounds of large matmuls among those run alone (cpu_share >= ALONE); None if none
+    was."""
     n, calls = (8192, 20) if rt.is_cuda else (1024, 3)
     with torch.random.fork_rng(devices=[]):  # leave the global RNG where training expects it
         a, b = (torch.randn(n, n).to(rt.device, rt.torch_dtype) for _ in range(2))

@@ -47,8 +47,8 @@ def pick_device(device: str = "auto") -> str:
 
 @functools.cache
 def cpu_capability() -> str:
-    """What this CPU has for matmuls, as every published figure names it: 'AMX' (bf16 tiles), 'AVX512_BF16'
-    (native bf16 dot products, no tiles), else torch's own capability ('AVX512', 'AVX2', 'DEFAULT', ...)."""
+    """What this CPU has for matmuls, as every published figure names it: 'AMX', 'AVX512_BF16', else torch's own
+    ('AVX512', 'AVX2', ...)."""
     if torch.cpu._is_amx_tile_supported():
         return "AMX"
     if torch.cpu._is_avx512_bf16_supported():
@@ -57,8 +57,7 @@ def cpu_capability() -> str:
 
 
 def cuda_has_bf16() -> bool:
-    """Native bf16 (Ampere and later). torch counts emulation as support by default, which on a V100 or T4
-    would pick slow emulated bf16 over fp16 with loss scaling."""
+    """Native bf16 (Ampere on): torch counts emulation by default, which would pick slow bf16 over fp16 on a V100."""
     return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
@@ -83,8 +82,8 @@ def pick_dtype(dtype: str, device: str) -> str:
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where and in what precision a script runs, and this process's place among the ranks (one of one outside
-    torchrun). Made once by resolve_runtime(); every script asks it rather than parsing device strings itself."""
+    """Where and in what precision a script runs, and this process's place among the ranks; made once by
+    resolve_runtime, asked by every script."""
     device: str  # "cpu", "cuda:N" or "mps"
     dtype: str   # a key of DTYPES: the autocast dtype, or float32 for none
     orthogonalize: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 only where it is native)
@@ -123,8 +122,7 @@ class Runtime:
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
 
     def to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Tensors on this run's device; on CUDA host tensors are copied from pinned memory without the host waiting,
-        so the copy queues behind the work already launched instead of stalling it."""
+        """Tensors on this run's device; on CUDA copied from pinned memory without the host waiting."""
         if not self.is_cuda:
             return tuple(t.to(self.device) for t in tensors)
         return tuple(t if t.is_cuda else t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
@@ -139,9 +137,8 @@ class Runtime:
         return event
 
     def copy_behind(self, values: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
-        """values copied to the host behind the work queued so far, and the event after the copy: waiting on it
-        waits for that work alone, where .item() (memcpy_and_sync) would wait for all queued at the time of the
-        read. On CUDA the copy lands in pinned memory, so it is queued, not waited for."""
+        """`values` copied to the host behind the work queued so far, and an event after the copy: waiting on it waits for
+        that work alone, where .item() would wait for all that is queued when it reads."""
         if not self.is_cuda:
             self.synchronize()  # MPS: the values are read at once
             return values.detach().to("cpu"), None
@@ -174,9 +171,8 @@ class Runtime:
         return DTYPES[self.orthogonalize]
 
     def memory_metrics(self) -> dict:
-        """Memory for the training log. `mem/peak_gb` is the peak of tensor memory, what bench.py's table shows
-        under the same name. CPUs and MPS have no such allocator statistic, so there the log says what it has
-        under a name of its own: the process's peak resident set (which also counts caches and libraries)."""
+        """Memory for the training log: on CUDA the peak of tensor memory (bench.py's mem/peak_gb); a CPU has no such
+        statistic, so there the peak resident set, under a name of its own."""
         if self.is_cuda:
             return {"mem/peak_gb": torch.cuda.max_memory_allocated(self.device) / 1e9}
         if self.device_type == "mps":
@@ -187,10 +183,8 @@ class Runtime:
 
 def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: str = "auto",
                     distributed: bool = False) -> Runtime:
-    """Pick the device, the autocast dtype and Muon's orthogonalization dtype ('auto': bf16 where bf16 is native,
-    else fp32), make a cuda:N device current (so nothing lands on GPU 0), and let fp32 matmuls use TF32 tensor
-    cores: the one place these are decided, for every script alike. `distributed`: under torchrun, join the process
-    group first (each rank then takes its own GPU)."""
+    """The one place device, autocast dtype and Muon's dtype ('auto': bf16 where native) are decided; a cuda:N device
+    made current, TF32 on. `distributed`: under torchrun, join the process group first."""
     device = pick_device(device)
     rank, local_rank, world_size, device = init_distributed(device) if distributed else (0, 0, 1, device)
     if device.startswith("cuda"):
@@ -204,11 +198,8 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: st
 
 
 def compile_isolated(fn, recompile_limit: int = 8, **compile_options):
-    """torch.compile a function, or a module in place, with a recompile count of its own. Many compiled models
-    share one code object (GPT.forward, Module._call_impl), and dynamo counts recompiles per code object: past
-    its limit (8) later models silently run eagerly. Generation meets many shapes (prefill, decode, cache
-    refills, two dtypes), so sample.py asks for a higher limit. torch without per-call limits (before 2.13) gets
-    a higher shared limit instead. `compile_options` go to torch.compile (fullgraph, dynamic, mode, options)."""
+    """torch.compile a function, or a module in place, with a recompile count of its own: dynamo counts recompiles per
+    code object (GPT.forward is shared by every model), and past its limit runs later models eagerly without a word."""
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         options = {"isolate_recompiles": True, "recompile_limit": recompile_limit, **compile_options}
     else:
@@ -223,8 +214,8 @@ def compile_isolated(fn, recompile_limit: int = 8, **compile_options):
 # -- distributed -----------------------------------------------------------------------------------
 
 def init_distributed(device: str) -> tuple[int, int, int, str]:
-    """This process's place among the ranks: (rank, local_rank, world_size, device). Under torchrun (RANK set) it
-    joins the process group, NCCL on CUDA and gloo elsewhere, one GPU per local rank; otherwise one rank of one."""
+    """(rank, local_rank, world_size, device): under torchrun, the process group joined (NCCL on CUDA, gloo
+    elsewhere), one GPU per local rank; otherwise one rank of one."""
     if "RANK" not in os.environ:
         return 0, 0, 1, device
     rank, local_rank, world_size = launch_variables(os.environ)
@@ -243,8 +234,8 @@ def init_distributed(device: str) -> tuple[int, int, int, str]:
 
 
 def launch_variables(env) -> tuple[int, int, int]:
-    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them, with MASTER_ADDR and MASTER_PORT; a set that torchrun
-    would not leave (a job script's leftovers, a launch line copied without torchrun) is one sentence."""
+    """torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a set torchrun would not leave is one
+    sentence."""
     fix = ("launch with torchrun --nproc_per_node=N train.py ..., or unset RANK, LOCAL_RANK and WORLD_SIZE for one "
            "process")
     missing = [name for name in ("LOCAL_RANK", "WORLD_SIZE") if name not in env]
@@ -272,8 +263,8 @@ def destroy_distributed() -> None:
 
 
 def on_master(work: Callable[[], None], device: str) -> None:
-    """Run `work` on rank 0 only (say, preparing data), the other ranks waiting. If it raises a UserError every
-    rank raises one, so none is left waiting at a later collective until the process-group timeout."""
+    """Run `work` on rank 0 while the others wait; a UserError there is raised on every rank, so none waits at a later
+    collective until the timeout."""
     problem = None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         try:
@@ -317,10 +308,8 @@ def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
 
 def round_robin(keys: list, rounds: int, time_one: Callable[[object], Optional[float]],
                 after_round: Optional[Callable[[dict], None]] = None) -> dict[object, list[float]]:
-    """The one round-robin timer (bench's rows, attn=auto's candidates): every round times each key once in turn,
-    starting one further along each time, so drift and neighbours' load hit them alike. `time_one(key)` returns the
-    seconds of one call, or None when the key drops out (it is not run again, nor returned). `after_round` sees the
-    times so far."""
+    """The one round-robin timer: each round times every key once, starting one further along each time, so drift hits
+    them alike. `time_one(key)` returns seconds, or None to drop the key."""
     times, dropped = {key: [] for key in keys}, set()
     for i in range(rounds):
         live = [key for key in times if key not in dropped]

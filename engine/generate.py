@@ -38,11 +38,9 @@ def decode_logits(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> tor
 
 
 def compiled_steps(model: GPT, dtype: torch.dtype, tune: bool = True) -> tuple[Step, Step]:
-    """The prefill, compiled for any prompt length, and the decode step, compiled for its one shape with
-    fullgraph=True; `dtype` is the one decoding computes in (the KV cache's). With `tune`, on CPU the decode
-    step's matmuls are autotuned with the weights frozen into the graph (prepacked for batch-1 matmuls: ~2.5x the
-    untuned step here, for ~10 s more compiling); on CUDA it runs as a CUDA graph. Frozen weights are a copy: a
-    model changed after its first decode step needs a new Decoder."""
+    """The prefill, compiled for any prompt length, and the decode step, compiled for its one shape (fullgraph). With
+    `tune`, on CPU the decode step's matmuls are autotuned on frozen weights (~2.5x here; a changed model needs a new
+    Decoder); on CUDA it runs as a CUDA graph."""
     weight = model.transformer.wpe.weight
     if not decodes_with_mask(model.config.attn, weight.device.type, dtype, model.config.head_size):
         raise UserError(f"attn='{model.config.attn}' takes no mask on {weight.device.type}, and a compiled decode "
@@ -59,9 +57,8 @@ def compiled_steps(model: GPT, dtype: torch.dtype, tune: bool = True) -> tuple[S
 
 
 def _quietly(step: Step, freeze: bool = False) -> Step:
-    """A compiled step that keeps inductor's own warnings (deprecated storage access; a tensor subclass without a
-    cache hash) off the console, with freezing on while it compiles: freezing is read outside torch.compile's
-    per-call options, so it is patched around the call."""
+    """A compiled step with inductor's own warnings kept off the console, and freezing on while it compiles (it is read
+    outside torch.compile's per-call options)."""
     def call(model, idx, input_pos):
         with torch._inductor.config.patch(freezing=freeze), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
@@ -71,9 +68,8 @@ def _quietly(step: Step, freeze: bool = False) -> Step:
 
 
 class Decoder:
-    """Generation with one model: its prefill and decode steps, eager or compiled (once, then reused). `dtype`: the
-    one decoding will run in, which decides whether the kernel takes a compiled decode step's mask (cuDNN does in
-    bf16, not in fp32); by default the dtype at construction (autocast's if on, else the weights')."""
+    """Generation with one model, eager or compiled (once, then reused). `dtype`: the one decoding runs in (by default
+    the compute dtype at construction), which decides whether the kernel takes a compiled decode step's mask."""
 
     def __init__(self, model: GPT, compile: bool = False, tune: bool = True, dtype: Optional[torch.dtype] = None):
         self.model, self.compiled = model, compile
@@ -107,9 +103,8 @@ class Sampling:
 
 def draw_samples(decoder: Decoder, prompt: list[int], rt: runtime.Runtime, sampling: Sampling, use_cache: bool = True,
                  warmup: int = 8) -> tuple[list[list[int]], float, float]:
-    """num_samples samples drawn together (one batch) from a generator seeded with sampling.seed: the new tokens
-    of each, the seconds they took, and the seconds of an untimed warm-up of `warmup` tokens first, which pays
-    for one-time work (compilation; CPU kernels are built per shape)."""
+    """num_samples samples drawn as one batch with sampling.seed: their new tokens, their seconds, and the seconds of an
+    untimed warm-up of `warmup` tokens first (compilation, per-shape CPU kernels)."""
     x = torch.tensor([prompt] * sampling.num_samples, dtype=torch.long, device=rt.device)  # (num_samples, T)
     generator = torch.Generator(rt.device).manual_seed(sampling.seed)
     with rt.autocast():
@@ -141,9 +136,8 @@ def print_samples(tok, prompt: list[int], samples: list[list[int]]) -> None:
 
 @contextlib.contextmanager
 def quiet_imports():
-    """Around importing torchao (directly, or through transformers): it prints that it cannot load CUDA extensions
-    (on any machine without them), and torch's pytree logs deprecation notes for torchao's enums - nothing a user
-    of this repository can act on. Errors still raise."""
+    """Around importing torchao (directly or through transformers): its notes about CUDA extensions and torch's pytree
+    deprecations are nothing a user can act on. Errors still raise."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -158,9 +152,8 @@ def quiet_imports():
 
 
 def quantize_int8(model: GPT) -> GPT:
-    """int8 weight-only (torchao): every Linear's weight as int8 with one scale per output row; activations stay in
-    the model's dtype. lm_head gets its own int8 copy: the token embedding it was tied to stays as it was (a
-    lookup reads one row per token, so its bytes do not bound decoding). In place; returns the model."""
+    """int8 weight-only (torchao), one scale per output row, in place. lm_head gets its own int8 copy: the embedding it
+    was tied to is a lookup, whose bytes do not bound decoding."""
     try:
         with quiet_imports():
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -171,9 +164,8 @@ def quantize_int8(model: GPT) -> GPT:
 
 
 def for_inference(model: GPT, device: str, dtype: torch.dtype, quantize: str = "") -> GPT:
-    """The model as generation reads it: on `device`, weights in `dtype` (at batch 1 decoding is bound by
-    reading the weights, so bf16 weights, not bf16 autocast over fp32 ones, is what halves the bytes), then
-    optionally int8. In place; returns the model in eval mode."""
+    """The model as generation reads it, in place and in eval mode: on `device`, weights in `dtype` (decoding at batch 1
+    is bound by reading the weights, so the weights themselves must be bf16), then optionally int8."""
     model = model.to(device=device, dtype=dtype).eval()
     return quantize_int8(model) if quantize == "int8" else model
 

@@ -21,9 +21,8 @@ from core.runtime import Runtime
 
 
 def check_wandb() -> None:
-    """wandb_log=True: that wandb is installed and can log here, decided before anything is written. It logs offline
-    or not at all by WANDB_MODE, online with a key (WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc), and asks
-    for one at a terminal; anywhere else wandb.init would stop the run with a traceback."""
+    """wandb_log=True: that wandb can log here, decided before anything is written (elsewhere wandb.init would stop
+    the run with a traceback)."""
     try:
         import wandb  # noqa: F401
     except ImportError:
@@ -73,27 +72,23 @@ class MetricsLog:
 
 @dataclass
 class StepEnd:
-    """Where training step `it` ends on the device: an event recorded behind it (CUDA), or the clock (a CPU step has
-    run when it returns; MPS is synchronized where values are read); and `values` of it copied to the host behind it
-    (or None)."""
+    """Where training step `it` ends: an event behind it on CUDA, else the clock; and `values` of it copied to the host
+    behind it (or None)."""
     it: int
     event: Optional[object]
     time: float
     values: Optional[torch.Tensor] = None
 
     def read(self) -> list[float]:
-        """The values, waiting for this step alone: on CUDA a tensor's .item() would wait for every step queued
-        since (it synchronizes the stream), and the device would then idle while the host catches up."""
+        """The values, waiting for this step alone (.item() would wait for every step queued since, and idle the device)."""
         if self.event is not None:
             self.event.synchronize()
         return self.values.tolist()
 
 
 class StepTimer:
-    """Wall time of training steps, with no wait on the device between log points. Each step's end is marked
-    (step_end); a line's time runs from the mark the previous line counted to (or a start) to its own step's,
-    plus what was timed before an evaluation paused the clock and no line counted: so each line's time covers
-    exactly the steps it counts, at any log_interval and eval_interval. The compiling step is never timed."""
+    """Wall time of training steps with no wait on the device between log points: each line's time runs from the mark
+    the previous line counted to, to its own step's, plus what was timed before an evaluation paused the clock."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
@@ -132,8 +127,7 @@ class StepTimer:
             self._t0 = self._since = None
 
     def lap(self, end: StepEnd) -> tuple[float, int]:
-        """(seconds, steps) timed up to the end of step end.it since the last lap: (0, 0) when none was timed (the
-        compiling step). Waits for that step alone."""
+        """(seconds, steps) timed since the last lap up to step end.it; (0, 0) when none was (the compiling step)."""
         seconds, steps = self._add(self._carried, end) if self.running else self._carried
         self._carried = (0.0, 0)
         if self.running and end.it > self._since.it:

@@ -19,10 +19,8 @@ COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before every
 
 
 def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_dir: Path | None = None) -> dict:
-    """The fields of a Checkpoint for nanoGPT's checkpoint `contents` (read from `path`). Only a run that resumes
-    (`for_training`) gets the optimizer state, converted (refused without one), and keeps nanoGPT's file
-    (keep_original, once every check passed); sampling and export read the weights and vocabulary.
-    `data_dir`: the training data's folder, whose meta.pkl is the first place looked for the vocabulary."""
+    """A Checkpoint's fields for nanoGPT's `contents`; only a resume (`for_training`) converts the optimizer state.
+    `data_dir`: where its meta.pkl is looked for first."""
     args = contents["model_args"]
     meta = nanogpt_meta(path.parent, contents.get("config") or {}, args["vocab_size"], path, data_dir)
     # nanoGPT's 50304 rows are GPT-2's 50257 padded: here the padding is a switch, and padded ids get a -inf
@@ -43,8 +41,7 @@ def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_di
 
 
 def keep_original(path: Path) -> None:
-    """A run resumed from nanoGPT's ckpt.pt will save this project's format over it: keep nanoGPT's file beside it.
-    Every rank reads the checkpoint, so the copy is made under a name of its own and renamed into place."""
+    """Keep nanoGPT's ckpt.pt beside the file this run saves over it (copied under its own name, then renamed)."""
     kept = path.with_name("ckpt.nanogpt.pt")
     if kept.exists():
         return
@@ -60,8 +57,7 @@ def keep_original(path: Path) -> None:
 
 
 def nanogpt_model_state(state: dict) -> dict:
-    """nanoGPT's state dict with the compile prefix stripped and the causal-mask buffers dropped; its parameter
-    names are this model's."""
+    """nanoGPT's state dict without the compile prefix and the causal-mask buffers."""
     out = {}
     for key, tensor in state.items():
         key = key.removeprefix(COMPILED_PREFIX)
@@ -72,10 +68,8 @@ def nanogpt_model_state(state: dict) -> dict:
 
 
 def named_optimizer_state(state: dict, model_state: dict, path: Path) -> dict:
-    """AdamW's state dict keyed by parameter number -> keyed by parameter name, as train.py saves it. nanoGPT
-    numbers the parameters as its configure_optimizers groups them: the >= 2-D ones, then the rest, each group in
-    named_parameters order - the order of the (converted) state dict without lm_head.weight, which is tied to
-    the token embedding and so not a parameter of its own."""
+    """AdamW's state keyed by parameter number -> by name. nanoGPT numbers the >= 2-D parameters, then the rest, each in
+    named_parameters order, without lm_head.weight (tied to the embedding)."""
     params = {name: tensor for name, tensor in model_state.items() if name != "lm_head.weight"}
     order = [n for n, p in params.items() if p.dim() >= 2] + [n for n, p in params.items() if p.dim() < 2]
     if not is_numbered_optimizer_state(state, len(order)):
@@ -99,9 +93,8 @@ def is_numbered_optimizer_state(state, count: int) -> bool:
 
 
 def nanogpt_meta(folder: Path, config: dict, vocab_size: int, path: Path, data_dir: Path | None = None) -> dict:
-    """This project's meta (which tokenizer decodes the ids) for a nanoGPT run: the meta.pkl of its data, looked for
-    in data_dir, beside ckpt.pt, in data/<dataset>/ and in the nanoGPT checkout the out_dir sits in; else GPT-2 BPE
-    for a GPT-2-sized vocabulary."""
+    """The vocabulary of a nanoGPT run: the meta.pkl in data_dir, beside ckpt.pt, in data/<dataset>/ or the nanoGPT
+    checkout around out_dir; else GPT-2 BPE for a GPT-2-sized vocabulary."""
     dataset = str(config.get("dataset", ""))
     candidates = ([Path(data_dir) / "meta.pkl"] if data_dir else []) + [folder / "meta.pkl"]
     if dataset:

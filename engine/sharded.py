@@ -45,9 +45,7 @@ def is_whole(folder: Path) -> bool:
 
 
 def os_cause(error: BaseException) -> str:
-    """What a failed write tells a user: the OSError under it (the disk is full, a file size limit was hit) rather
-    than PyTorch's internal text, which is all a short write leaves on top ("[enforce fail at inline_container.cc]
-    unexpected pos")."""
+    """The OSError under a failed write (a full disk, a file size limit), not PyTorch's text on top of it."""
     seen = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
@@ -73,10 +71,8 @@ def failure_text(error: BaseException, folder: Path) -> str:
 
 
 class ShardedSaver:
-    """train.py's saves in this format. Sync: every rank writes its shards, then rank 0 points `latest` at the step.
-    async_save: the state is copied to the CPU (the pause training sees) and written by DCP's async_save in a thread
-    while training goes on, its collectives on a gloo group of their own so that they never interleave with
-    training's; the next save, and the end of the run, wait for it first."""
+    """train.py's sharded saves: every rank writes its shards, then rank 0 points `latest` at the step. async_save copies
+    the state to the CPU and writes it in a thread, its collectives on a gloo group of their own; the next save waits."""
 
     def __init__(self, out: Path, keep: int, use_async: bool, rt: Runtime):
         self.out, self.keep, self.use_async, self.rt = Path(out), keep, use_async, rt
@@ -125,9 +121,8 @@ class ShardedSaver:
             self.written.set()
 
     def prepare(self, folder: Path) -> None:
-        """Rank 0, before a save: stop on an earlier async save's failure; clear what a killed run left at this
-        step (a save that never finished; a run with --overwrite=True replacing another run's step of that number
-        first drops the pointer to it)."""
+        """Rank 0, before a save: stop on an earlier async save's failure, and clear what a killed or replaced run left at
+        this step."""
         failure, self.failure = self.failure, None
         if failure:
             raise UserError(failure)
@@ -137,9 +132,8 @@ class ShardedSaver:
             shutil.rmtree(folder)
 
     def commit(self, step: int) -> None:
-        """Rank 0, once a save is whole: point `latest` at it (atomically), then keep the newest `keep` whole steps
-        up to it. Gone too: folders whose save never finished, and later steps (left by a run this one replaced
-        with --overwrite=True, or passed by the resume: never the newest)."""
+        """Rank 0, once a save is whole: point `latest` at it, then keep the newest `keep` whole steps up to it (later steps
+        and unfinished folders go)."""
         folder = step_folder(self.out, step)
         with files.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
                                   advice="free disk space, then resume") as tmp:

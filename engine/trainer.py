@@ -21,9 +21,8 @@ from model import GPT
 
 
 def lr_multiplier(it: int, cfg: Settings) -> float:
-    """The schedule, as a fraction of each group's peak rate: linear warmup for warmup_iters, cosine decay to
-    min_lr / learning_rate until lr_decay_iters, then that floor. With early_decay_iters the cosine comes in two
-    stages: to early_decay_to by early_decay_iters (the loss a short run would reach, reached early), then on."""
+    """The schedule as a fraction of each group's peak: linear warmup, cosine to min_lr / learning_rate by
+    lr_decay_iters, then that floor; with early_decay_iters, a first cosine to early_decay_to there."""
     floor = cfg.min_lr / cfg.learning_rate
     if not cfg.decay_lr:
         return 1.0
@@ -45,8 +44,8 @@ def cosine(fraction: float, start: float, end: float) -> float:
 
 
 def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
-    """AdamW, or Muon and AdamW; a resumed run keeps the optimizer its checkpoint's state belongs to. Every parameter
-    group records its peak rate as `initial_lr` (Muon's muon_lr, AdamW's learning_rate): the schedule scales it."""
+    """AdamW, or Muon and AdamW (a resume keeps its checkpoint's); each group's peak rate is kept as `initial_lr`,
+    which the schedule scales."""
     saved = checkpoint.settings.get("optimizer", "adamw") if checkpoint is not None else cfg.optimizer
     if saved != cfg.optimizer:
         raise UserError(f"the checkpoint's optimizer state is {saved}'s; resume with --optimizer={saved}.")
@@ -86,10 +85,8 @@ def gradient_sync(model: torch.nn.Module, sync: bool):
 
 @dataclass
 class Trainer:
-    """One model's training step: forward and backward over each micro-batch (gradients accumulated, reduced across
-    ranks on the last), then the update: gradients unscaled and clipped at grad_clip (0: not clipped; the norm is
-    never read back), each optimizer stepped, the scaler updated, the gradients dropped (set_to_none: they count as
-    step memory). Nothing is read back from the device (fp16's GradScaler alone reads its inf check)."""
+    """One model's training step: forward and backward per micro-batch (reduced across ranks on the last), gradients
+    unscaled and clipped, each optimizer stepped, gradients dropped. Nothing is read back from the device."""
     model: GPT                               # the weights: what checkpoints, set_attention and MFU read
     optimizers: list[torch.optim.Optimizer]  # AdamW; or Muon and AdamW
     scaler: torch.amp.GradScaler
@@ -98,10 +95,8 @@ class Trainer:
     forward: Optional[Callable] = None       # what runs the step (compiled, DDP- or FSDP-wrapped); None: the model
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step over micro-batches (x, y), (B, T) each, on the host or the device already; returns
-        their mean loss, on the device. The next micro-batch's copy is queued once the forward is (pinned, so the
-        host does not wait); it runs on the compute stream, between forward and backward, not beside them: ids
-        are kilobytes, not worth a copy stream."""
+        """One optimizer step over micro-batches (x, y), (B, T) each; returns their mean loss, on the device. The next
+        micro-batch's copy is queued behind the forward, from pinned memory."""
         forward, n = self.model if self.forward is None else self.forward, len(micro_batches)
         loss_sum = torch.zeros((), device=self.rt.device)
         x, y = self.rt.to_device(*micro_batches[0])
