@@ -25,9 +25,8 @@ class LayerCache(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Everything decoding keeps between steps: every layer's keys and values for positions [0, block_size), written
-    in place (fixed buffers: a decode step has one shape at every position, so it compiles once), how many positions
-    hold the text (`length`), and with documents where each row's current document starts."""
+    """Everything decoding keeps between steps: every layer's keys and values for positions [0, block_size), in fixed
+    buffers (one shape at every position, so a decode step compiles once), and each row's document start."""
 
     def __init__(self, config, batch_size: int, device, dtype):  # config: a model.GPTConfig
         super().__init__()
@@ -96,9 +95,8 @@ def last_logits(model, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> 
 def decode_tokens(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                   top_k: Optional[int] = None, generator: Optional[torch.Generator] = None, use_cache: bool = True,
                   prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Append max_new_tokens sampled tokens to idx (B, T); temperature=0 is greedy. Every row of the batch is its own
-    text. Over the model's KV cache in `dtype` (the keys', by default model.compute_dtype()), with the `prefill` and
-    `decode` steps given (eager here; engine.generate.Decoder passes compiled ones); use_cache=False: cache-free."""
+    """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
+    model's KV cache in `dtype`, with the given `prefill` and `decode` steps (Decoder passes compiled ones)."""
     block_size = model.config.block_size
     cache = None
     if use_cache:

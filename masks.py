@@ -34,9 +34,8 @@ def document_ids(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
 
 
 def allowed(q_idx, kv_idx, q_doc, kv_doc, window):
-    """Whether query position q_idx may see key position kv_idx: causal, same document (when documents are
-    given) and fewer than `window` positions back (an int: when > 0; a tensor: always). Works elementwise on
-    broadcast tensors, and inside a FlexAttention mask_mod."""
+    """Whether query position q_idx may see key position kv_idx: causal, same document, and fewer than `window` back
+    (an int: when > 0; a tensor: always). Elementwise on broadcast tensors, and inside a FlexAttention mask_mod."""
     ok = kv_idx <= q_idx
     if q_doc is not None:
         ok = ok & (q_doc == kv_doc)
@@ -105,8 +104,7 @@ def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, de
 
 
 def span_rows(span: CacheSpan, kv_len: int) -> torch.Tensor:
-    """The span as a dense mask over kv_len cache positions, (1 or B, 1, 1, kv_len) bool: for the implementations
-    that take a mask and no interval."""
+    """The span as a dense mask over the cache, (1 or B, 1, 1, kv_len) bool."""
     kv = torch.arange(kv_len, device=span.end.device)
     ok = (kv[None, :] >= span.start[:, None]) & (kv[None, :] < span.end[:, None])  # (1 or B, kv_len)
     return ok[:, None, None, :]

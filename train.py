@@ -140,9 +140,8 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
 
 
 def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
-    """The model compiled, and under torchrun wrapped so the ranks train it together: DDP (every rank holds the
-    whole model, gradients averaged) or FSDP2 (each block a unit, its parameters sharded over the ranks and gathered
-    for its forward and backward, then freed; the root holds the embeddings, final norm and tied lm_head)."""
+    """The model compiled and, under torchrun, wrapped: DDP (a whole replica per rank) or FSDP2 (each block a unit,
+    sharded over the ranks and gathered for its forward and backward)."""
     if not rt.is_distributed:
         return torch.compile(model) if cfg.compile else model
     if cfg.parallel == "ddp":
@@ -218,9 +217,8 @@ class Run:
             best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
 
     def log_step(self, end: StepEnd, lr: float, timer: StepTimer, peak_flops: Optional[float]) -> bool:
-        """Step end.it's training line: its loss averaged over ranks, read waiting for that step alone (the next one
-        is queued by then), and the speed over the steps timed since the last line. Returns whether any rank ran
-        out of max_seconds (the flag travels with the loss, so ranks stop at the same step)."""
+        """Step end.it's line: its loss averaged over ranks, and the speed over the steps timed since the last line. Returns
+        whether any rank ran out of max_seconds (the flag travels with the loss, so ranks stop together)."""
         (loss, out_of_time), world = end.read(), self.rt.world_size
         loss /= world
         seconds, steps = timer.lap(end)
@@ -284,10 +282,8 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLoc
 
 
 def train_loop(run: Run, resumed_at: int | None) -> None:
-    """Step until max_iters or max_seconds, evaluating (and saving) every eval_interval steps and at the end; a
-    resumed run (resumed_at: its step) was evaluated and saved there before it stopped, so not again. Nothing waits
-    on the device between log points: a log point's loss is copied behind its step and read once the next step is
-    queued, waiting for its own step alone, so even at log_interval=1 the device always has a step to run."""
+    """Step until max_iters or max_seconds, evaluating and saving every eval_interval steps and at the end (a resumed
+    run not again at resumed_at). A log point's loss is read once the next step is queued, so the device never idles."""
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts

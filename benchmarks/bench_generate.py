@@ -118,10 +118,8 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
 
 
 def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
-    """One row per attn x weights x cache (x padding): tokens/s, prefill ms, ms per new token, compile seconds,
-    weight and KV-cache bytes, peak memory, the kernel, same-tokens-as-no-cache, speed over nanoGPT's way.
-    `save(rows)` is called with every row so far whenever one has something new (a first call, its audit, a timed
-    round), so an interrupted sweep keeps what it measured."""
+    """One row per attn x weights x cache (x padding): speed, memory, kernel, agreement with no cache and speed over
+    nanoGPT's way. `save(rows)` is called whenever a row has something new, so an interrupted sweep keeps it."""
     out = []
     for pad in cfg.padding:
         described, rows = build_rows(cfg, rt, pad)

@@ -58,11 +58,8 @@ def tokens_with_documents(docs: torch.Tensor, vocab_size: int, eot_token: int, s
 
 
 def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int, device="cpu") -> dict[str, float]:
-    """`visible`: the share of the T x T score matrix the mask allows (its exact work); `computed`: the share the
-    kernel computes. A dense mask is applied to every score (1.0); flex skips whole blocks with nothing visible
-    (the exact count of a BlockMask built on `device`, where the row runs: CUDA's block size is not the CPU's);
-    the kernels that skip by causality or packing compute about what is visible (at tile granularity, slightly
-    more) - for flash, sdpa and the CUDA kernels only without a mask."""
+    """`visible`: the share of the T x T scores the mask allows; `computed`: the share the kernel computes (a dense
+    mask: all; flex: its BlockMask's blocks, counted on `device`; the skipping kernels about what is visible)."""
     causal = docs is None and window == 0
     visible = mask_fraction(masks.dense_mask(docs, window, T, "cpu"))
     if attn in FLEX:
@@ -87,8 +84,7 @@ def boundaries_per_block(docs: torch.Tensor) -> float:
 
 
 def mask_fraction(mask: torch.Tensor) -> float:
-    """The fraction of the (T, T) score matrix a dense mask lets through: what an implementation that skips the
-    rest would compute."""
+    """The fraction of the (T, T) scores a dense mask lets through."""
     return mask.float().mean().item()
 
 

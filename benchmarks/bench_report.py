@@ -12,10 +12,8 @@ from core.configurator import Settings
 
 
 def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:
-    """A plain-text table; a row that was skipped (or ran out of memory) shows a numbered reason in place of its
-    numbers, after the columns that name it (attn, vocab or case, and mask), each reason written out once below the
-    table; an implementation's skipped rows that share a reason are one line (on a CPU most rows of an attention
-    sweep are GPU-only kernels)."""
+    """A plain-text table; a skipped or out-of-memory row shows a numbered reason instead of its numbers, each reason
+    written once below (an implementation's rows that share one are one line)."""
     formats = list(columns.values())
     labels = 3 if "mask" in columns else 2
     why = lambda row: f"{row['status']}: {row['reason']}"  # noqa: E731
@@ -151,8 +149,8 @@ def ms_label(ms: float) -> str:
 
 
 def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
-    """The post's figure: ms per training step per attn, unpadded and padded side by side, IQR whiskers
-    (attention mode: forward+backward per attn, one bar per sequence length, at the first head size)."""
+    """The post's figure: ms per step per attn, unpadded and padded side by side, IQR whiskers (attention mode: one bar
+    per sequence length)."""
     from matplotlib.ticker import NullFormatter
     masked = len(cfg.mask) > 1 or cfg.mask != ["causal"]
     if cfg.mode == "train":

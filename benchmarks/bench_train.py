@@ -21,9 +21,8 @@ from model import GPT, GPTConfig
 
 @dataclass
 class SharedTrainer:
-    """One model and its Trainer (engine/trainer.py: train.py's step), with one batch, shared by every attn row of
-    one vocab setting, mask and loss: a row switches the attention and takes real training steps. Rows sharing
-    weights keep one model's memory, not one per row."""
+    """One model, its Trainer and one batch, shared by every attn row of one padding, mask and loss (one model's memory,
+    not one per row): a row switches the attention and takes real training steps."""
     trainer: Trainer
     compile: bool                        # each attn's forward compiled apart (compiled_forward)
     batch: torch.Tensor                  # (2, B, T): inputs and targets
@@ -41,9 +40,8 @@ class SharedTrainer:
         self.trainer.step([(self.batch[0], self.batch[1])])
 
     def compiled_forward(self, attn: str) -> Callable:
-        """The model's forward for `attn`'s row: compiled apart for each attn, with a recompile budget of its own
-        (one compiled forward shared by every row would recompile per attn and, past its limit, run the later
-        rows eagerly), or the model itself."""
+        """The model's forward for `attn`'s row, compiled apart per attn with a recompile budget of its own (a shared one
+        would run the later rows eagerly past its limit), or the model itself."""
         if not self.compile:
             return self.model
         if attn not in self.forwards:

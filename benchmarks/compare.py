@@ -304,9 +304,8 @@ def tokens_cell(name: str, gens: dict, first: str) -> str:
 
 def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, vocab_size: int,
                      max_tokens: int = 16384) -> tuple:
-    """Windows (N, T + 1) of held-out text: evenly spaced from the training data's val.bin, or the numerics text
-    (x, (1, T)) when there is none; and where they came from. Ids the model has no embedding for (the data prepared
-    again with another vocabulary) are refused, as train.py refuses them."""
+    """Windows (N, T + 1) of held-out text, from the training data's val.bin or else the numerics text, and where
+    they came from; ids beyond the model's vocabulary are refused, as train.py refuses them."""
     if data is None:
         return x, "the built-in text (no val.bin: GPT-2 weights, or the training data is gone)"
     tokens = (data / "val.bin").stat().st_size // TOKEN_BYTES
@@ -332,9 +331,8 @@ def held_out_loss(model: GPT, windows: torch.Tensor) -> tuple[float, torch.Tenso
 
 
 def weights_study(model: GPT, run: Comparison, quantize: str, data: Optional[Path]) -> dict:
-    """The same weights in fp32, in the reduced dtype and as int8 (activations in the run's dtype): their memory,
-    greedy tokens/s with the KV cache, loss on held-out text, and how often their greedy tokens agree with fp32's
-    (teacher-forced on the held-out text, and in one greedy sample)."""
+    """fp32, reduced-precision and int8 weights side by side: memory, greedy tokens/s, held-out loss, and agreement
+    with fp32's greedy tokens."""
     windows, source = held_out_windows(data, run.x, model.config.block_size, model.config.vocab_size)
     greedy = dataclasses.replace(run.sampling, num_samples=1, temperature=0.0)
     rows, ref = {}, None

@@ -114,9 +114,8 @@ def comma_list_of(*words: str) -> Choice:
 
 
 def check_limits(values: dict, limits: dict, defaults: dict) -> None:
-    """Every numeric setting within its declared interval, e.g. "[1, inf)" or "[0, 1)", and every choice among its
-    words; None passes (it means "pick for me" where a script allows it). A setting with a numeric default but no
-    interval is a bug."""
+    """Every numeric setting within its interval and every choice among its words; None passes where the default is
+    None or LIMITS says "or None". A numeric setting without an interval is a bug."""
     undeclared = [k for k, v in defaults.items() if type(v) in (int, float) and k not in limits]
     if undeclared:
         raise RuntimeError(f"no LIMITS entry for numeric setting(s) {', '.join(undeclared)}")
@@ -166,11 +165,8 @@ def closest_config(path: Path) -> str:
 
 
 def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> Settings:
-    """The settings of a script whose defaults are the plain globals of `namespace`, with config files and
-    --key=value overrides applied and checked against `limits`. `namespace` itself is left untouched, so a
-    script's main() can run again in the same process with its defaults. `--help` or `-h` anywhere in argv prints
-    settings_help.help_text() and exits 0 before anything runs: each setting as the rest of the command line sets it
-    (config files, overrides), or its default where that line has a mistake (which a run would then name)."""
+    """A script's settings: the plain globals of `namespace` (left untouched, so main() can run again), with config
+    files and --key=value overrides applied and checked against `limits`. --help prints them and exits 0."""
     if "--help" in argv or "-h" in argv:
         from core import settings_help  # only when asked for: the scripts' start-up does not carry it
         allowed = {key: allowed_text(spec) for key, spec in (limits or {}).items()}

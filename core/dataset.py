@@ -37,9 +37,8 @@ def dataset_dir(data_dir: str, name: str) -> Path:
 
 
 def prepare_if_missing(data_dir: Path, name: str) -> None:
-    """Prepare an embedded dataset into its own folder when that folder holds none of its files. Existing data
-    (say a custom corpus prepared there with --input=) is never written over, and a data_dir is never prepared:
-    check_token_files speaks for it."""
+    """Prepare an embedded dataset into its own folder when that folder holds none of its files; existing data and a
+    data_dir are never written over."""
     missing = [f for f in ("train.bin", "val.bin") if not (data_dir / f).exists()]
     if not missing or data_dir != DATA / name:
         return
@@ -94,9 +93,8 @@ def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tenso
 
 
 class Batches:
-    """Random windows of a token file. One generator, seeded alike on every rank, draws the offsets of the
-    whole global batch; each rank takes its own micro-batches of it. So N ranks see exactly the data one
-    process with N times the accumulation sees, and the generator's state is all a resume needs."""
+    """Random windows of a token file. One generator, seeded alike on every rank, draws the whole global batch and each
+    rank takes its share: N ranks see what one process with N times the accumulation sees."""
 
     def __init__(self, data_dir: Path, block_size: int, batch_size: int, seed: int):
         self.data_dir, self.block_size, self.batch_size = data_dir, block_size, batch_size

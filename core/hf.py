@@ -17,8 +17,7 @@ OVERRIDES = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token", 
 
 
 def read_gpt2(name_or_path: str) -> tuple[dict, dict]:
-    """GPT-2's shape (GPTConfig's fields) and its weights in this model's names, the token embedding unpadded:
-    GPT.from_pretrained builds the model from them (this module reads the format; it imports no model)."""
+    """GPT-2's shape (GPTConfig's fields) and its weights in this model's names, the token embedding unpadded."""
     hf_config, state_dict = load_hf_checkpoint(name_or_path)
     shape = dict(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
                  n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"], bias=True,

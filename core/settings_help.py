@@ -19,9 +19,8 @@ NO_BREAK = "\xa0"  # joins the words of an [allowed values] bracket so that it w
 
 
 def help_text(namespace: dict, defaults: dict, allowed: dict[str, str]) -> str:
-    """The script's docstring summary, how to start it, then every setting as `name = default`, its comment and its
-    allowed values in words (configurator.allowed_text), under the comment header of its group in the script's
-    source (`# I/O`)."""
+    """The script's docstring summary, how to start it, then every setting as `name = default` with its comment and
+    allowed values, under its group's header."""
     path = Path(namespace.get("__file__") or "")
     documented = _documented(path.read_text(encoding="utf-8")) if path.is_file() else {}
     order = [k for k in documented if k in defaults] + [k for k in defaults if k not in documented]
@@ -47,9 +46,8 @@ def help_text(namespace: dict, defaults: dict, allowed: dict[str, str]) -> str:
 
 
 def _documented(source: str) -> dict[str, tuple[str, str]]:
-    """Each top-level `name = value` of a script's source, in order: (its group's header, its comment). A header is
-    a comment alone on its line at the left margin, not a ruler (consecutive ones join); a setting's comment is the
-    one beside it, continued on indented comment lines below."""
+    """Each top-level `name = value` of a script's source, in order: (its group's header, its comment). A header is a
+    comment alone at the left margin; a setting's comment is the one beside it, continued on indented lines."""
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
     assigned: dict[int, list[tuple[str, int]]] = {}
@@ -94,8 +92,7 @@ def print_help(namespace: dict, defaults: dict, allowed: dict[str, str]) -> None
 
 
 def _command(path: Path) -> str:
-    """How the script is started: python train.py, python data/openwebtext/prepare.py, or for a module of a package
-    python -m benchmarks.time_to_loss."""
+    """How the script is started: `python train.py`, or `python -m benchmarks.time_to_loss` for a package's module."""
     root = Path(__file__).resolve().parent.parent
     try:
         relative = path.resolve().relative_to(root)

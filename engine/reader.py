@@ -28,10 +28,9 @@ def describe_checkpoint(path: Path) -> str:
 
 
 def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | None = None) -> Checkpoint:
-    """The checkpoint at `path` (ckpt.pt, or out_dir's newer sharded one; a step folder named directly), on the CPU,
-    or one sentence on why it cannot be read. `for_training`: it must also hold the optimizer and RNG state that
-    resuming needs. `data_dir`: the training data, where a nanoGPT checkpoint's vocabulary (meta.pkl) is looked for
-    first."""
+    """The checkpoint at `path` (ckpt.pt, or out_dir's newer sharded step; a step folder named directly), on the CPU,
+    or one sentence on why not. `for_training`: it must hold what resuming needs; `data_dir`: where nanoGPT's meta.pkl
+    is looked for first."""
     path = Path(path)
     shards = sharded_folder(path)
     if not path.is_file() and shards is None:
@@ -133,9 +132,8 @@ def read_step(folder: Path, parts: set[str]) -> dict:
 
 
 def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
-    """A step's weights read into the model as it is placed (each rank reads only what it holds: its FSDP2 shards,
-    or a whole replica) and its optimizer state shaped for set_optimizer_state_dict (returned: the caller keeps its
-    own peak learning rates). Collective under torchrun."""
+    """A sharded step read into the model as it is placed (each rank reads what it holds), and its optimizer state
+    shaped for set_optimizer_state_dict. Collective under torchrun."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict)
