@@ -198,7 +198,8 @@ def doc_window_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int
 def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `attn` takes a mask for a decode step over the whole cache. CUDA's flash takes none: eager decoding
     then reads the written keys alone, and compiled decoding (one shape for every position) cannot use it."""
-    return attention_problem(attn, AttnCall(device_type, dtype, 0.0, head_size, False, 16, decode_step="masked")) is None
+    call = AttnCall(device_type, dtype, 0.0, head_size, False, 16, decode_step="masked")
+    return attention_problem(attn, call) is None
 
 
 def span_mask(attn: str, span: masks.CacheSpan, kv_len: int):

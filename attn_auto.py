@@ -109,7 +109,7 @@ def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Ca
         return attention.attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
     cache = torch.cat([k, k.new_zeros(k.size(0), k.size(1), w.block_size - w.seq_len, k.size(-1))], dim=2)
     span = masks.CacheSpan(torch.zeros(1, dtype=torch.long, device=q.device),
-                      torch.full((1,), w.seq_len, device=q.device))  # the prompt written, the step reads it
+                           torch.full((1,), w.seq_len, device=q.device))  # the prompt written, the step reads it
 
     prefill = attention.attention_pass(fn, q, k, v, mask, 0.0, backward=False)
     decode_step = attention.attention_pass(fn, q[:, :, -1:], cache, cache,

@@ -37,7 +37,7 @@ from core.errors import UserError
 from attention import FLEX, IMPLEMENTATIONS, AttnCall, attention_pass, attention_problem, reset_compiled_flex
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
-from benchmarks.bench_train import SharedTrainer, auto_rows, build_trainer, fits  # noqa: F401 - SharedTrainer: for tests
+from benchmarks.bench_train import SharedTrainer, auto_rows, build_trainer, fits  # noqa: F401 - for tests
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from core.runtime import Runtime
@@ -46,7 +46,7 @@ from model import GPTConfig
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone;
                           # "generate": greedy generation (bench_generate.py)
-attn = None               # comma-separated keys of attention.IMPLEMENTATIONS, or "all" (None: all; generate: GENERATE_SIZES)
+attn = None               # comma-separated implementations, or "all" (None: all; generate: GENERATE_SIZES)
 padding = None            # vocab padding to a multiple of 64 (50257 -> 50304): "off", "on" or "off,on" (None: off,on;
                           # generate: off)
 # model (None: sized for the device, see SIZES)

@@ -217,8 +217,8 @@ class Run:
             best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
 
     def log_step(self, end: StepEnd, lr: float, timer: StepTimer, peak_flops: Optional[float]) -> bool:
-        """Step end.it's line: its loss averaged over ranks, and the speed over the steps timed since the last line. Returns
-        whether any rank ran out of max_seconds (the flag travels with the loss, so ranks stop together)."""
+        """Step end.it's line: its loss averaged over ranks, and the speed over the steps timed since the last line.
+        Returns whether any rank ran out of max_seconds (the flag travels with the loss, so ranks stop together)."""
         (loss, out_of_time), world = end.read(), self.rt.world_size
         loss /= world
         seconds, steps = timer.lap(end)

@@ -40,8 +40,8 @@ class SharedTrainer:
         self.trainer.step([(self.batch[0], self.batch[1])])
 
     def compiled_forward(self, attn: str) -> Callable:
-        """The model's forward for `attn`'s row, compiled apart per attn with a recompile budget of its own (a shared one
-        would run the later rows eagerly past its limit), or the model itself."""
+        """The model's forward for `attn`'s row, compiled apart per attn with a recompile budget of its own (a shared
+        one would run the later rows eagerly past its limit), or the model itself."""
         if not self.compile:
             return self.model
         if attn not in self.forwards:

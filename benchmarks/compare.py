@@ -30,7 +30,7 @@ from benchmarks.bench_report import format_table
 
 
 def attention_names(spec) -> list[str]:
-    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as checked IMPLEMENTATIONS keys, each once."""
+    """'all', or a comma list such as 'manual,flash' (a list or tuple too), as implementation names, each once."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     names = list(IMPLEMENTATIONS) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
     unknown = [n for n in names if n not in IMPLEMENTATIONS]

@@ -137,8 +137,8 @@ class Runtime:
         return event
 
     def copy_behind(self, values: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
-        """`values` copied to the host behind the work queued so far, and an event after the copy: waiting on it waits for
-        that work alone, where .item() would wait for all that is queued when it reads."""
+        """`values` copied to the host behind the work queued so far, and an event after the copy: waiting on it waits
+        for that work alone, where .item() would wait for all that is queued when it reads."""
         if not self.is_cuda:
             self.synchronize()  # MPS: the values are read at once
             return values.detach().to("cpu"), None

@@ -80,7 +80,8 @@ class StepEnd:
     values: Optional[torch.Tensor] = None
 
     def read(self) -> list[float]:
-        """The values, waiting for this step alone (.item() would wait for every step queued since, and idle the device)."""
+        """The values, waiting for this step alone (.item() would wait for every step queued since, and idle the
+        device)."""
         if self.event is not None:
             self.event.synchronize()
         return self.values.tolist()

@@ -71,8 +71,8 @@ def failure_text(error: BaseException, folder: Path) -> str:
 
 
 class ShardedSaver:
-    """train.py's sharded saves: every rank writes its shards, then rank 0 points `latest` at the step. async_save copies
-    the state to the CPU and writes it in a thread, its collectives on a gloo group of their own; the next save waits."""
+    """train.py's sharded saves: every rank writes its shards, then rank 0 points `latest` at the step. async_save
+    writes a CPU copy in a thread, its collectives on a gloo group of their own; the next save waits for it."""
 
     def __init__(self, out: Path, keep: int, use_async: bool, rt: Runtime):
         self.out, self.keep, self.use_async, self.rt = Path(out), keep, use_async, rt
@@ -121,8 +121,8 @@ class ShardedSaver:
             self.written.set()
 
     def prepare(self, folder: Path) -> None:
-        """Rank 0, before a save: stop on an earlier async save's failure, and clear what a killed or replaced run left at
-        this step."""
+        """Rank 0, before a save: stop on an earlier async save's failure, and clear what a killed or replaced run left
+        at this step."""
         failure, self.failure = self.failure, None
         if failure:
             raise UserError(failure)
@@ -132,8 +132,8 @@ class ShardedSaver:
             shutil.rmtree(folder)
 
     def commit(self, step: int) -> None:
-        """Rank 0, once a save is whole: point `latest` at it, then keep the newest `keep` whole steps up to it (later steps
-        and unfinished folders go)."""
+        """Rank 0, once a save is whole: point `latest` at it, then keep the newest `keep` whole steps up to it (later
+        steps and unfinished folders go)."""
         folder = step_folder(self.out, step)
         with files.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
                                   advice="free disk space, then resume") as tmp:
