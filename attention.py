@@ -11,7 +11,7 @@ import functools
 import math
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -198,7 +198,7 @@ def doc_window_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int
 def decodes_with_mask(attn: str, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `attn` takes a mask for a decode step over the whole cache. CUDA's flash takes none: eager decoding
     then reads the written keys alone, and compiled decoding (one shape for every position) cannot use it."""
-    call = AttnCall(device_type, dtype, 0.0, head_size, False, 16, decode_step="masked")
+    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="masked")
     return attention_problem(attn, call) is None
 
 
@@ -249,11 +249,12 @@ class AttnCall:
     """What decides whether a kernel takes a call, beside the implementation's name."""
     device_type: str
     dtype: torch.dtype
-    dropout_p: float
     head_size: int
-    needs_grad: bool
-    seq_len: int = 64             # training is checked at its own length (cuDNN's hazard depends on it)
-    masked: bool = False          # with a document or window mask
+    _: KW_ONLY
+    needs_grad: bool = False        # training: checked with its backward
+    dropout_p: float = 0.0
+    seq_len: int = 64               # training is checked at its own length (cuDNN's hazard depends on it)
+    masked: bool = False            # with a document or window mask
     decode_step: bool | str = True  # inference also checked as a decode step; False: whole sequences only;
                                     # "masked": a decode step over the whole cache with a mask, alone
 
@@ -360,9 +361,9 @@ class Implementation:
         if torch.compiler.is_compiling():  # compiled code was checked before it was traced
             return self.fn(q, k, v, mask, dropout_p)
         needs_grad = training and q.requires_grad  # an eval-mode forward with gradients on is still inference
-        call = AttnCall(q.device.type, q.dtype, dropout_p, q.size(-1), needs_grad,
-                        q.size(-2) if needs_grad else self.block_size, mask is not None and not decoding,
-                        q.size(-2) == 1)
+        call = AttnCall(q.device.type, q.dtype, q.size(-1), needs_grad=needs_grad, dropout_p=dropout_p,
+                        seq_len=q.size(-2) if needs_grad else self.block_size,  # inference: one length for all
+                        masked=mask is not None and not decoding, decode_step=q.size(-2) == 1)
         check_attention(self.name, call)
         try:
             return self.fn(q, k, v, mask, dropout_p)  # (B, nh, Tq, hs)

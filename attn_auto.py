@@ -146,9 +146,9 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
         compiled = compile_isolated if w.compiled else (lambda fn: fn)
     data, rows, calls = inputs(w, rt.device), {}, {}
     for attn in attention.IMPLEMENTATIONS:
-        problem = attention.attention_problem(attn, attention.AttnCall(
-            rt.device_type, getattr(torch, w.dtype), w.dropout, w.head_size, w.training, w.seq_len,
-            masked=w.documents or bool(w.window)))
+        call = attention.AttnCall(rt.device_type, getattr(torch, w.dtype), w.head_size, needs_grad=w.training,
+                                  dropout_p=w.dropout, seq_len=w.seq_len, masked=w.documents or bool(w.window))
+        problem = attention.attention_problem(attn, call)
         rows[attn] = dict(attn=attn, status="refused" if problem else "ok", ms=None, ratio=None, reason=problem)
         if problem is None:
             calls[attn] = attention_call(attn, w, data, compiled)

@@ -200,8 +200,8 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     rows, trainers, calls, audits = {}, {}, {}, {}
     for a, m, pad, loss in ((a, m, pad, loss) for a in cfg.attn for m in cfg.mask for pad in cfg.padding
                             for loss in cfg.loss):
-        problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, cfg.dropout, head_size, True,
-                                                cfg.seq_len, masked=m != "causal"))
+        problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, head_size, needs_grad=True,
+                                                dropout_p=cfg.dropout, seq_len=cfg.seq_len, masked=m != "causal"))
         key = row_key(a, pad, m, loss)
         vocab = GPTConfig(vocab_size=cfg.vocab_size, pad_vocab=pad).padded_vocab_size  # skipped rows' too
         rows[key] = dict(attn=a, pad_vocab=pad, vocab=vocab, mask=m, loss=loss, status="skipped" if problem else "ok",
@@ -267,8 +267,8 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             reset_compiled_flex()
             functions = {a: compiled(IMPLEMENTATIONS[a], cfg) for a in cfg.attn}
             for a in cfg.attn:
-                problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, cfg.dropout, hs, backward,
-                                                        T, masked=mask != "causal"))
+                problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, hs, needs_grad=backward,
+                                                        dropout_p=cfg.dropout, seq_len=T, masked=mask != "causal"))
                 here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, mask=mask,
                                eager_reference=eager_reference(a, problem, cfg, rt),
                                status="skipped" if problem else "ok", reason=problem)

@@ -329,8 +329,9 @@ class GPT(nn.Module):
             attn = choose_for_model(self, training, dtype)
         config, device = dataclasses.replace(self.config, attn=attn), self.transformer.wpe.weight.device.type
         if check:
-            check_attention(attn, AttnCall(device, dtype, config.dropout if training else 0.0, config.head_size,
-                                           training, config.block_size, config.masked))
+            check_attention(attn, AttnCall(device, dtype, config.head_size, needs_grad=training,
+                                           dropout_p=config.dropout if training else 0.0, seq_len=config.block_size,
+                                           masked=config.masked))
         self.config, self.impl = config, Implementation(attn, config.block_size)
         for block in self.transformer.h:
             block.attn.impl = self.impl

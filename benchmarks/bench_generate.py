@@ -59,8 +59,8 @@ def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, 
     for attn in cfg.attn:
         for weights in cfg.weights:
             dtype, quantize = weights_dtype(weights, rt)
-            problem = attention_problem(attn, AttnCall(rt.device_type, dtype, 0.0, cfg.n_embd // cfg.n_head, False,
-                                                       cfg.seq_len))
+            call = AttnCall(rt.device_type, dtype, cfg.n_embd // cfg.n_head, seq_len=cfg.seq_len)
+            problem = attention_problem(attn, call)
             model = None
             try:  # int8 without torchao: its rows are skipped in its sentence, the others run
                 model = None if problem else for_inference(copy.deepcopy(base).set_attention(attn, check=False),

@@ -168,8 +168,8 @@ class Comparison:
     held_out: Optional[tuple] = None  # (windows (N, T + 1), where they came from): each implementation's loss on them
 
     def problem(self, attn: str, dtype: str, config: GPTConfig) -> Optional[str]:
-        return attention_problem(attn, AttnCall(self.rt.device_type, runtime.DTYPES[dtype], 0.0, config.head_size,
-                                                False, config.block_size, config.masked))
+        return attention_problem(attn, AttnCall(self.rt.device_type, runtime.DTYPES[dtype], config.head_size,
+                                                seq_len=config.block_size, masked=config.masked))
 
 
 def resolve_compare(compare: str, run: Comparison, config: GPTConfig) -> tuple[list[str], dict[str, str]]:

@@ -172,4 +172,5 @@ def runnable_on_cpu(training: bool) -> list[str]:
     import torch
 
     from attention import IMPLEMENTATIONS, AttnCall, attention_problem
-    return [a for a in IMPLEMENTATIONS if attention_problem(a, AttnCall("cpu", torch.float32, 0.0, 16, training)) is None]
+    call = AttnCall("cpu", torch.float32, 16, needs_grad=training)
+    return [a for a in IMPLEMENTATIONS if attention_problem(a, call) is None]

@@ -32,10 +32,12 @@ GPU = [a.replace("--device=cpu", "--device=cuda").replace("--n_embd=32", "--n_em
 # bf16 logits against fp32 manual, relative to the largest logit: bf16 keeps 8 bits of mantissa (~4e-3 per
 # rounding) and a 2-layer model compounds a handful of them
 BF16_TOLERANCE = 3e-2
+MASKED_TRAINING = AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=1024, masked=True)  # GPT-2's block
 
 
 def runs(attn: str, dtype: torch.dtype, dropout: float = 0.0, training: bool = True) -> bool:
-    return attention_problem(attn, AttnCall("cuda", dtype, dropout, 64, training, 32)) is None
+    call = AttnCall("cuda", dtype, 64, needs_grad=training, dropout_p=dropout, seq_len=32)
+    return attention_problem(attn, call) is None
 
 
 # flex trains in test_compile_and_flex_train_together (fp16, compiled: one compile of its backward, not three); its
@@ -274,7 +276,7 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
     ref_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
     for attn in IMPLEMENTATIONS:
         model.zero_grad()
-        if attention_problem(attn, AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True)) is not None:
+        if attention_problem(attn, MASKED_TRAINING) is not None:
             with pytest.raises(UserError, match=f"attn='{attn}' cannot run for training on cuda"):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     model.set_attention(attn)(x, x)
@@ -289,8 +291,8 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
         for name, grad in ref_grads.items():
             p = dict(model.named_parameters())[name]
             assert ((p.grad.float() - grad).abs().max() / grad.abs().max()).item() <= 0.1, (attn, name)
-    assert attention_problem("varlen", AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True)) is None
-    assert attention_problem("flex", AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 1024, masked=True)) is None
+    assert attention_problem("varlen", MASKED_TRAINING) is None
+    assert attention_problem("flex", MASKED_TRAINING) is None
 
 
 def test_flex_skips_the_blocks_documents_leave_empty_and_the_audit_names_varlen():

@@ -101,7 +101,7 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
 
     monkeypatch.setattr(kernels, "cuda_facts", lambda: (h100, new_cudnn))
     monkeypatch.setattr(attention, "attention_problem", lambda *args, **kw: None)  # the probe: runs
-    check_attention("sdpa", AttnCall("cuda", torch.bfloat16, 0.0, 64, True, 192, masked=True))
+    check_attention("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True))
     err = capsys.readouterr().err.strip()
     assert err.startswith("warning: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err
     assert err.count("\n") == 0

@@ -217,8 +217,10 @@ def test_a_flash_like_kernel_without_a_mask_is_refused_for_masked_training(monke
     monkeypatch.setitem(attention.IMPLEMENTATIONS, "flash", no_mask_flash)
     attention.attention_problem.cache_clear()
     try:
-        assert attention.attention_problem("flash", attention.AttnCall("cpu", torch.float32, 0.0, 16, True)) is None
-        problem = attention.attention_problem("flash", attention.AttnCall("cpu", torch.float32, 0.0, 16, True, masked=True))
+        training = attention.AttnCall("cpu", torch.float32, 16, needs_grad=True)
+        assert attention.attention_problem("flash", training) is None
+        call = attention.AttnCall("cpu", torch.float32, 16, needs_grad=True, masked=True)
+        problem = attention.attention_problem("flash", call)
         assert problem.startswith("PyTorch has no kernel for it")
     finally:
         attention.attention_problem.cache_clear()
@@ -249,7 +251,7 @@ def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys
     monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", fake_varlen_attn)
     attention.attention_problem.cache_clear()
     try:
-        assert attention.probe("varlen", attention.AttnCall("cpu", torch.float32, 0.0, 16, needs_grad=False, seq_len=32)) is None
+        assert attention.probe("varlen", attention.AttnCall("cpu", torch.float32, 16, seq_len=32)) is None
     finally:
         attention.attention_problem.cache_clear()
     q, k, v = torch.randn(3, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1))  # (B, nh, T, hs) each

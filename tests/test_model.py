@@ -282,7 +282,7 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
                     y = flex(q, cache[0], cache[1], span, 0.0)
                     reference = attention.manual_attention(q.float(), cache[0].float(), cache[1].float(), mask, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
-                assert attention.attention_problem("flex", attention.AttnCall("cpu", dtype, 0.0, 16, False, 32)) is None  # the probes
+                assert attention.attention_problem("flex", attention.AttnCall("cpu", dtype, 16, seq_len=32)) is None
     finally:
         attention._compiled_flex_attention.cache_clear()
         attention.attention_problem.cache_clear()
@@ -309,8 +309,8 @@ def test_flex_training_on_cpu_says_no_backward():
 
 def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
     with pytest.raises(UserError, match="does not support dropout"):
-        check_attention("flash", AttnCall("cpu", torch.float32, 0.1, 8, needs_grad=True))
-    assert attention_problem("sdpa", AttnCall("cpu", torch.float32, 0.1, 8, True)) is None  # sdpa falls back to math
+        check_attention("flash", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1))
+    assert attention_problem("sdpa", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1)) is None  # math
 
 
 def probe_with(monkeypatch, attn: str, fn) -> str:
@@ -319,7 +319,7 @@ def probe_with(monkeypatch, attn: str, fn) -> str:
     monkeypatch.setitem(attention.IMPLEMENTATIONS, attn, fn)
     attention_problem.cache_clear()
     try:
-        return attention_problem(attn, AttnCall("cpu", torch.float32, 0.0, 8, True))
+        return attention_problem(attn, AttnCall("cpu", torch.float32, 8, needs_grad=True))
     finally:
         attention_problem.cache_clear()
 
