@@ -37,7 +37,7 @@ from core.errors import UserError
 from attention import FLEX, IMPLEMENTATIONS, AttnCall, attention_pass, attention_problem, reset_compiled_flex
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
-from benchmarks.bench_train import SharedTrainer, auto_rows, build_trainer, fits  # noqa: F401 - for tests
+from benchmarks.bench_train import auto_rows, build_trainer, fits
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from core.runtime import Runtime

@@ -102,47 +102,49 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     (N,); matmuls in `dtype`, sums in fp32."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return ChunkedLMHeadLoss.apply(x, weight, bias, targets, dtype)
-    loss, w = torch.zeros((), dtype=torch.float32, device=x.device), weight.to(dtype)
-    with torch.autocast(x.device.type, enabled=False):
-        for xs, ts in zip(*(t.split(loss_chunk_rows(weight)) for t in (x, targets))):
-            logits = F.linear(xs.to(dtype), w, None if bias is None else bias.to(dtype)).float()  # (n, V)
-            loss += F.cross_entropy(logits, ts, ignore_index=-1, reduction="sum")
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
+        for _, _, ts, log_probs in chunk_log_probs(x, weight.to(dtype), bias, targets):
+            loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")
     return loss / (targets != -1).sum()
 
 
-def loss_chunk_rows(weight: torch.Tensor) -> int:
-    return max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
+def chunk_log_probs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor):
+    """(start, x's rows in w's dtype, their targets, their (n, V) fp32 log-softmax) for each chunk of rows (callers
+    turn autocast off). F.nll_loss over it ignores and refuses targets as F.cross_entropy(ignore_index=-1) does."""
+    rows = max(1, LOSS_CHUNK_ELEMENTS // w.size(0))
+    for start in range(0, x.size(0), rows):
+        xs = x[start:start + rows].to(w.dtype)
+        logits = (xs @ w.t()).float()  # (n, V)
+        if bias is not None:
+            logits += bias
+        log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+        del logits  # not held while the caller works on this chunk
+        yield start, xs, targets[start:start + rows], log_probs
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
     """lm_head and the mean cross-entropy, a chunk of rows at a time: each chunk's logits give its loss and at once
     its gradients (softmax minus one-hot), which backward only scales, so the (N, V) logits never exist whole and
-    nothing is recomputed. F.nll_loss ignores and refuses targets exactly as F.cross_entropy(ignore_index=-1)."""
+    nothing is recomputed."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, dtype: torch.dtype):  # x (N, C), weight (V, C), targets (N,)
-        rows = loss_chunk_rows(weight)
         valid = targets != -1
         count = valid.sum()
         w = weight.to(dtype)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        with torch.autocast(x.device.type, enabled=False):
-            for start in range(0, x.size(0), rows):
-                xs, ts = x[start:start + rows].to(dtype), targets[start:start + rows]
-                logits = (xs @ w.t()).float()  # (n, V)
-                if bias is not None:
-                    logits += bias
-                log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-                del logits
+        with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
+            for start, xs, ts, log_probs in chunk_log_probs(x, w, bias, targets):
                 loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")  # checks the targets
-                hit = valid[start:start + rows]  # (n,)
+                hit = valid[start:start + len(ts)]  # (n,)
                 ids = ts.masked_fill(~hit, 0)[:, None]  # (n, 1)
                 # d(the chunk's summed loss)/d(logits): softmax minus one-hot, in place; ignored rows add nothing
                 minus_one = torch.full_like(ids, -1, dtype=log_probs.dtype)
                 grad = log_probs.exp_().scatter_add_(1, ids, minus_one).mul_(hit[:, None]).to(dtype)
-                grad_x[start:start + rows] = grad @ w
+                grad_x[start:start + len(ts)] = grad @ w
                 grad_weight += grad.t() @ xs  # bf16/fp16 products summed over chunks in fp32
         ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype), count)
         return loss / count

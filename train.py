@@ -240,7 +240,7 @@ def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
 
-def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path]:
+def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Optional[files.OutDirLock]]:
     """Settings, runtime, whether this run resumes (decided once), the data's folder (prepared if it is an embedded
     dataset) and the lock on out_dir (rank 0's), with all checked that needs no model before out_dir is made."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
@@ -256,10 +256,10 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path]:
         runtime.on_master(check_wandb, rt.device)
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)  # missing data, likewise
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
-    lock = []  # rank 0's hold on out_dir, for the run's life
-    if not cfg.eval_only:  # evaluation writes nothing; training must be able to write its log and checkpoint
-        runtime.on_master(lambda: lock.append(claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite)), rt.device)
-    return cfg, rt, resuming, data_dir, lock[0] if lock else None
+    lock = None  # rank 0's hold on out_dir, for the run's life; evaluation writes nothing and takes none
+    if not cfg.eval_only:
+        lock = runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite), rt.device)
+    return cfg, rt, resuming, data_dir, lock
 
 
 def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLock:

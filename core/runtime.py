@@ -262,13 +262,13 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def on_master(work: Callable[[], None], device: str) -> None:
-    """Run `work` on rank 0 while the others wait; a UserError there is raised on every rank, so none waits at a later
-    collective until the timeout."""
-    problem = None
+def on_master(work: Callable[[], T], device: str) -> Optional[T]:
+    """What `work` returns, run on rank 0 while the others wait (None there); a UserError on rank 0 is raised on every
+    rank, so none waits at a later collective until the timeout."""
+    problem, result = None, None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         try:
-            work()
+            result = work()
         except UserError as e:
             problem = str(e)
     failed = mean_across_ranks(float(problem is not None), device) > 0  # also the barrier
@@ -276,6 +276,7 @@ def on_master(work: Callable[[], None], device: str) -> None:
         raise UserError(problem)
     if failed:
         raise errors.StoppedWithRank0("rank 0 stopped with an error (rank 0 prints it); the other ranks stop with it.")
+    return result
 
 
 def sum_across_ranks_(tensor: torch.Tensor) -> torch.Tensor:

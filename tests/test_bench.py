@@ -346,13 +346,13 @@ def test_compiled_rows_are_audited_through_an_eager_twin_so_inductor_decompositi
 # -- out of memory --------------------------------------------------------------------------------------------
 
 def test_a_row_that_runs_out_of_memory_is_reported_and_the_others_finish(tmp_path, monkeypatch, capsys):
-    step = bench.SharedTrainer.step
+    step = bench_train.SharedTrainer.step
 
     def step_or_oom(self, attn):
         if attn == "math":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
         step(self, attn)
-    monkeypatch.setattr(bench.SharedTrainer, "step", step_or_oom)
+    monkeypatch.setattr(bench_train.SharedTrainer, "step", step_or_oom)
     rows = rows_by(run_bench(tmp_path, "--attn=manual,math,sdpa", "--padding=off"), "attn")
     assert rows[("math",)]["status"] == "oom" and "Tried to allocate 9.00 GiB" in rows[("math",)]["reason"]
     assert rows[("manual",)]["status"] == rows[("sdpa",)]["status"] == "ok"
