@@ -34,14 +34,14 @@ from core import runtime
 from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
 from core.configurator import Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
-from attention import FLEX, IMPLEMENTATIONS, AttnCall, attention_pass, attention_problem, reset_compiled_flex
+from tools.kernels import AttnCall, attention_pass, attention_problem
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
 from benchmarks.bench_train import auto_rows, build_trainer, fits
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
 from core.runtime import Runtime
-from model import GPTConfig
+from model import IMPLEMENTATIONS, GPTConfig, compiled_flex
 
 # mode
 mode = "train"            # "train": real training steps of a GPT; "attention": the attention op alone;
@@ -181,8 +181,8 @@ def compiled(fn, cfg: Settings):
 
 def eager_reference(attn: str, problem: Optional[str], cfg: Settings, rt: Runtime) -> bool:
     """True for a flex row that runs (no `problem`) PyTorch's unfused eager reference: not compiled, and not on
-    CUDA (where model.py always compiles it)."""
-    return attn in FLEX and problem is None and not cfg.compile and not rt.is_cuda
+    CUDA (where model.flex_causal_attention always compiles it)."""
+    return attn == "flex" and problem is None and not cfg.compile and not rt.is_cuda
 
 
 # -- train mode ------------------------------------------------------------------------------------------
@@ -201,7 +201,8 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     for a, m, pad, loss in ((a, m, pad, loss) for a in cfg.attn for m in cfg.mask for pad in cfg.padding
                             for loss in cfg.loss):
         problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, head_size, needs_grad=True,
-                                                dropout_p=cfg.dropout, seq_len=cfg.seq_len, masked=m != "causal"))
+                                                dropout_p=cfg.dropout, seq_len=cfg.seq_len, masked=m != "causal"),
+                                    IMPLEMENTATIONS[a])
         key = row_key(a, pad, m, loss)
         vocab = GPTConfig(vocab_size=cfg.vocab_size, pad_vocab=pad).padded_vocab_size  # skipped rows' too
         rows[key] = dict(attn=a, pad_vocab=pad, vocab=vocab, mask=m, loss=loss, status="skipped" if problem else "ok",
@@ -264,11 +265,12 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             here, calls, audits = {}, {}, {}
             # every case compiles afresh, each attn apart, with a full recompile budget: one compiled callable over
             # every head size, length, pass and mask would pass its limit and run the later rows eagerly
-            reset_compiled_flex()
+            compiled_flex.cache_clear()
             functions = {a: compiled(IMPLEMENTATIONS[a], cfg) for a in cfg.attn}
             for a in cfg.attn:
                 problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, hs, needs_grad=backward,
-                                                        dropout_p=cfg.dropout, seq_len=T, masked=mask != "causal"))
+                                                        dropout_p=cfg.dropout, seq_len=T, masked=mask != "causal"),
+                                            IMPLEMENTATIONS[a])
                 here[a] = dict(attn=a, head_size=hs, seq_len=T, backward=backward, mask=mask,
                                eager_reference=eager_reference(a, problem, cfg, rt),
                                status="skipped" if problem else "ok", reason=problem)

@@ -21,7 +21,7 @@ from engine.reader import load_checkpoint
 from core.configurator import configure
 from core.errors import UserError
 from core.hf import CONV1D_WEIGHTS
-from engine.generate import quiet_imports
+from tools.decoding import quiet_imports
 from model import GPT
 from core.tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
 

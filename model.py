@@ -7,6 +7,7 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
 """
 
 import dataclasses
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -15,10 +16,169 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-import masks
-from attention import IMPLEMENTATIONS, AttnCall, Implementation, check_attention, doc_window_mask
-from core.errors import UserError
+
+def user_error(message: str) -> Exception:
+    """A mistake in a setting, which the scripts print as one `error:` line (core/errors.py's UserError)."""
+    from core.errors import UserError
+    return UserError(message)
+
+
+# -----------------------------------------------------------------------------
+# attention: one function per implementation, one signature for all
+#   q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), mask, dropout_p -> (B, nh, Tq, hs)
+# mask None is causal, aligned to the end (query i sees keys 0 .. i + Tk - Tq); with documents or a window it is
+# their mask in the implementation's form (tools/masks.py); for a decode step, the row of its visible keys.
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """(q_len, kv_len) bool, True where query i may see key j: j <= i + kv_len - q_len."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
+def manual_attention(q, k, v, mask, dropout_p):
+    # nanoGPT's: the scores, masked, softmaxed, then the weighted values
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, Tq, Tk)
+    if mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    att = att.masked_fill(~mask, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+    return att @ v
+
+
+def sdpa_mask_attention(q, k, v, mask, dropout_p):
+    # an explicit mask is what pushes CUDA off the fused kernels and onto the generic one
+    if mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def sdpa_attention(q, k, v, mask, dropout_p):
+    # is_causal is aligned to the start (top-left) in PyTorch; without a mask the model only passes square problems
+    # or a single query, where start and end alignment agree
+    is_causal = False
+    if mask is None and q.size(-2) > 1:  # a branch, not a flag: a concrete bool even when the length is dynamic
+        is_causal = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def flash_attention(q, k, v, mask, dropout_p):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return sdpa_attention(q, k, v, mask, dropout_p)
+
+
+def efficient_attention(q, k, v, mask, dropout_p):
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        return sdpa_attention(q, k, v, mask, dropout_p)
+
+
+def cudnn_attention(q, k, v, mask, dropout_p):
+    # cuDNN refuses a key length of 1, which the first step of cache-free generation from a one-token prompt asks
+    # for; the one key visible then takes all the weight, so its value is the exact answer
+    if k.size(-2) == 1 and mask is None and dropout_p == 0.0:
+        return v  # (B, nh, 1, hs)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return sdpa_attention(q, k, v, mask, dropout_p)
+
+
+def math_attention(q, k, v, mask, dropout_p):
+    with sdpa_kernel(SDPBackend.MATH):
+        return sdpa_attention(q, k, v, mask, dropout_p)
+
+
+FLEX_REGION = "attention.flex_attention"  # the profiler region every eager-called flex runs in (bench's audit)
+_block_masks: dict = {}  # building a block mask costs milliseconds: one per shape and device
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.cache
+def compiled_flex(use: str):
+    """flex_attention compiled for one use ('causal' or 'decode'), each with a recompile count of its own (fp32 and
+    bf16, grad or not, every length): eager flex is PyTorch's unfused reference. bench.py clears it between rows."""
+    from core.runtime import compile_isolated
+    return compile_isolated(flex_attention, recompile_limit=16)
+
+
+def compile_flex_here(q: torch.Tensor) -> bool:
+    """On CUDA always; on a CPU only inside a compiled model (seconds per shape, and CPU flex is inference-only)."""
+    return q.is_cuda
+
+
+def flex_causal_attention(q, k, v, mask, dropout_p):
+    # mask: None (causal), a BlockMask (documents, window) or a decode step's score mod (span_mask)
+    if dropout_p > 0:
+        raise user_error("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
+    if q.size(-2) == 1 and torch.compiler.is_compiling():
+        # inductor's CPU flex lowering (torch 2.13) fails on a one-query view with an odd stride; a copy compiles
+        q = q.clone(memory_format=torch.contiguous_format)
+    block_mask = mask if isinstance(mask, BlockMask) else None
+    score_mod = mask if mask is not None and block_mask is None else None
+    if mask is None and q.size(-2) > 1:
+        key = (q.size(-2), k.size(-2), str(q.device))
+        if key not in _block_masks:
+            _block_masks[key] = create_block_mask(_causal, None, None, key[0], key[1], device=q.device)
+        block_mask = _block_masks[key]
+    if torch.compiler.is_compiling():  # inside a compiled model dynamo traces flex itself
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    flex = compiled_flex("causal" if score_mod is None else "decode") if compile_flex_here(q) else flex_attention
+    with torch.profiler.record_function(FLEX_REGION):  # a compiled call shows the profiler no flex op of its own
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def varlen_attention(q, k, v, mask, dropout_p):
+    # FlashAttention's variable-length kernel (CUDA) takes the batch as one packed sequence of documents, and the
+    # window as flash's window_size. Imported here: its module imports dynamo, which only a varlen run needs.
+    from torch.nn.attention.varlen import varlen_attn
+    if isinstance(mask, torch.Tensor):  # a decode step's row over the cache: SDPA runs it
+        return sdpa_attention(q, k, v, mask, dropout_p)
+    B, nh, Tq, hs = q.shape
+    Tk = k.size(-2)  # more keys than queries: a decode step over the written keys, causal aligned to the end
+
+    def rows(T):  # each row one sequence: (B + 1,) starts
+        return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    cu_q, max_q, window = (mask.cu_seqlens, mask.max_len, mask.window) if mask is not None else (rows(Tq), Tq, 0)
+    cu_k, max_k = (cu_q, max_q) if Tk == Tq else (rows(Tk), Tk)
+    q = q.transpose(1, 2).reshape(B * Tq, nh, hs)  # (B*Tq, nh, hs): rows end to end
+    k, v = (t.transpose(1, 2).reshape(B * Tk, nh, hs) for t in (k, v))  # (B*Tk, nh, hs)
+    y = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(window - 1 if window else -1, 0))  # (B*Tq, nh, hs)
+    return y.reshape(B, Tq, nh, hs).transpose(1, 2)
+
+
+IMPLEMENTATIONS = {
+    "manual": manual_attention,        # the design card's three first
+    "sdpa_mask": sdpa_mask_attention,
+    "sdpa": sdpa_attention,
+    "flash": flash_attention,          # SDPA with one backend forced
+    "efficient": efficient_attention,
+    "cudnn": cudnn_attention,
+    "math": math_attention,
+    "flex": flex_causal_attention,
+    "varlen": varlen_attention,
+}
+
+
+def span_mask(attn: str, start: torch.Tensor, end: torch.Tensor, kv_len: int):
+    """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in attn's form: flex a score
+    mod, the others a (1 or B, 1, 1, kv_len) bool row."""
+    if attn != "flex":
+        kv = torch.arange(kv_len, device=end.device)
+        return ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]
+    first, length = start, end - start  # (1 or B,) each
+    if not start.is_cuda and torch.compiler.is_compiling():
+        # torch 2.13's CPU flex template reads only tensors inductor materialises: reductions over the row are
+        rows = span_mask("dense", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
+        first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
+    per_row = first.size(0) > 1
+
+    def visible(score, b, h, q_idx, kv_idx):
+        r = b if per_row else 0
+        return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
+    return visible
 
 
 # -----------------------------------------------------------------------------
@@ -47,26 +207,26 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.attn == "auto":
-            raise UserError("attn='auto' is measured on a model, not stored in a config: build it with another attn "
-                            "(say 'sdpa'), then call model.set_attention('auto').")
+            raise user_error("attn='auto' is measured on a model, not stored in a config: build it with another "
+                             "attn (say 'sdpa'), then call model.set_attention('auto').")
         if self.attn not in IMPLEMENTATIONS:
-            raise UserError(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
+            raise user_error(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
         if self.n_embd % self.n_head != 0:
-            raise UserError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                            f"pick sizes where n_embd is a multiple of n_head.")
+            raise user_error(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                             f"pick sizes where n_embd is a multiple of n_head.")
         if self.gelu not in ("tanh", "none"):
-            raise UserError(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
+            raise user_error(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
         if self.doc_mask and not 0 <= self.eot_token < self.vocab_size:
-            raise UserError(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
-                            f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a dataset "
-                            f"whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
+            raise user_error(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
+                             f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
+                             f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
         if self.window < 0:
-            raise UserError(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
+            raise user_error(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
         if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout must be in [0, 1), got {self.dropout}.")
+            raise user_error(f"dropout must be in [0, 1), got {self.dropout}.")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
-                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+                raise user_error(f"{name} must be a positive integer, got {getattr(self, name)}.")
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
@@ -90,97 +250,30 @@ class GPTConfig:
         return math.ceil(self.vocab_size / 64) * 64 if self.pad_vocab else self.vocab_size
 
 
-# rows of logits per chunk: 2^26 fp32 elements (256 MB; 1334 rows of GPT-2's padded 50304, so 7 chunks for a step
-# of 8,192 tokens): small beside the whole logits, and few chunks, since each adds lm_head's weight gradient once
-LOSS_CHUNK_ELEMENTS = 2 ** 26
-
-
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """F.cross_entropy(x @ weight.T + bias, targets, ignore_index=-1), never holding the whole (N, V) logits: with
-    gradients through ChunkedLMHeadLoss, without them (evaluation) one chunk's loss at a time. x (N, C), targets
-    (N,); matmuls in `dtype`, sums in fp32."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return ChunkedLMHeadLoss.apply(x, weight, bias, targets, dtype)
-    loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
-        for _, _, ts, log_probs in chunk_log_probs(x, weight.to(dtype), bias, targets):
-            loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")
-    return loss / (targets != -1).sum()
-
-
-def chunk_log_probs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor):
-    """(start, x's rows in w's dtype, their targets, their (n, V) fp32 log-softmax) for each chunk of rows (callers
-    turn autocast off). F.nll_loss over it ignores and refuses targets as F.cross_entropy(ignore_index=-1) does."""
-    rows = max(1, LOSS_CHUNK_ELEMENTS // w.size(0))
-    for start in range(0, x.size(0), rows):
-        xs = x[start:start + rows].to(w.dtype)
-        logits = (xs @ w.t()).float()  # (n, V)
-        if bias is not None:
-            logits += bias
-        log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-        del logits  # not held while the caller works on this chunk
-        yield start, xs, targets[start:start + rows], log_probs
-
-
-class ChunkedLMHeadLoss(torch.autograd.Function):
-    """lm_head and the mean cross-entropy, a chunk of rows at a time: each chunk's logits give its loss and at once
-    its gradients (softmax minus one-hot), which backward only scales, so the (N, V) logits never exist whole and
-    nothing is recomputed."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, targets, dtype: torch.dtype):  # x (N, C), weight (V, C), targets (N,)
-        valid = targets != -1
-        count = valid.sum()
-        w = weight.to(dtype)
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        grad_x = torch.empty_like(x)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
-            for start, xs, ts, log_probs in chunk_log_probs(x, w, bias, targets):
-                loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")  # checks the targets
-                hit = valid[start:start + len(ts)]  # (n,)
-                ids = ts.masked_fill(~hit, 0)[:, None]  # (n, 1)
-                # d(the chunk's summed loss)/d(logits): softmax minus one-hot, in place; ignored rows add nothing
-                minus_one = torch.full_like(ids, -1, dtype=log_probs.dtype)
-                grad = log_probs.exp_().scatter_add_(1, ids, minus_one).mul_(hit[:, None]).to(dtype)
-                grad_x[start:start + len(ts)] = grad @ w
-                grad_weight += grad.t() @ xs  # bf16/fp16 products summed over chunks in fp32
-        ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype), count)
-        return loss / count
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_weight, count = ctx.saved_tensors
-        scale = grad_loss / count.clamp(min=1)  # nothing counted: the saved gradients are zeros, and stay so
-        return grad_x * scale.to(grad_x.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None
-
-
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer: int, impl: Implementation):
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
-        self.impl = impl  # resolved once by GPT (set_attention), shared by every layer
+        self.attend = IMPLEMENTATIONS[config.attn]  # chosen once (GPT.set_attention), called as is
 
     def forward(self, x: torch.Tensor, mask=None, cache: Optional["KVCache"] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, T, C), attended causally within `mask`; with a cache, k and v are written at input_pos too, and a
-        decode step (T == 1) attends over the cache."""
+        decode step (T == 1) attends to the cached keys it sees."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:
-            cached_k, cached_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, block_size, hs)
-            k, v = (cached_k, cached_v) if T == 1 else (k, v)
-        dropout_p = self.attn_dropout if self.training else 0.0
-        y = self.impl(q, k, v, mask, dropout_p, self.training)  # (B, nh, T, hs)
+            seen_k, seen_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, keys the step sees, hs)
+            k, v = (seen_k, seen_v) if T == 1 else (k, v)
+        y = self.attend(q, k, v, mask, self.attn_dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -200,10 +293,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer: int, impl: Implementation):
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer, impl)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -217,12 +310,11 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.impl = Implementation(config.attn, config.block_size)  # checked at every first call (and set_attention)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, layer, self.impl) for layer in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
@@ -233,7 +325,8 @@ class GPT(nn.Module):
         is_padding = torch.arange(config.padded_vocab_size) >= config.vocab_size
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
-        self.cache: Optional["KVCache"] = None  # decode state (decode.KVCache), made by setup_cache
+        self.cache: Optional[KVCache] = None  # decode state, made by setup_cache
+        self.checked: set = set()  # the facts (attn, device, dtype, mode) the implementation was checked for
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -256,24 +349,39 @@ class GPT(nn.Module):
                 input_pos: Optional[torch.Tensor] = None, all_positions: bool = False):
         """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf. With targets: (B, T, V) logits and
         the mean cross-entropy (targets of -1 are ignored), as nanoGPT's; with config.chunked_loss, None and the
-        same loss, the logits never whole (chunked_cross_entropy). Without: the last position's, (B, 1, V), or every
-        position's with all_positions. With input_pos (T,), after setup_cache: idx's positions, written to the KV
-        cache: a prefill (T tokens from position 0) or one token at any position."""
+        same loss, the logits never whole. Without: the last position's, (B, 1, V), or every position's with
+        all_positions. With input_pos (T,), after setup_cache: a prefill (T tokens from position 0), then one token
+        at a time at the next position, each written to the KV cache."""
         B, T = idx.size()
         if T > self.config.block_size:
-            raise UserError(f"cannot forward a sequence of {T} tokens: block_size is "
-                            f"{self.config.block_size}; crop the input or use a smaller block_size.")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
+            raise user_error(f"cannot forward a sequence of {T} tokens: block_size is "
+                             f"{self.config.block_size}; crop the input or use a smaller block_size.")
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
-        cache = None if input_pos is None else self.cache.checked(T, input_pos)  # what this call writes to
+        cache = None if input_pos is None else self.cache
+        compiling = torch.compiler.is_compiling()  # compiled code was checked before it was traced
+        if not compiling:
+            self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T)
+            if cache is not None and T > 1 and input_pos[0].item() != 0:
+                raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
         mask = self._attention_mask(idx, cache, input_pos)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x, mask, cache, input_pos)
+        if compiling:
+            x = self._blocks(x, mask, cache, input_pos)
+        else:
+            try:
+                x = self._blocks(x, mask, cache, input_pos)
+            except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the check could not foresee
+                if "No available kernel" not in str(e):
+                    raise
+                shape = (B, self.config.n_head, T, self.config.head_size)
+                self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(),
+                                     T, problem=f"PyTorch refused q of shape {shape} at run time")
+                raise
         x = self.transformer.ln_f(x)
         if targets is None and not all_positions:
-            x = x[:, [-1], :]  # (B, 1, C): only the next token is needed
+            x = x[:, -1:, :]  # (B, 1, C): only the next token is needed
         padded = self.config.padded_vocab_size > self.config.vocab_size
         bias = self.vocab_bias if padded else None
         if targets is not None and self.config.chunked_loss and not all_positions:  # the logits never whole
@@ -287,22 +395,39 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
+    def _blocks(self, x, mask, cache, input_pos):
+        for block in self.transformer.h:
+            x = block(x, mask, cache, input_pos)
+        return x
+
     def _attention_mask(self, idx: torch.Tensor, cache: Optional["KVCache"], input_pos: Optional[torch.Tensor]):
         """The mask every layer takes beyond causality: for training and a prefill, None (causal) or the documents'
-        and window's mask in the implementation's form; for a decode step, the cache positions it sees."""
+        and window's mask in the implementation's form; for a decode step, the row of the keys it sees."""
         if cache is not None and idx.size(1) == 1:
-            return cache.step(idx, input_pos)
+            return cache.step(idx, input_pos, self.config.attn)
         if cache is not None:
             cache.prefill(idx)
-        config = self.config
-        if not config.masked:
+        if not self.config.masked:
             return None
-        docs = masks.document_ids(idx, config.eot_token) if config.doc_mask else None  # (B, T)
-        return doc_window_mask(config.attn, docs, config.window, idx.size(0), idx.size(1), idx.device)
+        from tools.masks import doc_window_mask  # documents and windows: only a run that asks for them
+        return doc_window_mask(self.config, idx)
+
+    def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
+                        problem: Optional[str] = None) -> None:
+        """Once per new set of facts: whether the implementation runs here, else one sentence naming what does
+        (training is checked with its backward, at its own length; inference at block_size)."""
+        key = (self.config.attn, device_type, dtype, training, seq_len if training else 0)
+        if key in self.checked and problem is None:
+            return
+        from tools.kernels import AttnCall, check_attention  # the one decision, and the refusal's sentence
+        call = AttnCall(device_type, dtype, self.config.head_size, needs_grad=training,
+                        dropout_p=self.config.dropout if training else 0.0,
+                        seq_len=seq_len if training else self.config.block_size, masked=self.config.masked)
+        check_attention(self.config.attn, call, IMPLEMENTATIONS, problem)
+        self.checked.add(key)
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
         """A KV cache (all the state decoding keeps) for batch_size sequences, in the keys' `dtype`."""
-        from decode import KVCache  # generation's own state: training never makes one
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
@@ -311,7 +436,7 @@ class GPT(nn.Module):
 
     def cache_bytes(self) -> int:
         """Memory held by the KV cache (0 without one), doc_mask's document starts included."""
-        return self.cache.nbytes() if self.cache is not None else 0
+        return sum(t.numel() * t.element_size() for t in self.cache.buffers()) if self.cache is not None else 0
 
     def compute_dtype(self) -> torch.dtype:
         """Autocast's dtype when autocast is on for the model's device, else the weights'."""
@@ -319,33 +444,33 @@ class GPT(nn.Module):
         device = weight.device.type
         return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
-    def set_attention(self, attn: str, training: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
-                      check: bool = True) -> "GPT":
-        """Read the same weights through another attention implementation, in place; returns the model. Checked on
-        the model's device, in its mode (or `training`) and compute dtype (or `dtype`); check=False: the caller asked
-        attention_problem itself. attn='auto': the fastest correct one on this model's shapes, measured."""
+    def set_attention(self, attn: str, training: Optional[bool] = None, dtype: Optional[torch.dtype] = None) -> "GPT":
+        """Read the same weights through another implementation, in place; returns the model. Checked on the
+        model's device, in its mode (or `training`) and compute dtype (or `dtype`). attn='auto': the fastest
+        correct one on this model's shapes, measured (tools/attn_auto.py)."""
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
-        if attn == "auto":  # the fastest here, measured for this model, `training` and `dtype` (attn_auto.py)
-            from attn_auto import choose_for_model
-            attn = choose_for_model(self, training, dtype)
-        config, device = dataclasses.replace(self.config, attn=attn), self.transformer.wpe.weight.device.type
-        if check:
-            check_attention(attn, AttnCall(device, dtype, config.head_size, needs_grad=training,
-                                           dropout_p=config.dropout if training else 0.0, seq_len=config.block_size,
-                                           masked=config.masked))
-        self.config, self.impl = config, Implementation(attn, config.block_size)
+        if attn == "auto":
+            from tools.attn_auto import choose_for_model
+            attn = choose_for_model(self, IMPLEMENTATIONS, training, dtype)
+        previous, self.config = self.config, dataclasses.replace(self.config, attn=attn)  # checks the name
+        try:
+            self.check_attention(self.transformer.wpe.weight.device.type, dtype, training, self.config.block_size)
+        except Exception:
+            self.config = previous
+            raise
         for block in self.transformer.h:
-            block.attn.impl = self.impl
+            block.attn.attend = IMPLEMENTATIONS[attn]
         return self
 
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context, e.g. to fine-tune GPT-2 (1024) at a shorter block_size."""
         if block_size > self.config.block_size:
-            raise UserError(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
-                            f"use at most {self.config.block_size}.")
+            raise user_error(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
+                             f"use at most {self.config.block_size}.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        self.checked.clear()
         self.clear_cache()
 
     # -- optimizer and FLOPs ---------------------------------------------------------------------------
@@ -380,7 +505,7 @@ class GPT(nn.Module):
         from core import hf  # Hugging Face's format: read only here
         overrides = dict(override_args or {})
         if set(overrides) - hf.OVERRIDES:
-            raise UserError(f"from_pretrained can only override {sorted(hf.OVERRIDES)}, got {sorted(overrides)}.")
+            raise user_error(f"from_pretrained can only override {sorted(hf.OVERRIDES)}, got {sorted(overrides)}.")
         shape, state_dict = hf.read_gpt2(model_type)
         config = GPTConfig.build({**shape, "pad_vocab": overrides.pop("pad_vocab", False)}, overrides)
         model = cls(config)
@@ -392,8 +517,7 @@ class GPT(nn.Module):
                  top_k: Optional[int] = None) -> torch.Tensor:
         """nanoGPT's: idx (B, T) with max_new_tokens tokens appended, drawn with torch's global RNG (temperature 0:
         greedy), over a KV cache. The model stays in its mode: call model.eval() first, as with nanoGPT."""
-        from decode import decode_tokens  # the one generation loop, beside the KV cache
-        had_cache = self.cache_bytes() > 0
+        had_cache = self.cache is not None
         try:
             return decode_tokens(self, idx, max_new_tokens, temperature, top_k)
         finally:
@@ -404,3 +528,182 @@ class GPT(nn.Module):
         """nanoGPT's MFU: the fraction of an A100's bf16 peak (or `peak_flops`) reached by an iteration of
         fwdbwd_per_iter sequences of block_size tokens in dt seconds."""
         return self.model_flops_utilization(fwdbwd_per_iter * self.config.block_size / dt, peak_flops)
+
+
+# -----------------------------------------------------------------------------
+# the loss over row chunks: lm_head and cross-entropy without the (N, V) logits whole
+
+# rows of logits per chunk: 2^26 fp32 elements (256 MB; 1334 rows of GPT-2's padded 50304, so 7 chunks for a step
+# of 8,192 tokens): small beside the whole logits, and few chunks, since each adds lm_head's weight gradient once
+LOSS_CHUNK_ELEMENTS = 2 ** 26
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """F.cross_entropy(x @ weight.T + bias, targets, ignore_index=-1), x (N, C) and targets (N,), matmuls in `dtype`
+    and sums in fp32: with gradients through ChunkedLMHeadLoss, without them one chunk's loss at a time."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return ChunkedLMHeadLoss.apply(x, weight, bias, targets, dtype)
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
+        for _, _, ts, log_probs in chunk_log_probs(x, weight.to(dtype), bias, targets):
+            loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")
+    return loss / (targets != -1).sum()
+
+
+def chunk_log_probs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor):
+    """(start, x's rows in w's dtype, their targets, their (n, V) fp32 log-softmax) for each chunk of rows (callers
+    turn autocast off). F.nll_loss over it ignores and refuses targets as F.cross_entropy(ignore_index=-1) does."""
+    rows = max(1, LOSS_CHUNK_ELEMENTS // w.size(0))
+    for start in range(0, x.size(0), rows):
+        xs = x[start:start + rows].to(w.dtype)
+        logits = (xs @ w.t()).float()  # (n, V)
+        if bias is not None:
+            logits += bias
+        log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+        del logits  # not held while the caller works on this chunk
+        yield start, xs, targets[start:start + rows], log_probs
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """Each chunk's logits give its loss and at once its gradients (softmax minus one-hot), which backward only
+    scales: the (N, V) logits never exist whole and nothing is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, dtype: torch.dtype):  # x (N, C), weight (V, C), targets (N,)
+        valid = targets != -1
+        count = valid.sum()
+        w = weight.to(dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
+            for start, xs, ts, log_probs in chunk_log_probs(x, w, bias, targets):
+                loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")  # checks the targets
+                hit = valid[start:start + len(ts)]  # (n,)
+                ids = ts.masked_fill(~hit, 0)[:, None]  # (n, 1)
+                # d(the chunk's summed loss)/d(logits): softmax minus one-hot, in place; ignored rows add nothing
+                minus_one = torch.full_like(ids, -1, dtype=log_probs.dtype)
+                grad = log_probs.exp_().scatter_add_(1, ids, minus_one).mul_(hit[:, None]).to(dtype)
+                grad_x[start:start + len(ts)] = grad @ w
+                grad_weight += grad.t() @ xs  # bf16/fp16 products summed over chunks in fp32
+        ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype), count)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss / count.clamp(min=1)  # nothing counted: the saved gradients are zeros, and stay so
+        return grad_x * scale.to(grad_x.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None
+
+
+# -----------------------------------------------------------------------------
+# decoding: the KV cache beside the layers (gpt-fast's), and the one generation loop
+
+class KVCache(nn.Module):
+    """Every layer's keys and values for positions [0, block_size), in fixed buffers (one shape at every position,
+    so a decode step compiles once), each row's document start, and on the host how many positions are written."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
+        super().__init__()
+        self.window, self.eot_token, self.batch_size, self.dtype = config.window, config.eot_token, batch_size, dtype
+        self.block_size = config.block_size
+        shape = (batch_size, config.n_head, config.block_size, config.head_size)
+        for layer in range(config.n_layer):  # buffers of their own: CPU flex refuses a key tensor inside another's
+            self.register_buffer(f"k{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+            self.register_buffer(f"v{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.doc_mask else None  # (B,)
+        self.register_buffer("doc_start", starts, persistent=False)
+        self.length = 0  # positions written, known on the host: the eager decode step's own position
+        self.keys = slice(None)  # the cache positions the current decode step sees (KVCache.step)
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return the keys and values the step sees."""
+        cache_k, cache_v = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        cache_k.index_copy_(2, input_pos, k.to(cache_k.dtype))
+        cache_v.index_copy_(2, input_pos, v.to(cache_v.dtype))
+        keys = slice(None) if torch.compiler.is_compiling() else self.keys
+        return cache_k[:, :, keys], cache_v[:, :, keys]  # (B, nh, seen, hs) each
+
+    def prefill(self, idx: torch.Tensor) -> None:
+        """A prompt idx (B, T) from position 0: where its rows' last documents start (0 without end-of-text)."""
+        if self.doc_start is not None:
+            pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+            self.doc_start.copy_(torch.where(idx == self.eot_token, pos, 0).amax(dim=1))  # (B,)
+        if not torch.compiler.is_compiling():
+            self.length = idx.size(1)
+
+    def step(self, idx: torch.Tensor, input_pos: torch.Tensor, attn: str):
+        """A decode step writes idx (B, 1) at input_pos (1,) and sees [max(document start, pos - window + 1), pos];
+        an end-of-text it writes opens a document. Returns the mask of the keys it sees, made once for all layers."""
+        if self.doc_start is not None:
+            self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
+        if torch.compiler.is_compiling():  # one shape at every position: the whole cache behind a mask row
+            end = input_pos + 1  # (1,)
+            start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
+            start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
+            return span_mask(attn, start, end, self.block_size)
+        # eagerly the host knows the position: the step reads only the keys it sees, with no mask but documents'
+        end = self.length + 1
+        first = max(0, end - self.window) if self.window else 0
+        self.keys, self.length = slice(first, end), end
+        if self.doc_start is None:
+            return None
+        ends = torch.full((1,), end - first, device=idx.device)  # (1,): a fill, not a copy from the host
+        return span_mask(attn, (self.doc_start - first).clamp(min=0), ends, end - first)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token id per row from logits (B, V) -> (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    # <= 0 over a float32 temperature that cannot round to 0: no inf - inf or 0 / 0 however small it is
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k), largest first
+        logits = logits.masked_fill(logits < v[:, -1:], float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> torch.Tensor:
+    """One generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)."""
+    logits, _ = model(idx, input_pos=input_pos)  # (B, 1, V)
+    return logits[:, -1]
+
+
+def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None, use_cache: bool = True,
+                  prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
+    model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
+    block_size = model.config.block_size
+    cache = None
+    if use_cache:
+        dtype = dtype or model.compute_dtype()
+        if model.cache is None or model.cache.batch_size != idx.size(0) or model.cache.dtype != dtype:
+            model.setup_cache(idx.size(0), dtype)  # else reused: compiled steps keep reading the same buffers
+        cache = model.cache
+    written = 0  # positions of this text in the cache; the cache's own count is set from it before every step
+    token, position = None, None  # the token sampled last, (B, 1), and its position, (1,): a decode step's input
+    for _ in range(max_new_tokens):
+        context = idx[:, -block_size:]  # (B, <= block_size)
+        if cache is None:
+            logits = last_logits(model, context, None)
+        elif 0 < written < block_size and written == idx.size(1) - 1:  # one new token fits after them
+            cache.length = written
+            logits = decode(model, token, position)
+            position, written = position + 1, written + 1  # on the device: the host never waits
+        else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
+            positions = torch.arange(context.size(1), device=idx.device)  # (T,)
+            step = prefill if context.size(1) > 1 else decode
+            cache.length = 0
+            # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
+            logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
+            written = context.size(1)
+            position = torch.full((1,), written, device=idx.device)  # (1,): a fill, not a copy from the host
+        token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
+        idx = torch.cat((idx, token), dim=1)
+    return idx

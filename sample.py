@@ -3,7 +3,7 @@ Sample from a trained model, or read the same weights through every attention im
 
 $ python sample.py --out_dir=out-shakespeare-char
 $ python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --num_samples=5 --max_new_tokens=100
-$ python sample.py --out_dir=out-shakespeare-char --compile=True --quantize=int8   # fast: see generate.py
+$ python sample.py --out_dir=out-shakespeare-char --compile=True --quantize=int8   # fast: tools/decoding.py
 $ python sample.py --out_dir=out-shakespeare-char --compare=all --num_samples=1 --json=compare.json
 
 The num_samples samples are drawn together, as one batch. --compare runs compare.py: the claim of PyTorch's post
@@ -17,7 +17,6 @@ from typing import Optional
 
 from core import files
 from core import runtime
-from attention import IMPLEMENTATIONS
 from engine.checkpoint import sharded_folder
 from engine.reader import load_checkpoint
 from core.configurator import configure, one_of
@@ -25,7 +24,7 @@ from core.dataset import dataset_dir
 from core.errors import UserError
 from engine.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                       tokens_per_s)
-from model import GPT
+from model import GPT, IMPLEMENTATIONS
 from core.runtime import Runtime
 from core.tokenizer import Tokenizer, tokenizer_from_meta
 
@@ -41,7 +40,7 @@ temperature = 0.8                 # 1.0 samples the model's distribution, lower 
 top_k = 200                       # sample among the top_k most likely tokens only; None for all
 seed = 1337                       # seed of the sampling generator: the same seed gives the same text
 # model and precision
-attn = None                       # an attention.IMPLEMENTATIONS key, or 'auto' (measured here); None: the checkpoint's
+attn = None                       # a model.IMPLEMENTATIONS key, or 'auto' (measured here); None: the checkpoint's
 attn_auto_budget = 20.0           # attn='auto': seconds to spend measuring (a cached decision takes none)
 attn_auto_refresh = False         # attn='auto': measure again even when an earlier run decided this workload
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
@@ -145,10 +144,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> tuple[dict, str]:
     """attn='auto': the table and the fastest implementation for this sampling (its batch, prompt, dtype, mask,
     compile), measured or read from the cache of earlier decisions (attn_auto.py)."""
-    from attn_auto import Workload, choose
+    from tools.attn_auto import Workload, choose
     workload = Workload.of(model.config, rt, cfg.num_samples, min(prompt_len, model.config.block_size),
                            training=False, compiled=cfg.compile)
-    decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
+    decision = choose(workload, rt, IMPLEMENTATIONS, cfg.attn_auto_budget, cfg.attn_auto_refresh)
     print(decision.line())
     return decision.metrics(), decision.pick
 

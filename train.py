@@ -21,14 +21,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from core import flops
 from core import files
 from core import runtime
-from engine.checkpoint import FULL_STATE, Checkpoint, restore_rng, rng_state, sharded_folder
+from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, restore_rng, rng_state, sharded_folder
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from attention import IMPLEMENTATIONS
 from engine.metrics import MetricsLog, StepEnd, StepTimer, check_wandb
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
-from model import GPT, GPTConfig
+from model import GPT, IMPLEMENTATIONS, GPTConfig
 from core.runtime import Runtime
 
 # I/O
@@ -119,7 +118,7 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     """The model this run trains: the checkpoint's weights when resuming, new ones, or GPT-2's; attention, its masks
     and dropout are this run's settings whatever the weights were trained with."""
     vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
-    run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in main
+    run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in train()
                dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta),
                chunked_loss=cfg.chunked_loss)
     if checkpoint is not None:
@@ -249,6 +248,8 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Option
     if cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp":
         raise UserError("optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes each "
                         "whole weight matrix and FSDP2 gives every rank a shard of it; use --parallel=ddp.")
+    if cfg.async_save and cfg.checkpoint_format == "single":
+        raise UserError("async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded.")
     if cfg.gradient_accumulation_steps % rt.world_size:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                         f"the {rt.world_size} ranks; make it a multiple of the world size.")
@@ -338,14 +339,14 @@ def restore(run: Run, checkpoint: Checkpoint) -> int:
     the model already; sharded: each rank reads its own part now). Returns the step it resumes at."""
     state, options = checkpoint.optimizer, FULL_STATE
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part into the model as it is placed
-        from engine.reader import load_into
+        from tools.sharded import load_into
         state = load_into(run.trainer.model, run.trainer.optimizers, Path(checkpoint.shards))
         options = StateDictOptions()
     load_optimizer_state(run.trainer.model, run.trainer.optimizers, state, options)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
         restore_rng(checkpoint.rng, run.batches.generator, run.rt)
     else:  # nanoGPT's ckpt.pt, which this run's first save replaces: kept now, every check passed
-        from engine.nanogpt import keep_original
+        from tools.nanogpt import keep_original
         keep_original(Path(run.cfg.out_dir) / "ckpt.pt")
     run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
     return checkpoint.iter_num
@@ -364,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path) -> None:
-    from engine.sharded import saver_for  # the writer of either format (DCP's beside ckpt.pt's)
-    saver = saver_for(cfg.checkpoint_format, Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
+    saver = SingleFileSaver(Path(cfg.out_dir), rt)
+    if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
+        from tools.sharded import ShardedSaver
+        saver = ShardedSaver(Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
     meta = files.read_meta(data_dir)
 
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
@@ -379,8 +382,8 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path) -> None:
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     # checked where it runs, in the dtype it computes in: now, not after compiling
     if cfg.attn == "auto":  # measured on this run's shapes, rank 0 deciding for all; kept with the settings
-        from attn_auto import choose_for_training
-        cfg.attn_auto = choose_for_training(raw_model, cfg, rt, checkpoint)
+        from tools.attn_auto import choose_for_training
+        cfg.attn_auto = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, checkpoint)
     attn = cfg.attn_auto["attn_auto/pick"] if cfg.attn == "auto" else raw_model.config.attn
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import FLEX, AttnCall, attention_problem
+from tools.kernels import AttnCall, attention_problem
 from core.errors import UserError
-from engine.generate import Decoder, for_inference, weight_bytes
+from engine.generate import Decoder, for_inference
+from tools.decoding import weight_bytes
 from benchmarks.measure import audit as audit_kernel
 from benchmarks.measure import (compile_health, counted, kernel_context, out_of_memory, paired_speedup, profiled_run,
                                 summarize, time_round_robin)
-from model import GPT, GPTConfig
+from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
 from core import runtime
 
@@ -60,10 +61,10 @@ def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, 
         for weights in cfg.weights:
             dtype, quantize = weights_dtype(weights, rt)
             call = AttnCall(rt.device_type, dtype, cfg.n_embd // cfg.n_head, seq_len=cfg.seq_len)
-            problem = attention_problem(attn, call)
+            problem = attention_problem(attn, call, IMPLEMENTATIONS[attn])
             model = None
             try:  # int8 without torchao: its rows are skipped in its sentence, the others run
-                model = None if problem else for_inference(copy.deepcopy(base).set_attention(attn, check=False),
+                model = None if problem else for_inference(copy.deepcopy(base).set_attention(attn, dtype=dtype),
                                                            rt.device, dtype, quantize)
             except UserError as e:
                 problem = str(e)
@@ -108,7 +109,7 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
         ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
         d = described[key]
         # eager flex off CUDA is PyTorch's unfused reference, run as such; compiled or on CUDA it is a fallback
-        d["eager_reference"] = d["attn"] in FLEX and not rt.is_cuda and row.cache != "compiled"
+        d["eager_reference"] = d["attn"] == "flex" and not rt.is_cuda and row.cache != "compiled"
         d.update(audit_kernel(ops, ran_ops, d["attn"], rt.device_type, d["eager_reference"],
                               d.get("recompile_limit_hits", 0), generation=True),
                  weight_bytes=weight_bytes(row.model), kv_cache_bytes=row.model.cache_bytes() if row.cache != "none"

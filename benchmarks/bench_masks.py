@@ -11,8 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from core import files
-import masks
-from attention import FLEX, doc_window_mask
+from tools import masks
 from core.dataset import dataset_dir, prepare_if_missing
 from core.errors import UserError
 
@@ -62,7 +61,7 @@ def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int, devi
     mask: all; flex: its BlockMask's blocks, counted on `device`; the skipping kernels about what is visible)."""
     causal = docs is None and window == 0
     visible = mask_fraction(masks.dense_mask(docs, window, T, "cpu"))
-    if attn in FLEX:
+    if attn == "flex":
         computed = block_fraction(masks.block_mask(None if docs is None else docs.to(device), window, T, device))
     elif attn == "varlen" or (attn in SKIPPING and causal):
         computed = visible
@@ -75,7 +74,7 @@ def row_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: in
     """What an attention-mode row passes its implementation: None for causal, else the mask in its form."""
     if docs is None and window == 0:
         return None
-    return doc_window_mask(attn, None if docs is None else docs.to(device), window, B, T, device)
+    return masks.mask_form(attn, None if docs is None else docs.to(device), window, B, T, device)
 
 
 def boundaries_per_block(docs: torch.Tensor) -> float:

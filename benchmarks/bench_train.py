@@ -10,13 +10,13 @@ from typing import Callable, Optional
 import torch
 
 from benchmarks.bench_masks import document_ids, mask_settings, tokens_with_documents
-from attn_auto import Workload, choose
+from tools.attn_auto import Workload, choose
 from benchmarks.measure import free_memory, out_of_memory, paired_speedup, profiled_run
 from core import runtime
 from core.configurator import Settings
 from core.runtime import Runtime
 from engine.trainer import Trainer
-from model import GPT, GPTConfig
+from model import IMPLEMENTATIONS, GPT, GPTConfig
 
 
 @dataclass
@@ -35,7 +35,7 @@ class SharedTrainer:
 
     def step(self, attn: str) -> None:
         """One training step through `attn`: forward, backward, optimizer step (unclipped)."""
-        self.model.set_attention(attn, check=False)  # the sweep asked attention_problem, row by row
+        self.model.set_attention(attn, dtype=self.trainer.rt.torch_dtype)  # asked once per row: then a lookup
         self.trainer.forward = self.compiled_forward(attn)
         self.trainer.step([(self.batch[0], self.batch[1])])
 
@@ -50,7 +50,7 @@ class SharedTrainer:
 
     def eager_pass(self, attn: str) -> None:
         """Forward and backward through the uncompiled model, no update: what the kernel audit profiles."""
-        self.model.set_attention(attn, check=False)
+        self.model.set_attention(attn, dtype=self.trainer.rt.torch_dtype)
         with self.trainer.rt.autocast():
             _, loss = self.model(*self.batch)
         loss.backward()
@@ -110,7 +110,7 @@ def auto_rows(rows: dict, trainers: dict[tuple, SharedTrainer], cfg: Settings, r
             continue
         workload = Workload.of(trainer.model.config, rt, cfg.batch_size, cfg.seq_len, training=True,
                                compiled=cfg.compile)
-        decision = choose(workload, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
+        decision = choose(workload, rt, IMPLEMENTATIONS, cfg.attn_auto_budget, cfg.attn_auto_refresh)
         fastest = min(ran.values(), key=lambda r: r["ms_per_iter"])
         if decision.pick not in ran:  # picked one the sweep did not run (--attn named others)
             out.append(dict(attn="auto", pad_vocab=pad, vocab=trainer.model.config.padded_vocab_size, mask=mask,

@@ -18,12 +18,12 @@ from torch.nn import functional as F
 import numpy as np
 
 from core import runtime
-from attention import IMPLEMENTATIONS, AttnCall, attention_problem
+from tools.kernels import AttnCall, attention_problem
 from core.dataset import TOKEN_BYTES, read_windows
 from core.errors import UserError
-from engine.generate import (Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s,
-                      weight_bytes)
-from model import GPT, GPTConfig
+from engine.generate import Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s
+from tools.decoding import weight_bytes
+from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
 from core.tokenizer import CharTokenizer, Tokenizer
 from benchmarks.bench_report import format_table
@@ -60,9 +60,10 @@ FORMULATIONS = {"a": "q.kT then scale (nanoGPT)", "b": "q, k pre-scaled by d^-1/
                 "d": "SDPA's math backend"}
 
 
-def with_attn(model: GPT, attn: str) -> GPT:
-    """A copy of the same weights, read through another attention implementation."""
-    return copy.deepcopy(model).set_attention(attn, check=False).eval()  # run.problem decides, per dtype
+def with_attn(model: GPT, attn: str, dtype: Optional[torch.dtype] = None) -> GPT:
+    """A copy of the same weights, read through another attention implementation in `dtype` (the run's; None: the
+    weights')."""
+    return copy.deepcopy(model).eval().set_attention(attn, dtype=dtype)
 
 
 def numerics_ids(tok: Tokenizer, prompt: list[int], block_size: int) -> list[int]:
@@ -169,7 +170,8 @@ class Comparison:
 
     def problem(self, attn: str, dtype: str, config: GPTConfig) -> Optional[str]:
         return attention_problem(attn, AttnCall(self.rt.device_type, runtime.DTYPES[dtype], config.head_size,
-                                                seq_len=config.block_size, masked=config.masked))
+                                                seq_len=config.block_size, masked=config.masked),
+                                 IMPLEMENTATIONS[attn])
 
 
 def resolve_compare(compare: str, run: Comparison, config: GPTConfig) -> tuple[list[str], dict[str, str]]:
@@ -224,7 +226,7 @@ def run_compare(model: GPT, tok: Tokenizer, run: Comparison, names: list[str], s
         if name in skipped:
             print(f"=== {name}: skipped, {skipped[name]}")
             continue
-        twin = with_attn(model, name)
+        twin = with_attn(model, name, run.rt.torch_dtype)
         try:
             result = compare_one(twin, run, first)
         except UserError as e:  # a kernel that refused a shape only the real run met: skip the row, not the run
@@ -372,6 +374,6 @@ def compare(spec: str, model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampli
     report = run_compare(model, tok, run, names, skipped, data)
     print_comparison(run, report)
     if quantize:
-        report["weights"] = weights_study(with_attn(model, next(iter(report["implementations"]))), run, quantize, data)
+        report["weights"] = weights_study(with_attn(model, next(iter(report["implementations"])), run.rt.torch_dtype), run, quantize, data)
         print_weights_study(report["weights"], run)
     return report

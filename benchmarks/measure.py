@@ -21,7 +21,7 @@ from torch import profiler
 from torch.autograd import DeviceType
 
 from core import runtime
-from attention import FLEX, FLEX_REGION
+from model import FLEX_REGION
 from core.runtime import Runtime
 
 # The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and flex's autograd op.
@@ -75,7 +75,7 @@ def expected_kernels(attn: str, device_type: str, generation: bool = False) -> s
         return FUSED if device_type == "cuda" else {"flash"}
     if attn == "varlen" and generation:
         return {"varlen"} | expected_kernels("sdpa", device_type)
-    if attn in FLEX:
+    if attn == "flex":
         return {"flex"}
     return {attn}  # efficient, cudnn, math, varlen: forced
 

@@ -1,4 +1,4 @@
-"""attn='auto' (attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
+"""attn='auto' (tools/attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
 per workload and kept; no test asserts a speed (the timer is a stand-in where the pick matters)."""
 import json
 from pathlib import Path
@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import attention
 import sample
-import attn_auto
-from attn_auto import Workload
+from model import IMPLEMENTATIONS
+from tools import attn_auto
+from tools.attn_auto import Workload
 from core.runtime import Runtime
-from model import GPTConfig, UserError
+from model import GPTConfig
+from core.errors import UserError
 
 CPU = Runtime("cpu", "float32")
 FAKE_MS = {"manual": 5.0, "sdpa_mask": 4.0, "sdpa": 2.0, "flash": 1.0, "math": 3.0, "flex": 0.5}
@@ -31,21 +32,21 @@ def fake_timer(ms: dict):
 
 @pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_the_fastest_implementation_that_runs_is_picked_and_the_refused_are_listed_with_their_reason():
-    decision = attn_auto.measure(workload(), CPU, budget_s=1.0, timer=fake_timer(FAKE_MS))
+    decision = attn_auto.measure(workload(), CPU, IMPLEMENTATIONS, budget_s=1.0, timer=fake_timer(FAKE_MS))
     assert decision.pick == "flash"  # flex would be faster, but has no backward on a CPU
     rows = {r["attn"]: r for r in decision.rows}
     assert rows["flex"]["status"] == "refused" and "no backward pass on CPU" in rows["flex"]["reason"]
     assert rows["efficient"]["status"] == "refused" and "CUDA-only" in rows["efficient"]["reason"]
     assert {a for a, r in rows.items() if r["status"] == "ok"} == {"manual", "sdpa_mask", "sdpa", "flash", "math"}
     assert rows["manual"]["ratio"] == 5.0 and rows["flash"]["ratio"] == 1.0 and rows["flash"]["ms"] == 1.0
-    sampling = attn_auto.measure(workload(training=False), CPU, budget_s=1.0, timer=fake_timer(FAKE_MS))
+    sampling = attn_auto.measure(workload(training=False), CPU, IMPLEMENTATIONS, budget_s=1.0, timer=fake_timer(FAKE_MS))
     assert sampling.pick == "flex"  # forward only: flex runs on a CPU, and is the fastest here
 
 
 def test_a_numerically_wrong_implementation_is_dropped_however_fast(monkeypatch):
     wrong = lambda q, k, v, mask, dropout_p: v * 1.01  # noqa: E731 - the shape of attention, not its values
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, "flash", wrong)
-    decision = attn_auto.measure(workload(training=False), CPU, budget_s=1.0,
+    candidates = {**IMPLEMENTATIONS, "flash": wrong}
+    decision = attn_auto.measure(workload(training=False), CPU, candidates, budget_s=1.0,
                                  timer=fake_timer({**FAKE_MS, "flex": 9.0}))
     rows = {r["attn"]: r for r in decision.rows}
     assert rows["flash"]["status"] == "wrong" and "differs from the reference" in rows["flash"]["reason"]
@@ -55,7 +56,7 @@ def test_a_numerically_wrong_implementation_is_dropped_however_fast(monkeypatch)
 @pytest.mark.slow  # multi-second end to end: the whole suite runs it
 def test_masks_are_measured_in_each_implementations_form_and_checked_against_the_masked_reference():
     decision = attn_auto.measure(workload(training=False, doc_mask=True, window=8, eot_token=0), CPU,
-                                 budget_s=1.0, timer=fake_timer(FAKE_MS))
+                                 IMPLEMENTATIONS, budget_s=1.0, timer=fake_timer(FAKE_MS))
     assert all(r["status"] in ("ok", "refused") for r in decision.rows)  # every runnable one is right
     assert decision.pick == "flex" and "documents and window 8" in decision.line()
 
@@ -63,23 +64,23 @@ def test_masks_are_measured_in_each_implementations_form_and_checked_against_the
 def test_a_cached_decision_measures_nothing_and_a_changed_shape_or_refresh_measures_again(tmp_path):
     measured = []
 
-    def counting(w, rt, budget_s):
+    def counting(w, rt, implementations, budget_s):
         measured.append(w.seq_len)
-        return attn_auto.measure(w, rt, budget_s, timer=fake_timer(FAKE_MS))
+        return attn_auto.measure(w, rt, implementations, budget_s, timer=fake_timer(FAKE_MS))
     path = tmp_path / "attn_auto.json"
-    first = attn_auto.choose(workload(), CPU, 1.0, path=path, measure_fn=counting)
-    again = attn_auto.choose(workload(), CPU, 1.0, path=path, measure_fn=counting)
+    first = attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0, path=path, measure_fn=counting)
+    again = attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0, path=path, measure_fn=counting)
     assert measured == [64] and not first.cached and again.cached and again.pick == first.pick == "flash"
     assert again.line().endswith("; cached") and "flash (1.00) < sdpa (2.00)" in again.line()
-    attn_auto.choose(workload(seq_len=48), CPU, 1.0, path=path, measure_fn=counting)  # another length
-    attn_auto.choose(workload(), CPU, 1.0, refresh=True, path=path, measure_fn=counting)
+    attn_auto.choose(workload(seq_len=48), CPU, IMPLEMENTATIONS, 1.0, path=path, measure_fn=counting)  # another length
+    attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0, refresh=True, path=path, measure_fn=counting)
     assert measured == [64, 48, 64] and len(json.loads(path.read_text())) == 2
 
 
 def test_the_budget_bounds_the_rounds():
     calls = []
     timer = lambda attn, call: calls.append(attn) or 0.1  # noqa: E731 - every call 'takes' 100 ms
-    attn_auto.measure(workload(training=False), CPU, budget_s=0.01, timer=timer)
+    attn_auto.measure(workload(training=False), CPU, IMPLEMENTATIONS, budget_s=0.01, timer=timer)
     rounds = len(calls) // len(set(calls))
     assert rounds == 1 and len(calls) % len(set(calls)) == 0  # at least one round, whatever the budget
 
@@ -96,9 +97,9 @@ def test_a_bad_budget_is_one_sentence_at_the_command_line_of_every_script_that_m
 
 
 def test_a_failure_while_measuring_is_one_line_and_the_run_falls_back_to_sdpa(capsys, tmp_path):
-    def broken(w, rt, budget_s):
+    def broken(w, rt, implementations, budget_s):
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
-    decision = attn_auto.choose_across_ranks(workload(), CPU, 1.0, path=tmp_path / "a.json", measure_fn=broken)
+    decision = attn_auto.choose_across_ranks(workload(), CPU, IMPLEMENTATIONS, 1.0, path=tmp_path / "a.json", measure_fn=broken)
     assert decision.pick == "sdpa"
     assert capsys.readouterr().out == ("attn=auto: measuring failed (RuntimeError: CUDA error: an illegal memory "
                                        "access was encountered); running sdpa\n")
@@ -107,7 +108,9 @@ def test_a_failure_while_measuring_is_one_line_and_the_run_falls_back_to_sdpa(ca
 def test_a_library_user_sets_auto_on_a_model_and_it_runs_the_fastest_correct_one(capsys, monkeypatch, tmp_path):
     from model import GPT
     real = attn_auto.measure
-    monkeypatch.setattr(attn_auto, "measure", lambda w, rt, budget: real(w, rt, budget, timer=fake_timer(FAKE_MS)))
+    monkeypatch.setattr(attn_auto, "measure",
+                        lambda w, rt, implementations, budget: real(w, rt, implementations, budget,
+                                                                    timer=fake_timer(FAKE_MS)))
     monkeypatch.setattr(attn_auto, "cache_file", lambda: tmp_path / "attn_auto.json")  # a decision of its own
     model = GPT(GPTConfig(block_size=64, vocab_size=11, n_layer=1, n_head=2, n_embd=32))
     assert model.set_attention("auto", training=True).config.attn == "flash"  # flex: no backward on a CPU
@@ -140,8 +143,9 @@ def decide_on_rank(rank: int, folder: str) -> None:
         rt = Runtime("cpu", "float32", rank=rank, local_rank=rank, world_size=2)
         ms = FAKE_MS if rank == 0 else {**FAKE_MS, "manual": 0.1}
         decision = attn_auto.choose_across_ranks(
-            workload(), rt, 1.0, path=Path(folder) / f"cache{rank}.json",
-            measure_fn=lambda w, rt, budget: attn_auto.measure(w, rt, budget, timer=fake_timer(ms)))
+            workload(), rt, IMPLEMENTATIONS, 1.0, path=Path(folder) / f"cache{rank}.json",
+            measure_fn=lambda w, rt, candidates, budget: attn_auto.measure(w, rt, candidates, budget,
+                                                                           timer=fake_timer(ms)))
         (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"pick": decision.pick, "line": decision.line()}))
     finally:
         torch.distributed.destroy_process_group()

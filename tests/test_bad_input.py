@@ -19,7 +19,8 @@ import sample
 import train
 from engine.reader import load_checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
-from model import GPT, GPTConfig, UserError
+from model import GPT, GPTConfig
+from core.errors import UserError
 
 
 def train_tiny(*args: str) -> int:

@@ -17,7 +17,7 @@ import bench
 from benchmarks import bench_train, measure
 from core import flops, runtime
 from core.configurator import Settings
-from attention import IMPLEMENTATIONS
+from model import IMPLEMENTATIONS
 from conftest import runnable_on_cpu, strict_recompile_limit
 from core.runtime import Runtime
 
@@ -118,13 +118,13 @@ def test_a_row_is_judged_by_the_set_of_kernels_it_ran():
 @pytest.mark.slow  # compiles flex with inductor
 def test_a_compiled_flex_call_is_audited_as_flex(monkeypatch):
     """CUDA always runs flex through torch.compile, whose call records no FlexAttention op: the audit reads the
-    region attention.py names instead. Run here by compiling CPU flex as CUDA would."""
-    import attention
-    monkeypatch.setattr(attention, "_compile_flex_here", lambda q: not torch.compiler.is_compiling())
+    region model.py names instead. Run here by compiling CPU flex as CUDA would."""
+    import model
+    monkeypatch.setattr(model, "compile_flex_here", lambda q: not torch.compiler.is_compiling())
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))  # (B, nh, T, hs)
     with torch.no_grad():
-        attention.IMPLEMENTATIONS["flex"](q, k, v, None, 0.0)  # compiles, unprofiled
-        ops, _ = measure.profiled_run(lambda: attention.IMPLEMENTATIONS["flex"](q, k, v, None, 0.0), Runtime("cpu", "float32"))
+        IMPLEMENTATIONS["flex"](q, k, v, None, 0.0)  # compiles, unprofiled
+        ops, _ = measure.profiled_run(lambda: IMPLEMENTATIONS["flex"](q, k, v, None, 0.0), Runtime("cpu", "float32"))
     assert "FlexAttentionAutogradOp" not in ops  # what the audit used to look for is not there when compiled
     assert measure.kernel_of(ops)[0] == "flex"
 

@@ -13,7 +13,7 @@ import pytest
 from data import textdata
 from core import files
 from core import tokenizer
-from model import UserError
+from core.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,11 +18,12 @@ import bench
 import export_hf
 import sample
 import train
+from model import IMPLEMENTATIONS
 from conftest import REPO, SHARDED, TINY
 from core import flops
 from core.errors import UserError
 from core.runtime import Runtime
-import attn_auto
+from tools import attn_auto
 from engine.reader import load_checkpoint
 
 
@@ -93,7 +94,7 @@ def test_with_no_whole_step_left_the_sentence_offers_a_fresh_run(sharded_run, tm
 
 # -- caches a user never wrote: measured again, rewritten, said in one line ---------------------------------
 
-def cached_decision(w, rt, budget):
+def cached_decision(w, rt, implementations, budget):
     return attn_auto.Decision("manual", [dict(attn="manual", status="ok", ms=1.0, ratio=1.0, reason=None)], w)
 
 
@@ -106,13 +107,14 @@ def test_a_decision_cache_of_another_shape_is_measured_again_rewritten_and_said_
     path = tmp_path / "attn_auto.json"
     path.write_text(held)
     w = attn_auto.Workload.of(train_config(), Runtime("cpu", "float32"), 1, 16, training=False, compiled=False)
-    decision = attn_auto.choose(w, Runtime("cpu", "float32"), 1.0, path=path, measure_fn=cached_decision)
+    decision = attn_auto.choose(w, Runtime("cpu", "float32"), IMPLEMENTATIONS, 1.0, path=path,
+                                measure_fn=cached_decision)
     assert decision.pick == "manual" and not decision.cached  # measured, not read
     note = capsys.readouterr().err
     assert note.startswith(f"note: {path} is not what this project wrote (") and note.count("\n") == 1
     assert note.endswith("; measuring again, and the file is rewritten with the result.\n")
     assert json.loads(path.read_text())[w.key()]["pick"] == "manual"  # rewritten, usable by the next run
-    assert attn_auto.choose(w, Runtime("cpu", "float32"), 1.0, path=path, measure_fn=None).cached
+    assert attn_auto.choose(w, Runtime("cpu", "float32"), IMPLEMENTATIONS, 1.0, path=path, measure_fn=None).cached
 
 
 def train_config():

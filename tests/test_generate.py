@@ -10,10 +10,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import attention
 from core import runtime
-from engine.generate import Decoder, Sampling, for_inference, quantize_int8, tensor_bytes, weight_bytes
-from model import GPT, GPTConfig, UserError
+from engine.generate import Decoder, Sampling, for_inference
+from tools.decoding import quantize_int8, tensor_bytes, weight_bytes
+from model import IMPLEMENTATIONS, GPT, GPTConfig
+from tools.kernels import decodes_with_mask
+from core.errors import UserError
 from conftest import runnable_on_cpu
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,7 +55,7 @@ def host_reads(monkeypatch) -> list:
 def test_decoding_makes_no_host_read_per_token_in_the_loop_or_the_compiled_step(monkeypatch, window):
     """The compiled step's Python runs as it is traced (torch.compiler.is_compiling() true): stood in for here by
     running the eager step with that flag set, so every read its code would make shows, and by the loop around it."""
-    from decode import decode_tokens
+    from model import decode_tokens
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL, attn="flash", window=window)).eval()
     x = prompts(B=1)
@@ -132,12 +134,12 @@ def test_batched_prompts_give_each_prompt_its_own_tokens():
 
 
 def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatch):
-    """CUDA's flash kernel takes no mask: eager decoding then slices the cache to the written positions (run here
-    by making CPU flash claim the same), and a compiled decode step is refused with one sentence."""
+    """CUDA's flash kernel takes no mask: eager decoding reads the written positions alone, with no mask (so any
+    kernel runs it), and a compiled decode step, which needs one, is refused with one sentence (run here by making
+    CPU flash claim what CUDA's does)."""
     model = small_model("flash")
     expected = Decoder(model).generate(prompts(), 20, temperature=0.0, use_cache=False)
-    monkeypatch.setattr("attention.decodes_with_mask", lambda *args: False)
-    monkeypatch.setattr("engine.generate.decodes_with_mask", lambda *args: False)
+    monkeypatch.setattr("tools.decoding.decodes_with_mask", lambda *args: False)
     assert torch.equal(Decoder(model).generate(prompts(), 20, temperature=0.0), expected)
     with pytest.raises(UserError, match="attn='flash' takes no mask on cpu, and a compiled decode step"):
         Decoder(model, compile=True)
@@ -148,10 +150,10 @@ def test_the_compiled_decode_gate_asks_about_the_dtype_decoding_runs_in_not_the_
     autocast, so the gate must ask about bf16 (run here by making CPU sdpa answer as cuDNN would)."""
     asked = []
 
-    def like_cudnn(attn, device_type, dtype, head_size):
+    def like_cudnn(attn, fn, device_type, dtype, head_size):
         asked.append(dtype)
         return dtype == torch.bfloat16
-    monkeypatch.setattr("engine.generate.decodes_with_mask", like_cudnn)
+    monkeypatch.setattr("tools.decoding.decodes_with_mask", like_cudnn)
     monkeypatch.setattr(runtime, "compile_isolated", lambda fn, **options: fn)  # the gate, not inductor
     model = small_model("sdpa")  # fp32 weights
     with pytest.raises(UserError, match="takes no mask on cpu"):
@@ -179,8 +181,8 @@ def test_compare_builds_its_decoders_for_the_dtype_it_draws_in(monkeypatch):
 
 
 def test_cpu_flash_takes_a_decode_mask():
-    assert attention.decodes_with_mask("flash", "cpu", torch.float32, 16)
-    assert not attention.decodes_with_mask("efficient", "cpu", torch.float32, 16)  # CUDA-only
+    assert decodes_with_mask("flash", IMPLEMENTATIONS["flash"], "cpu", torch.float32, 16)
+    assert not decodes_with_mask("efficient", IMPLEMENTATIONS["efficient"], "cpu", torch.float32, 16)  # CUDA-only
 
 
 def test_a_prefill_that_does_not_start_at_position_0_is_refused():
@@ -256,7 +258,8 @@ def test_torchao_is_installed_only_by_those_who_quantize(monkeypatch):
 
 @pytest.mark.slow  # a fresh interpreter: torchao's import-time output can only be seen once per process
 def test_importing_torchao_prints_nothing():
-    code = ("import torch; from engine.generate import Decoder, quantize_int8; from model import GPT, GPTConfig; "
+    code = ("import torch; from engine.generate import Decoder; from tools.decoding import quantize_int8; "
+            "from model import GPT, GPTConfig; "
             "m = quantize_int8(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))); "
             "print(Decoder(m).generate(torch.zeros(1, 1, dtype=torch.long), 3, temperature=0.0).shape)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -267,7 +270,7 @@ def test_importing_torchao_prints_nothing():
 def test_a_vanishing_temperature_samples_the_likeliest_token_instead_of_overflowing():
     """Found by the settings' property test: --temperature=6.9e-109 made logits / temperature inf, and
     multinomial refused the NaN probabilities."""
-    from decode import sample_next
+    from model import sample_next
     logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
     for temperature in (1e-300, 6.877919713494888e-109, 1e-3):
         assert sample_next(logits, temperature, None, torch.Generator().manual_seed(0)).item() == 1

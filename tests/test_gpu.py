@@ -20,9 +20,11 @@ from core import runtime
 import sample
 import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
-from attention import IMPLEMENTATIONS, AttnCall, attention_problem, decodes_with_mask
-from engine.generate import Decoder, for_inference, weight_bytes
-from model import GPT, GPTConfig, UserError
+from tools.kernels import AttnCall, attention_problem, decodes_with_mask
+from engine.generate import Decoder, for_inference
+from tools.decoding import weight_bytes
+from model import IMPLEMENTATIONS, GPT, GPTConfig
+from core.errors import UserError
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m pytest -m gpu)")]
@@ -37,7 +39,7 @@ MASKED_TRAINING = AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=
 
 def runs(attn: str, dtype: torch.dtype, dropout: float = 0.0, training: bool = True) -> bool:
     call = AttnCall("cuda", dtype, 64, needs_grad=training, dropout_p=dropout, seq_len=32)
-    return attention_problem(attn, call) is None
+    return attention_problem(attn, call, IMPLEMENTATIONS[attn]) is None
 
 
 # flex trains in test_compile_and_flex_train_together (fp16, compiled: one compile of its backward, not three); its
@@ -181,7 +183,7 @@ def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_s
             return torch.equal(tokens, reference)
         return (tokens == reference).float().mean() >= 0.95
     assert agrees(Decoder(model).generate(x, 70, temperature=0.0), plain)
-    if not decodes_with_mask(attn, "cuda", dtype, 64):  # flash: eager reads the written keys; compiled is refused
+    if not decodes_with_mask(attn, IMPLEMENTATIONS[attn], "cuda", dtype, 64):  # flash: eager reads the written keys; compiled is refused
         with pytest.raises(UserError, match=f"attn='{attn}' takes no mask on cuda"):
             Decoder(model, compile=True)
         return
@@ -276,7 +278,7 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
     ref_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
     for attn in IMPLEMENTATIONS:
         model.zero_grad()
-        if attention_problem(attn, MASKED_TRAINING) is not None:
+        if attention_problem(attn, MASKED_TRAINING, IMPLEMENTATIONS[attn]) is not None:
             with pytest.raises(UserError, match=f"attn='{attn}' cannot run for training on cuda"):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     model.set_attention(attn)(x, x)
@@ -291,13 +293,13 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
         for name, grad in ref_grads.items():
             p = dict(model.named_parameters())[name]
             assert ((p.grad.float() - grad).abs().max() / grad.abs().max()).item() <= 0.1, (attn, name)
-    assert attention_problem("varlen", MASKED_TRAINING) is None
-    assert attention_problem("flex", MASKED_TRAINING) is None
+    assert attention_problem("varlen", MASKED_TRAINING, IMPLEMENTATIONS["varlen"]) is None
+    assert attention_problem("flex", MASKED_TRAINING, IMPLEMENTATIONS["flex"]) is None
 
 
 def test_flex_skips_the_blocks_documents_leave_empty_and_the_audit_names_varlen():
     # catches: a BlockMask that computes every block (no sparsity), and a varlen row audited as another kernel
-    import masks
+    from tools import masks
     x = documents_on_cuda()
     block_mask = masks.block_mask(masks.document_ids(x, 0), 0, 1024, "cuda")
     assert block_mask.sparsity() > 70  # documents of 100-300 tokens in a 1024 block: most blocks hold nothing

@@ -20,7 +20,7 @@ from core import files
 from core.configurator import Choice
 from core.tokenizer import tokenizer_from_meta
 from conftest import REPO
-from model import UserError
+from core.errors import UserError
 
 PLAIN = (bool, int, float, str, tuple, list, type(None))
 INTERVALS = {"[1, inf)": "at least 1", "[0, inf)": "at least 0", "(0, inf)": "greater than 0",

@@ -8,15 +8,16 @@ import torch
 
 from torch.nn.attention.flex_attention import flex_attention
 
-import attention
-import masks
-from attention import IMPLEMENTATIONS, AttnCall, check_attention
+import model
+from tools import kernels, masks
+from tools.kernels import AttnCall, check_attention
 from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
-from core import kernels, runtime
+from core import runtime
 from core.runtime import Runtime
 from engine.generate import Decoder
-from model import GPT, GPTConfig, UserError
+from model import IMPLEMENTATIONS, GPT, GPTConfig
+from core.errors import UserError
 
 def qkv(T=32, hs=16, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -60,13 +61,13 @@ def test_set_attention_checks_the_mode_the_model_is_in_and_refuses_before_any_ke
 def test_set_attention_checks_the_dtype_autocast_gives_not_the_weights(monkeypatch):
     """What CUDA reports for FlashAttention, injected: fp16 and bf16 only. fp32 weights under bf16 autocast run it
     (the GPU run refused varlen there); outside autocast the sentence names float32."""
-    real = attention.attention_problem
+    real = kernels.attention_problem
 
-    def cuda_like(attn, call):
+    def cuda_like(attn, call, fn):
         if attn == "flash" and call.dtype == torch.float32:
             return "FlashAttention only supports fp16 and bf16"
-        return real(attn, call)
-    monkeypatch.setattr(attention, "attention_problem", cuda_like)
+        return real(attn, call, fn)
+    monkeypatch.setattr(kernels, "attention_problem", cuda_like)
     model = GPT(GPTConfig(**TINY_MODEL)).eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model.set_attention("flash").config.attn == "flash"
@@ -100,8 +101,9 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
     assert hazard("flash", True, True, 192, h100, new_cudnn) is None
 
     monkeypatch.setattr(kernels, "cuda_facts", lambda: (h100, new_cudnn))
-    monkeypatch.setattr(attention, "attention_problem", lambda *args, **kw: None)  # the probe: runs
-    check_attention("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True))
+    monkeypatch.setattr(kernels, "attention_problem", lambda *args, **kw: None)  # the probe: runs
+    check_attention("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True),
+                    IMPLEMENTATIONS)
     err = capsys.readouterr().err.strip()
     assert err.startswith("warning: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err
     assert err.count("\n") == 0
@@ -113,14 +115,14 @@ def test_cudnn_generates_from_a_one_token_prompt_without_a_cache(monkeypatch):
     def cudnn_as_cuda_runs_it(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
         if k.size(-2) == 1:
             raise RuntimeError("No available kernel. Aborting execution.")
-        return attention.manual_attention(q, k, v, attn_mask, dropout_p)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", cudnn_as_cuda_runs_it)
-    monkeypatch.setattr(attention, "attention_problem", lambda *args, **kw: None)  # the probe: cuDNN runs here
+        return model.manual_attention(q, k, v, attn_mask, dropout_p)
+    monkeypatch.setattr(model.F, "scaled_dot_product_attention", cudnn_as_cuda_runs_it)
+    monkeypatch.setattr(kernels, "attention_problem", lambda *args, **kw: None)  # the probe: cuDNN runs here
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=32)).eval()
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=32)).eval()
     one = torch.tensor([[3], [5]])
-    manual = Decoder(model.set_attention("manual")).generate(one, 6, temperature=0.0, use_cache=False)
-    cudnn = Decoder(model.set_attention("cudnn")).generate(one, 6, temperature=0.0, use_cache=False)
+    manual = Decoder(gpt.set_attention("manual")).generate(one, 6, temperature=0.0, use_cache=False)
+    cudnn = Decoder(gpt.set_attention("cudnn")).generate(one, 6, temperature=0.0, use_cache=False)
     assert torch.equal(cudnn, manual)
 
 

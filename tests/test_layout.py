@@ -1,25 +1,13 @@
-"""The house's floors, as README's "Where to start" states them: core/ imports nothing of the project; the model's
-files (model.py, attention.py, masks.py, decode.py, attn_auto.py) only core/ and each other; engine/ those and itself;
-the scripts and benchmarks/ anything below. Every import counts, module-level or inside a function (a lazy import is
-still an arrow a reader follows), and none runs in a cycle."""
+"""The two houses, as README's "Where to start" states them. The read: model.py (which imports nothing of the project
+at module level), core/ (which imports only core/), engine/ and the scripts. The tools (tools/, benchmarks/): they
+import the read, and the read opens them only inside a function, at the setting that asks for one (a door). Every
+import counts, module-level or inside a function (a lazy import is still an arrow a reader follows), and none runs
+in a cycle."""
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL_FLOOR = {"model", "attention", "masks", "decode", "attn_auto"}
-SCRIPTS = {"train", "sample", "bench", "export_hf"}
-
-
-def floor(module: str) -> int:
-    top = module.split(".")[0]
-    if top == "core":
-        return 0
-    if top in MODEL_FLOOR:
-        return 1
-    if top == "engine":
-        return 2
-    assert top in SCRIPTS or top == "benchmarks", f"{module} has no floor: add it to README's layout and here"
-    return 3
+TOOLS = ("tools", "benchmarks")
 
 
 def project_modules() -> dict[str, Path]:
@@ -28,25 +16,48 @@ def project_modules() -> dict[str, Path]:
     return {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in paths}
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The project modules `path` imports anywhere in its source."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def imports_of(path: Path, modules: set[str]) -> tuple[set[str], set[str]]:
+    """The project modules `path` imports at module level, and those it imports inside a function."""
+    tree = ast.parse(path.read_text())
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    eager, lazy = set(), set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
-        found |= {n for n in names if n in modules}
-    return found
+        (lazy if id(node) in inside else eager).update(n for n in names if n in modules)
+    return eager, lazy
 
 
-def test_every_import_points_down_or_along_its_floor_and_none_runs_in_a_cycle():
+def is_tool(module: str) -> bool:
+    return module.split(".")[0] in TOOLS
+
+
+def graph() -> dict[str, tuple[set[str], set[str]]]:
     modules = project_modules()
-    graph = {m: imports_of(p, set(modules)) - {m} for m, p in modules.items()}
-    upward = sorted(f"{m} -> {n}" for m, targets in graph.items() for n in targets if floor(n) > floor(m))
-    assert upward == []
+    return {m: tuple(found - {m} for found in imports_of(p, set(modules))) for m, p in modules.items()}
+
+
+def test_model_py_stands_alone_and_core_imports_only_core():
+    edges = graph()
+    assert edges["model"][0] == set()  # module level: nothing of the project
+    assert sorted(f"{m} -> {n}" for m, (eager, lazy) in edges.items() if m.startswith("core")
+                  for n in eager | lazy if not n.startswith("core")) == []
+
+
+def test_the_read_opens_a_tool_only_at_its_door():
+    edges = graph()
+    read = [m for m in edges if not is_tool(m) and m not in ("bench", "export_hf")]  # bench's sweeps: its own
+    assert sorted(f"{m} -> {n}" for m in read for n in edges[m][0] if is_tool(n)) == []
+    assert "tools.sharded" in edges["train"][1] and "tools.attn_auto" in edges["train"][1]  # the walk is real
+
+
+def test_no_import_runs_in_a_cycle():
+    arrows = {m: eager | lazy for m, (eager, lazy) in graph().items()}
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), [start]
@@ -56,8 +67,7 @@ def test_every_import_points_down_or_along_its_floor_and_none_runs_in_a_cycle():
                 return True
             if m not in seen:
                 seen.add(m)
-                todo += graph.get(m, ())
+                todo += arrows.get(m, ())
         return False
-    cycles = sorted(f"{m} <-> {n}" for m in graph for n in graph[m] if reaches(n, m))
-    assert cycles == []
-    assert graph["core.errors"] == set() and "model" in graph["train"]  # the walk reads the real graph
+    assert sorted(f"{m} <-> {n}" for m in arrows for n in arrows[m] if reaches(n, m)) == []
+    assert arrows["core.errors"] == set() and "model" in arrows["train"]  # the walk reads the real graph

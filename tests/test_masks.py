@@ -7,12 +7,15 @@ import copy
 import pytest
 import torch
 
-import attention
-import masks
+import model
+from model import IMPLEMENTATIONS
+from tools import kernels
+from tools import masks
 from conftest import runnable_on_cpu
 from benchmarks.bench_masks import block_fraction, mask_fraction
 from engine.generate import Decoder
-from model import GPT, GPTConfig, UserError
+from model import GPT, GPTConfig
+from core.errors import UserError
 
 EOT = 0  # a small vocabulary, so end-of-text also turns up among sampled tokens
 CPU_TRAINABLE = runnable_on_cpu(training=True)
@@ -56,11 +59,11 @@ def reference_run(model: GPT, idx, targets):
     ref.config = GPTConfig(**{**TINY, "attn": "manual"})  # the model builds no mask: the reference passes its own
     mask = reference_mask(idx, cfg.doc_mask, cfg.window)
 
-    def softmax_attention(q, k, v, _mask, dropout_p, training=False):
+    def softmax_attention(q, k, v, _mask, dropout_p):
         att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5  # (B, nh, T, T)
         return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     for block in ref.transformer.h:  # what each layer calls: the model's resolved implementation, replaced
-        block.attn.impl = softmax_attention
+        block.attn.attend = softmax_attention
     logits, loss = ref(idx, targets, all_positions=True)  # the whole logits and F.cross_entropy: no chunks
     loss.backward()
     return logits.detach(), {n: p.grad for n, p in ref.named_parameters()}
@@ -151,19 +154,20 @@ def decoded(model: GPT, new_tokens: int = 40, temperatures=(0.0, 1.0), **kw) -> 
 
 @pytest.mark.parametrize("attn", CPU_ALL)
 def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_names(attn):
-    """A decode step's visible keys travel as one interval per row (masks.CacheSpan): each implementation, called as a
-    layer calls it, computes a softmax over exactly those keys of the cache - written out by hand here in float64 -
-    with rows starting in their own documents, rows starting alike, and one start for every row."""
+    """A decode step's visible keys, one interval per row in the implementation's form (model.span_mask): each
+    implementation, called as a layer calls it, computes a softmax over exactly those keys of the cache - written
+    out by hand here in float64 - with rows starting in their own documents, rows starting alike, and one start for
+    every row."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 2, 1, 16, generator=g)  # (B, nh, 1, hs): one query per row
     k, v = torch.randn(2, 2, 2, 48, 16, generator=g)  # (B, nh, block, hs) each: the whole cache
     for starts in ([3, 17], [5, 5], [0]):
-        span = masks.CacheSpan(torch.tensor(starts), torch.tensor([30]))  # keys [start, 30) of each row
+        span = model.span_mask(attn, torch.tensor(starts), torch.tensor([30]), 48)  # keys [start, 30) of each row
         expected = torch.stack([
             ((q[b].double() @ k[b, :, s:30].double().transpose(-2, -1)) / 4.0).softmax(-1) @ v[b, :, s:30].double()
             for b, s in enumerate(starts * 2 if len(starts) == 1 else starts)])  # (B, nh, 1, hs)
         with torch.no_grad():
-            got = attention.Implementation(attn)(q, k, v, span, 0.0)
+            got = IMPLEMENTATIONS[attn](q, k, v, span, 0.0)
         assert rel_err(got, expected) <= 1e-5, starts
 
 
@@ -213,17 +217,11 @@ def test_a_flash_like_kernel_without_a_mask_is_refused_for_masked_training(monke
     def no_mask_flash(q, k, v, mask, dropout_p):
         if mask is not None:
             raise RuntimeError("No available kernel. Aborting execution.")
-        return attention.sdpa_attention(q, k, v, None, dropout_p)
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, "flash", no_mask_flash)
-    attention.attention_problem.cache_clear()
-    try:
-        training = attention.AttnCall("cpu", torch.float32, 16, needs_grad=True)
-        assert attention.attention_problem("flash", training) is None
-        call = attention.AttnCall("cpu", torch.float32, 16, needs_grad=True, masked=True)
-        problem = attention.attention_problem("flash", call)
-        assert problem.startswith("PyTorch has no kernel for it")
-    finally:
-        attention.attention_problem.cache_clear()
+        return model.sdpa_attention(q, k, v, None, dropout_p)
+    training = kernels.AttnCall("cpu", torch.float32, 16, needs_grad=True)
+    assert kernels.attention_problem("flash", training, no_mask_flash) is None
+    call = kernels.AttnCall("cpu", torch.float32, 16, needs_grad=True, masked=True)
+    assert kernels.attention_problem("flash", call, no_mask_flash).startswith("PyTorch has no kernel for it")
 
 
 def fake_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, -1)):
@@ -249,15 +247,12 @@ def fake_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1,
 def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys(monkeypatch):
     """What CUDA would meet for every forward without gradients: the probe's one-query call against T keys."""
     monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", fake_varlen_attn)
-    attention.attention_problem.cache_clear()
-    try:
-        assert attention.probe("varlen", attention.AttnCall("cpu", torch.float32, 16, seq_len=32)) is None
-    finally:
-        attention.attention_problem.cache_clear()
+    varlen = IMPLEMENTATIONS["varlen"]
+    assert kernels.probe("varlen", varlen, kernels.AttnCall("cpu", torch.float32, 16, seq_len=32)) is None
     q, k, v = torch.randn(3, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1))  # (B, nh, T, hs) each
-    one = attention.varlen_attention(q[:, :, -1:], k, v, None, 0.0)  # the last query over all 20 keys
-    assert torch.allclose(one, attention.manual_attention(q[:, :, -1:], k, v, None, 0.0), atol=1e-6)
-    assert torch.allclose(one, attention.varlen_attention(q, k, v, None, 0.0)[:, :, -1:], atol=1e-6)
+    one = varlen(q[:, :, -1:], k, v, None, 0.0)  # the last query over all 20 keys
+    assert torch.allclose(one, model.manual_attention(q[:, :, -1:], k, v, None, 0.0), atol=1e-6)
+    assert torch.allclose(one, varlen(q, k, v, None, 0.0)[:, :, -1:], atol=1e-6)
 
 
 @pytest.mark.parametrize("mask", [*MASKS, "causal"])
@@ -269,9 +264,9 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
     idx = documents()
     q, k, v = torch.randn(3, 2, 2, 48, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each
     docs = masks.document_ids(idx, EOT) if settings.get("doc_mask") else None
-    packing = attention.doc_window_mask("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
-    expected = attention.manual_attention(q, k, v, reference_mask(idx, bool(docs is not None),
-                                                                  settings.get("window", 0)), 0.0)
-    assert torch.allclose(attention.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)
+    packing = masks.mask_form("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
+    expected = model.manual_attention(q, k, v, reference_mask(idx, bool(docs is not None),
+                                                              settings.get("window", 0)), 0.0)
+    assert torch.allclose(model.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)
     if docs is not None:  # one sequence per document: rows 0 and 1 hold 4 each
         assert packing.cu_seqlens.tolist() == [0, 5, 6, 25, 48, 65, 88, 96]

@@ -6,17 +6,19 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import masks
+from tools import masks
 import model as model_module
 from benchmarks.measure import profiled_run
 from core.runtime import Runtime
 
 from engine.generate import Decoder
 from core.hf import convert_hf_state_dict
-from attention import IMPLEMENTATIONS, AttnCall, attention_problem, check_attention
+from model import IMPLEMENTATIONS
+from tools.kernels import AttnCall, attention_problem, check_attention
 from benchmarks.compare import attention_names
 from conftest import runnable_on_cpu
-from model import GPT, GPTConfig, UserError
+from model import GPT, GPTConfig
+from core.errors import UserError
 
 # What runs on this CPU for training; flex runs forward only (no backward on CPU).
 CPU_TRAINABLE = runnable_on_cpu(training=True)
@@ -258,13 +260,13 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
     position, the availability probes - must never pass dynamo's recompile limit, past which flex would run eagerly
     without a word. Run here by compiling CPU flex as CUDA does (inference only: CPU flex has no backward), with
     dynamo raising at a limit instead of falling back."""
-    import attention
+    import model
     from conftest import strict_recompile_limit
-    monkeypatch.setattr(attention, "_compile_flex_here", lambda q: not torch.compiler.is_compiling())
-    attention._compiled_flex_attention.cache_clear()
-    attention.attention_problem.cache_clear()
+    monkeypatch.setattr(model, "compile_flex_here", lambda q: not torch.compiler.is_compiling())
+    model.compiled_flex.cache_clear()
+    attention_problem.cache_clear()
     torch._dynamo.reset()
-    flex, generator = attention.IMPLEMENTATIONS["flex"], torch.Generator().manual_seed(0)
+    flex, generator = IMPLEMENTATIONS["flex"], torch.Generator().manual_seed(0)
     try:
         with strict_recompile_limit(), torch.no_grad():
             for dtype in (torch.float32, torch.bfloat16):
@@ -272,20 +274,20 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
                 for T in (5, 9, 17, 33, 64):  # prompts and training-length blocks
                     q = torch.randn(1, 2, T, 16, generator=generator).to(dtype)  # (B, nh, T, hs)
                     y = flex(q, cache[0][:, :, :T], cache[1][:, :, :T], None, 0.0)
-                    reference = attention.manual_attention(q.float(), cache[0][:, :, :T].float(),
-                                                           cache[1][:, :, :T].float(), None, 0.0)
+                    reference = model.manual_attention(q.float(), cache[0][:, :, :T].float(),
+                                                       cache[1][:, :, :T].float(), None, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
                 for position in range(5, 40, 3):  # decode steps over the whole cache, a span each
-                    span = masks.CacheSpan(torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]))  # written
+                    span = model.span_mask("flex", torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]), 64)
                     mask = torch.arange(64)[None, None, None, :] <= position  # (1, 1, 1, block): the same, densely
                     q = torch.randn(1, 2, 1, 16, generator=generator).to(dtype)
                     y = flex(q, cache[0], cache[1], span, 0.0)
-                    reference = attention.manual_attention(q.float(), cache[0].float(), cache[1].float(), mask, 0.0)
+                    reference = model.manual_attention(q.float(), cache[0].float(), cache[1].float(), mask, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
-                assert attention.attention_problem("flex", attention.AttnCall("cpu", dtype, 16, seq_len=32)) is None
+                assert attention_problem("flex", AttnCall("cpu", dtype, 16, seq_len=32), flex) is None
     finally:
-        attention._compiled_flex_attention.cache_clear()
-        attention.attention_problem.cache_clear()
+        model.compiled_flex.cache_clear()
+        attention_problem.cache_clear()
         torch._dynamo.reset()
 
 
@@ -309,17 +311,16 @@ def test_flex_training_on_cpu_says_no_backward():
 
 def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
     with pytest.raises(UserError, match="does not support dropout"):
-        check_attention("flash", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1))
-    assert attention_problem("sdpa", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1)) is None  # math
+        check_attention("flash", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1), IMPLEMENTATIONS)
+    call = AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1)
+    assert attention_problem("sdpa", call, IMPLEMENTATIONS["sdpa"]) is None  # math
 
 
 def probe_with(monkeypatch, attn: str, fn) -> str:
     """attention_problem for `attn` with its function replaced by `fn`."""
-    import attention
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, attn, fn)
     attention_problem.cache_clear()
     try:
-        return attention_problem(attn, AttnCall("cpu", torch.float32, 8, needs_grad=True))
+        return attention_problem(attn, AttnCall("cpu", torch.float32, 8, needs_grad=True), fn)
     finally:
         attention_problem.cache_clear()
 

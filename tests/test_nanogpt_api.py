@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, UserError
+from model import GPT, GPTConfig
+from core.errors import UserError
 
 # nanoGPT's train.py: model_args = dict(n_layer, n_head, n_embd, block_size, bias, vocab_size, dropout)
 MODEL_ARGS = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False, vocab_size=65, dropout=0.0)

@@ -6,7 +6,8 @@ import torch
 from core import runtime
 import train
 from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
-from model import GPT, GPTConfig, UserError
+from model import GPT, GPTConfig
+from core.errors import UserError
 from engine.muon import Muon, muon_optimizers, muon_parameters, orthogonalize
 
 BLOCK_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

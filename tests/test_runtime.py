@@ -19,7 +19,8 @@ from benchmarks import compare
 from core import runtime
 import sample
 import train
-from model import GPT, GPTConfig, UserError
+from model import GPT, GPTConfig
+from core.errors import UserError
 
 # -- peak FLOP/s ----------------------------------------------------------------------------------------
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import attention
 from benchmarks import compare
 from core import runtime
 import sample
 from conftest import checkpoint_of, runnable_on_cpu, strict_recompile_limit
 from engine.generate import Decoder, Sampling, draw_samples
-from model import GPT, GPTConfig, UserError
+from model import IMPLEMENTATIONS, GPT, GPTConfig
+from core.errors import UserError
 from core.tokenizer import CharTokenizer, GPT2Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -259,7 +259,7 @@ def test_the_command_line_prints_bad_input_as_one_line_and_exit_code_2(char_ckpt
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: attn must be one of {', '.join(map(repr, ['auto', *attention.IMPLEMENTATIONS]))}, got 'fast'; did you mean "
+        f"error: attn must be one of {', '.join(map(repr, ['auto', *IMPLEMENTATIONS]))}, got 'fast'; did you mean "
         f"'flash'?"]
 
 
@@ -292,7 +292,7 @@ def refusing_prefills(attention):
 
 
 def test_a_kernel_refusing_a_real_call_is_one_sentence(monkeypatch):
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, "math", refusing_prefills(attention.IMPLEMENTATIONS["math"]))
+    monkeypatch.setitem(IMPLEMENTATIONS, "math", refusing_prefills(IMPLEMENTATIONS["math"]))
     model = confident_char_model().set_attention("math")
     model(torch.zeros(1, TINY["block_size"], dtype=torch.long))  # the shape the probe met runs
     with pytest.raises(UserError, match=r"attn='math' cannot run for inference on cpu in float32 .*PyTorch refused "
@@ -302,7 +302,7 @@ def test_a_kernel_refusing_a_real_call_is_one_sentence(monkeypatch):
 
 
 def test_compare_skips_an_implementation_that_refuses_at_run_time_and_finishes(char_ckpt, monkeypatch, capsys):
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, "math", refusing_prefills(attention.IMPLEMENTATIONS["math"]))
+    monkeypatch.setitem(IMPLEMENTATIONS, "math", refusing_prefills(IMPLEMENTATIONS["math"]))
     assert sample.main([f"--out_dir={char_ckpt}", "--compare=manual,math,sdpa", "--dtype=float32",
                         "--num_samples=1", "--max_new_tokens=10", "--start=To be"]) == 0
     out = capsys.readouterr().out

@@ -17,7 +17,7 @@ from engine import metrics as train_metrics
 import train
 from core.configurator import configure
 from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
-from model import UserError
+from core.errors import UserError
 
 # -- distributed --------------------------------------------------------------------------------------
 

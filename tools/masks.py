@@ -1,12 +1,11 @@
 """
-Which keys a query may see beyond causality: its own document only (doc_mask: the dataset's end-of-text token
-opens the next document, as a beginning-of-sequence token would) and at most the last `window` tokens. One rule,
-`allowed`, in the forms the implementations take (attention.doc_window_mask picks one, once per forward):
+Which keys a query may see beyond causality, for doc_mask and window: its own document only (the dataset's
+end-of-text token opens the next, as a beginning-of-sequence token would) and at most the last `window` tokens.
+One rule, `allowed`, in the form each implementation takes (mask_form picks it, once per forward):
 
     dense_mask      (B, 1, T, T) bool, True where allowed: manual, sdpa_mask and the SDPA rows
     block_mask      a FlexAttention BlockMask: blocks where nothing is allowed are skipped
     varlen_packing  the documents as varlen_attn's cu_seqlens (and the window as its window_size)
-    span_rows       a decode step's CacheSpan as a dense row over the whole cache
 
 Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
 """
@@ -19,13 +18,20 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
-@dataclass
-class CacheSpan:
-    """The cache positions a decode step sees, [start, end): start (1 or B,), one per row with documents; end (1,),
-    the step's own position plus one."""
-    start: torch.Tensor
-    end: torch.Tensor
-    bounds: Optional[tuple[int, int, int]] = None  # (least start, greatest start, end) on the host, once read
+def doc_window_mask(config, idx: torch.Tensor):
+    """The mask a model with doc_mask and/or window (a GPTConfig) takes for training or a prefill of idx (B, T)."""
+    docs = document_ids(idx, config.eot_token) if config.doc_mask else None  # (B, T)
+    return mask_form(config.attn, docs, config.window, idx.size(0), idx.size(1), idx.device)
+
+
+def mask_form(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
+    """The mask `attn` takes for documents (docs (B, T), or None) and/or a window: a BlockMask for flex, varlen's
+    packing, a dense mask for the others."""
+    if attn == "flex":
+        return block_mask(docs, window, T, device)
+    if attn == "varlen":
+        return varlen_packing(docs, window, B, T, device)
+    return dense_mask(docs, window, T, device)
 
 
 def document_ids(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
@@ -102,9 +108,3 @@ def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, de
         cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
     return VarlenPacking(cu_seqlens.to(device), max_len, window)
 
-
-def span_rows(span: CacheSpan, kv_len: int) -> torch.Tensor:
-    """The span as a dense mask over the cache, (1 or B, 1, 1, kv_len) bool."""
-    kv = torch.arange(kv_len, device=span.end.device)
-    ok = (kv[None, :] >= span.start[:, None]) & (kv[None, :] < span.end[:, None])  # (1 or B, kv_len)
-    return ok[:, None, None, :]

@@ -3,7 +3,8 @@ attn='auto': time every implementation that can run this run's own attention (it
 compile; training or sampling), drop any whose output is off the reference, and pick the fastest. Decisions are
 cached, keyed by everything measured.
 
-    decision = choose(Workload.of(model.config, rt, batch_size=12, seq_len=1024, training=True, compiled=True), rt)
+    workload = Workload.of(model.config, rt, batch_size=12, seq_len=1024, training=True, compiled=True)
+    decision = choose(workload, rt, IMPLEMENTATIONS)   # model.IMPLEMENTATIONS: the candidates
     model.set_attention(decision.pick, training=True, dtype=rt.torch_dtype)
 """
 
@@ -16,12 +17,12 @@ from typing import Callable, Optional
 
 import torch
 
-import attention
-import masks
 from core.errors import UserError
 from core.flops import peak_flops_cache
 from core import files, runtime
 from core.runtime import Runtime, compile_isolated, time_call
+from tools.kernels import AttnCall, attention_pass, attention_problem
+from tools.masks import dense_mask, mask_form
 
 FALLBACK = "sdpa"  # what runs when measuring fails: PyTorch's own choice
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |y - ref| / max |ref| (fp32: TF32 on CUDA)
@@ -97,23 +98,17 @@ def inputs(w: Workload, device: str, seed: int = 0) -> dict:
     return dict(q=q, k=k, v=v, docs=docs)
 
 
-def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Callable[[], torch.Tensor]:
-    """One timed call of `attn`: forward and backward for training; for sampling a prefill of the prompt and a
-    decode step over a cache of block_size positions. Returns the prefill's or the forward's output."""
+def attention_call(fn: Callable, attn: str, w: Workload, data: dict) -> Callable[[], torch.Tensor]:
+    """One timed call of `fn` (attn's, maybe compiled): forward and backward for training; for sampling a prefill of
+    the prompt and a decode step over its written keys, as eager decoding reads them. Returns the prefill's or the
+    forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
-    mask = attention.doc_window_mask(attn, docs, w.window, w.batch_size, w.seq_len, q.device) \
-        if w.documents or w.window else None
-    fn = compiled(attention.IMPLEMENTATIONS[attn])
+    mask = mask_form(attn, docs, w.window, w.batch_size, w.seq_len, q.device) if w.documents or w.window else None
     if w.training:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        return attention.attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
-    cache = torch.cat([k, k.new_zeros(k.size(0), k.size(1), w.block_size - w.seq_len, k.size(-1))], dim=2)
-    span = masks.CacheSpan(torch.zeros(1, dtype=torch.long, device=q.device),
-                           torch.full((1,), w.seq_len, device=q.device))  # the prompt written, the step reads it
-
-    prefill = attention.attention_pass(fn, q, k, v, mask, 0.0, backward=False)
-    decode_step = attention.attention_pass(fn, q[:, :, -1:], cache, cache,
-                                           attention.span_mask(attn, span, w.block_size), 0.0, backward=False)
+        return attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
+    prefill = attention_pass(fn, q, k, v, mask, 0.0, backward=False)
+    decode_step = attention_pass(fn, q[:, :, -1:], k, v, None, 0.0, backward=False)
 
     def sample_step() -> torch.Tensor:
         y = prefill()
@@ -122,12 +117,12 @@ def attention_call(attn: str, w: Workload, data: dict, compiled: Callable) -> Ca
     return sample_step
 
 
-def numerics_problem(output: torch.Tensor, data: dict, w: Workload) -> Optional[str]:
+def numerics_problem(output: torch.Tensor, data: dict, w: Workload, reference_fn: Callable) -> Optional[str]:
     """None if `output` is causal attention under the run's mask within the dtype's tolerance (against the plain
     math in float64), else why not."""
     q, k, v, docs = (data[n] for n in ("q", "k", "v", "docs"))
-    dense = masks.dense_mask(docs, w.window, w.seq_len, q.device)  # (1 or B, 1, T, T)
-    reference = attention.manual_attention(q.double(), k.double(), v.double(), dense, 0.0)  # the plain math
+    dense = dense_mask(docs, w.window, w.seq_len, q.device)  # (1 or B, 1, T, T)
+    reference = reference_fn(q.double(), k.double(), v.double(), dense, 0.0)  # the plain math: manual
     error = ((output.double() - reference).abs().max() / reference.abs().max()).item()
     if not error <= TOLERANCE[w.dtype]:  # NaN fails too
         return f"output differs from the reference by {error:.2g} of its largest value (tolerance {TOLERANCE[w.dtype]})"
@@ -136,22 +131,23 @@ def numerics_problem(output: torch.Tensor, data: dict, w: Workload) -> Optional[
 
 # -- measuring and choosing -----------------------------------------------------------------------------------
 
-def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable] = None,
+def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float, timer: Optional[Callable] = None,
             compiled: Optional[Callable] = None) -> Decision:
-    """Time every implementation that can run `w`, round-robin within about budget_s seconds, drop the numerically
-    wrong ones and pick the lowest median. `timer(attn, call)` and `compiled(fn)`: a test's stand-ins."""
+    """Time every implementation (model.IMPLEMENTATIONS) that can run `w`, round-robin within about budget_s seconds,
+    drop the numerically wrong ones and pick the lowest median. `timer(attn, call)` and `compiled(fn)`: a test's
+    stand-ins."""
     started = time.perf_counter()
     timer = timer or (lambda attn, call: time_call(call, rt)[1])
     if compiled is None:
         compiled = compile_isolated if w.compiled else (lambda fn: fn)
     data, rows, calls = inputs(w, rt.device), {}, {}
-    for attn in attention.IMPLEMENTATIONS:
-        call = attention.AttnCall(rt.device_type, getattr(torch, w.dtype), w.head_size, needs_grad=w.training,
-                                  dropout_p=w.dropout, seq_len=w.seq_len, masked=w.documents or bool(w.window))
-        problem = attention.attention_problem(attn, call)
+    for attn, fn in implementations.items():
+        call = AttnCall(rt.device_type, getattr(torch, w.dtype), w.head_size, needs_grad=w.training,
+                        dropout_p=w.dropout, seq_len=w.seq_len, masked=w.documents or bool(w.window))
+        problem = attention_problem(attn, call, fn)
         rows[attn] = dict(attn=attn, status="refused" if problem else "ok", ms=None, ratio=None, reason=problem)
         if problem is None:
-            calls[attn] = attention_call(attn, w, data, compiled)
+            calls[attn] = attention_call(compiled(fn), attn, w, data)
     spent = {}
     for attn, call in list(calls.items()):  # warm-up (compiles) and the numerics check, untimed by the rounds
         try:
@@ -159,7 +155,7 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
             t0 = time.perf_counter()
             call()  # warm: what a round will cost, for the budget
             spent[attn] = time.perf_counter() - t0
-            wrong = numerics_problem(output, data, w) if w.dropout == 0 else None
+            wrong = numerics_problem(output, data, w, implementations["manual"]) if w.dropout == 0 else None
         except Exception as e:  # a kernel refusing at these shapes: not a candidate
             wrong = f"failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
         if wrong is not None:
@@ -181,9 +177,9 @@ def measure(w: Workload, rt: Runtime, budget_s: float, timer: Optional[Callable]
     return Decision(best["attn"], list(rows.values()), w, seconds=time.perf_counter() - started)
 
 
-def is_decision(entry) -> bool:
+def is_decision(entry, implementations: dict) -> bool:
     """An entry of the decision cache as choose() writes it, naming an implementation this code has."""
-    return (isinstance(entry, dict) and entry.get("pick") in attention.IMPLEMENTATIONS
+    return (isinstance(entry, dict) and entry.get("pick") in implementations
             and isinstance(entry.get("rows"), list) and all(isinstance(row, dict) for row in entry["rows"]))
 
 
@@ -191,30 +187,31 @@ def cache_file() -> Path:
     return peak_flops_cache().with_name("attn_auto.json")
 
 
-def choose(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = False, path: Optional[Path] = None,
-           measure_fn: Optional[Callable] = None) -> Decision:
+def choose(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20.0, refresh: bool = False,
+           path: Optional[Path] = None, measure_fn: Optional[Callable] = None) -> Decision:
     """The decision for `w`: from the cache when an earlier run measured this very workload (unless refresh), else
     measured now (measure_fn: by default measure) and added to the cache."""
     measure_fn = measure_fn or measure
     path = path or cache_file()
-    known = files.read_cache(path, is_decision, "decisions attn=auto wrote")
+    known = files.read_cache(path, lambda entry: is_decision(entry, implementations), "decisions attn=auto wrote")
     if not refresh and w.key() in known:
         hit = known[w.key()]
         return Decision(hit["pick"], hit["rows"], w, cached=True)
-    decision = measure_fn(w, rt, budget_s)
+    decision = measure_fn(w, rt, implementations, budget_s)
     known[w.key()] = {"pick": decision.pick, "rows": decision.rows}
     files.write_cache(path, known)
     return decision
 
 
-def choose_across_ranks(w: Workload, rt: Runtime, budget_s: float = 20.0, refresh: bool = False,
-                        path: Optional[Path] = None, measure_fn: Optional[Callable] = None) -> Decision:
+def choose_across_ranks(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20.0,
+                        refresh: bool = False, path: Optional[Path] = None,
+                        measure_fn: Optional[Callable] = None) -> Decision:
     """choose() on rank 0 and its answer on every rank (all must run the same kernel); if measuring fails, one line
     and FALLBACK everywhere; a UserError stops every rank with the same sentence."""
     decision, problem = None, None
     if rt.is_master:
         try:
-            decision = choose(w, rt, budget_s, refresh, path, measure_fn)
+            decision = choose(w, rt, implementations, budget_s, refresh, path, measure_fn)
         except UserError as e:
             problem = str(e)
         except Exception as e:
@@ -230,28 +227,29 @@ def choose_across_ranks(w: Workload, rt: Runtime, budget_s: float = 20.0, refres
     return decision
 
 
-def choose_for_training(model, cfg, rt: Runtime, checkpoint=None) -> dict:
+def choose_for_training(model, implementations: dict, cfg, rt: Runtime, checkpoint=None) -> dict:
     """attn='auto' for train.py: this run's workload decided on rank 0, said in one line, and returned as the table with
     the workload; a resume whose checkpoint decided the same workload runs the same implementation unmeasured."""
     w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
                     compiled=cfg.compile)
     saved = (checkpoint.settings.get("attn_auto") if checkpoint is not None else None) or {}
-    if saved.get("attn_auto/workload") == w.key() and saved.get("attn_auto/pick") in attention.IMPLEMENTATIONS:
+    if saved.get("attn_auto/workload") == w.key() and saved.get("attn_auto/pick") in implementations:
         if rt.is_master:
             print(f"attn=auto: {saved['attn_auto/pick']}, as the checkpoint decided for {w.describe()}")
         return {**saved, "attn_auto/cached": True}
-    decision = choose_across_ranks(w, rt, cfg.attn_auto_budget, cfg.attn_auto_refresh)
+    decision = choose_across_ranks(w, rt, implementations, cfg.attn_auto_budget, cfg.attn_auto_refresh)
     if rt.is_master and decision.rows:  # a fallback (no rows) said its own line
         print(decision.line())
     return {**decision.metrics(), "attn_auto/workload": w.key()}
 
 
-def choose_for_model(model, training: bool = False, dtype: Optional[torch.dtype] = None, batch_size: int = 1) -> str:
+def choose_for_model(model, implementations: dict, training: bool = False, dtype: Optional[torch.dtype] = None,
+                     batch_size: int = 1) -> str:
     """GPT.set_attention('auto'): the fastest implementation for `model` where it is, at its block_size, in `dtype`."""
     weight = model.lm_head.weight
     dtype_name = str(dtype or weight.dtype).removeprefix("torch.")
     rt = Runtime(str(weight.device), dtype_name)
     w = Workload.of(model.config, rt, batch_size, model.config.block_size, training=training, compiled=False)
-    decision = choose(w, rt)
+    decision = choose(w, rt, implementations)
     print(decision.line())
     return decision.pick

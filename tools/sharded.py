@@ -19,12 +19,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from core import files
 from core import runtime
-from engine.checkpoint import POINTER, TRAIN, SingleFileSaver, sharded_folder
+from engine.checkpoint import POINTER, TRAIN, sharded_folder
 from core.errors import UserError
 from core.runtime import Runtime
 
 # -----------------------------------------------------------------------------
-# a sharded checkpoint's folders (written here, read by engine/reader.py)
+# a sharded checkpoint's folders
 
 def step_folder(out: Path, iter_num: int) -> Path:
     return Path(out) / f"step-{iter_num:06d}"
@@ -152,10 +152,72 @@ class ShardedSaver:
             raise UserError(self.failure)
 
 
-def saver_for(checkpoint_format: str, out: Path, keep: int, use_async: bool, rt: Runtime):
-    """How train.py saves: engine.checkpoint.SingleFileSaver, or ShardedSaver (each rank its own shards, DCP)."""
-    if checkpoint_format == "single":
-        if use_async:
-            raise UserError("async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded.")
-        return SingleFileSaver(out, rt)
-    return ShardedSaver(out, keep, use_async, rt)
+# -----------------------------------------------------------------------------
+# a sharded step, as DCP wrote it
+
+def check_step(folder: Path, pointer: Path) -> None:
+    """One sentence, if the step to read is not there whole: what is wrong with the pointer or the folder, and what
+    can be read instead (fallback)."""
+    if folder == pointer:  # sharded_folder: the pointer names no step
+        held = pointer.read_bytes()
+        text = held.decode("utf-8", errors="replace").strip()
+        what = ("is empty" if not text else "holds no text (binary bytes)" if "\ufffd" in text
+                else f"holds {text[:40]!r}, not a step folder's name")
+        raise UserError(f"{pointer} {what}; {fallback(pointer.parent)}")
+    if not folder.is_dir():
+        raise UserError(f"{pointer} names {folder.name}, which is not in {folder.parent}; {fallback(folder.parent)}")
+    if not is_whole(folder):
+        raise UserError(f"{folder} has no .metadata (its save never finished, or the file was lost); "
+                        f"{fallback(folder.parent, folder)}")
+
+
+def fallback(out: Path, failed: Path | None = None) -> str:
+    """What can be read instead of a damaged step: the newest whole one before it (named, and how to point at it),
+    else a fresh run. Nothing is deleted: the damaged files are the user's to keep or remove."""
+    step = int(failed.name.removeprefix("step-")) if failed is not None else None
+    whole = [f for n, f in sorted(steps_in(out).items()) if f != failed and is_whole(f) and (step is None or n < step)]
+    if whole:
+        return (f"the newest whole step{' before it' if failed else ''} is {whole[-1]}: point {out / POINTER} at it "
+                f"(echo {whole[-1].name} > {out / POINTER}) and run again")
+    return f"no whole step is left in {out}: start a fresh run there with --overwrite=True, or pass another --out_dir="
+
+
+def unreadable(folder: Path, error: BaseException) -> UserError:
+    """DCP's CheckpointException (a BaseException holding each rank's error) as the sentence of a damaged step."""
+    failures = getattr(error, "failures", None)
+    cause = next(iter(failures.values()))[0] if failures else error
+    reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
+    return UserError(f"{folder}'s shards cannot be read ({type(cause).__name__}{': ' + reason if reason else ''}); "
+                     f"{fallback(folder.parent, folder)}")
+
+
+def read_step(folder: Path, parts: set[str]) -> dict:
+    """The named parts of a step ('model', 'optimizer'; TRAIN always) as a Checkpoint's fields, full tensors on the
+    CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
+    import torch.distributed.checkpoint as dcp  # DCP: only a sharded checkpoint reads its files
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state: dict = {}
+    try:
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(folder),
+                         planner=_EmptyStateDictLoadPlanner(keys=parts | {TRAIN}), no_dist=True)
+    except (CheckpointException, Exception) as e:  # DCP's is a BaseException: each rank's error with its traceback
+        raise unreadable(folder, e) from None
+    return {**state.pop(TRAIN), **state}
+
+
+def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
+    """A sharded step read into the model as it is placed (each rank reads what it holds), and its optimizer state
+    shaped for set_optimizer_state_dict. Collective under torchrun."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.api import CheckpointException
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except (CheckpointException, Exception) as e:  # a shard damaged after the step was read for its settings
+        raise unreadable(folder, e) from None
+    set_model_state_dict(model, state["model"])
+    return state["optimizer"]

@@ -1,0 +1,210 @@
+"""
+Whether an attention implementation runs here, asked once per set of facts (GPT.check_attention, attn=auto, bench),
+and the one sentence of a refusal: what was asked, why it cannot run, and what can.
+
+    problem = attention_problem("flash", AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1), fn)
+    check_attention("flash", call, model.IMPLEMENTATIONS)   # raises UserError naming what runs instead
+"""
+
+import re
+import sys
+import warnings
+from dataclasses import KW_ONLY, dataclass
+from typing import Callable, Optional
+
+import torch
+
+from core.errors import UserError
+
+# The headers SDPA warns before each kernel's reasons ("Flash attention kernel not used because:"), by the attn
+# that forces that kernel. CUDA checks them in the order efficient, flash, cuDNN whatever is forced, so a forced
+# flash also explains that the efficient kernel "has been runtime disabled": only the forced kernel's lines count.
+KERNEL_HEADERS = {"flash": "Flash attention", "efficient": "Memory efficient", "cudnn": "CuDNN attention"}
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at .*\)\s*$")  # what a warning from C++ carries at its end
+
+
+def refusal_reason(messages: list[str], attn: str) -> Optional[str]:
+    """The first reason SDPA's warnings give for refusing the kernel `attn` forces (any kernel's for the others),
+    without the C++ source location; None if they give none."""
+    sections: dict[Optional[str], list[str]] = {}
+    current = None
+    for message in messages:
+        for line in message.splitlines():
+            line = _TRIGGERED.sub("", line).strip()
+            kernel = next((k for k, h in KERNEL_HEADERS.items() if line.startswith(h) and line.endswith("because:")),
+                          None)
+            if kernel is not None:
+                current = kernel
+            elif line:
+                sections.setdefault(current, []).append(line)
+    if attn in KERNEL_HEADERS:
+        return next(iter(sections.get(attn, [])), None)
+    reasons = [line for lines in sections.values() for line in lines if "has been runtime disabled" not in line]
+    return next(iter(reasons), None)
+
+
+def cudnn_mask_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int, capability: tuple[int, int],
+                      cudnn_version: int) -> Optional[str]:
+    """A known cuDNN bug (torch 2.13): its backward with an explicit mask gives NaN gradients when the length is 64
+    past a multiple of 128 and a row's logsumexp is very negative. A forced `cudnn` row meets it; `sdpa` and
+    `sdpa_mask` meet it where SDPA picks cuDNN for a masked call (torch 2.13 prefers cuDNN newer than 9.15 on
+    compute capability 9.x and 10.x, and its checks look at the mask's shape only). The sentence, or None."""
+    explicit_mask = masked or attn == "sdpa_mask"
+    if not (needs_grad and explicit_mask and seq_len % 128 == 64):
+        return None
+    picks_cudnn = attn == "cudnn" or (attn in ("sdpa", "sdpa_mask") and capability[0] in (9, 10)
+                                      and cudnn_version > 91500)
+    if not picks_cudnn:
+        return None
+    return (f"cuDNN's backward with an explicit mask can give NaN gradients at a length of 64 past a multiple of 128 "
+            f"({seq_len}); use a block_size that is a multiple of 128")
+
+
+def cuda_facts() -> tuple[tuple[int, int], int]:
+    """The GPU's compute capability and cuDNN's version (0 without cuDNN)."""
+    return torch.cuda.get_device_capability(), torch.backends.cudnn.version() or 0
+
+
+# -----------------------------------------------------------------------------
+# the decision: rules PyTorch states, then one run of the implementation on what the model passes it, because which
+# kernel accepts which device/dtype/dropout/head size/layout changes from release to release
+
+@dataclass(frozen=True)
+class AttnCall:
+    """What decides whether a kernel takes a call, beside the implementation."""
+    device_type: str
+    dtype: torch.dtype
+    head_size: int
+    _: KW_ONLY
+    needs_grad: bool = False        # training: checked with its backward
+    dropout_p: float = 0.0
+    seq_len: int = 64               # training is checked at its own length (cuDNN's hazard depends on it)
+    masked: bool = False            # with a document or window mask
+    decode_step: bool | str = True  # inference also checked as a decode step; False: whole sequences only;
+                                    # "masked": a decode step over the whole cache behind a mask row, alone
+
+    def describe(self) -> str:
+        mask = ", a document or window mask" if self.masked else ""
+        return (f"for {'training' if self.needs_grad else 'inference'} on {self.device_type} in "
+                f"{str(self.dtype).removeprefix('torch.')} with dropout={self.dropout_p}{mask} and head size "
+                f"{self.head_size}")
+
+
+_answers: dict = {}  # (attn, its function, call) -> problem: asked once per process
+
+
+def attention_problem(attn: str, call: AttnCall, fn: Callable) -> Optional[str]:
+    """None if `attn` (whose function is `fn`) runs `call` here, else why not."""
+    key = (attn, fn, call)
+    if key not in _answers:
+        _answers[key] = _rules(attn, call) or probe(attn, fn, call)
+    return _answers[key]
+
+
+def _rules(attn: str, call: AttnCall) -> Optional[str]:
+    cpu, cuda = call.device_type == "cpu", call.device_type == "cuda"
+    if attn in ("efficient", "cudnn") and not cuda:
+        return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
+    if attn == "varlen" and not cuda:
+        return "varlen_attn is CUDA-only (FlashAttention's variable-length kernel)"
+    if attn in ("flex", "varlen") and call.dropout_p > 0:
+        return f"{'varlen_attn' if attn == 'varlen' else 'FlexAttention'} has no attention dropout"
+    if attn == "flex" and cpu and call.needs_grad:
+        return "FlexAttention has no backward pass on CPU"
+    if attn == "flash" and cpu and call.dropout_p > 0:
+        return "the CPU flash kernel does not support dropout"
+    if attn == "cudnn" and cuda:
+        return cudnn_mask_hazard(attn, call.needs_grad, call.masked, call.seq_len, *cuda_facts())
+    return None
+
+
+def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
+                   backward: bool) -> Callable[[], torch.Tensor]:
+    """One pass as every check and measurement makes it: the forward under no_grad, or forward and backward with q's
+    values as the incoming gradient, leaf gradients dropped after so repeated calls hold no more."""
+    def run() -> torch.Tensor:
+        if not backward:
+            with torch.no_grad():
+                return fn(q, k, v, mask, dropout_p)
+        y = fn(q, k, v, mask, dropout_p)
+        y.backward(q.detach())
+        for t in (q, k, v):
+            if t.is_leaf:
+                t.grad = None
+        return y.detach()
+    return run
+
+
+def probe(attn: str, fn: Callable, call: AttnCall) -> Optional[str]:
+    """Run `fn` on what the model passes it (kernels' limits differ between layouts): q, k, v as strided views of one
+    projection (with backward when training), and for inference a one-query decode step over the written keys, or
+    (decode_step="masked") over a longer cache behind a mask row."""
+    T, hs, device, dtype = call.seq_len, call.head_size, call.device_type, call.dtype
+    # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
+    # forward: in exactly `dtype` whatever autocast says, with gradients when training whatever no_grad says
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []), \
+            torch.autocast(device, enabled=False), torch.set_grad_enabled(call.needs_grad):
+        qkv = torch.randn(1, T, 3 * hs, device=device, dtype=dtype, requires_grad=call.needs_grad)
+        q, k, v = (t.view(1, T, 1, hs).transpose(1, 2) for t in qkv.split(hs, dim=2))  # (1, 1, T, hs)
+        cache = torch.randn(2, 1, T + 8, hs, device=device, dtype=dtype)  # (k|v, 1, T + 8, hs)
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
+                warnings.simplefilter("always")
+                if call.decode_step == "masked":  # the last 8 positions unwritten
+                    row = (torch.arange(T + 8, device=device) < T)[None, None, None, :]  # (1, 1, 1, T + 8)
+                    fn(q[:, :, -1:], cache[:1], cache[1:], step_mask(attn, row), 0.0)
+                    return None
+                mask = None
+                if call.masked:
+                    from tools.masks import mask_form  # only a masked model's check
+                    docs = (torch.arange(T, device=device) >= T // 2).long()[None]  # (1, T): two documents
+                    mask = mask_form(attn, docs, T // 4, 1, T, device)
+                attention_pass(fn, q, k, v, mask, call.dropout_p, call.needs_grad)()
+                if not call.needs_grad and call.decode_step:
+                    fn(q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
+        except (RuntimeError, NotImplementedError) as e:
+            reason = refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
+            return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
+    return None
+
+
+def step_mask(attn: str, row: torch.Tensor):
+    """A decode step's dense row (B, 1, 1, Tk) in attn's form: flex reads it through a score mod."""
+    if attn != "flex":
+        return row
+    return lambda score, b, h, q_idx, kv_idx: torch.where(row[0, 0, 0, kv_idx], score, -float("inf"))
+
+
+def decodes_with_mask(attn: str, fn: Callable, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether `attn` takes a mask row for a decode step over the whole cache, as a compiled decode step (one shape at
+    every position) needs. CUDA's flash takes none."""
+    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="masked")
+    return attention_problem(attn, call, fn) is None
+
+
+def check_attention(attn: str, call: AttnCall, implementations: dict, problem: Optional[str] = None) -> None:
+    """Raise UserError, naming what can run instead, if `attn` cannot run `call` here, or if the caller already
+    knows the `problem` (a kernel that refused a real call)."""
+    problem = problem or attention_problem(attn, call, implementations[attn])
+    if problem is None:
+        if call.device_type == "cuda" and attn in ("sdpa", "sdpa_mask"):  # SDPA may pick cuDNN: it runs, warned
+            _warn_cudnn_hazard(attn, call.needs_grad, call.masked, call.seq_len)
+        return
+    runnable = [a for a, fn in implementations.items() if a != attn and attention_problem(a, call, fn) is None]
+    raise UserError(f"attn='{attn}' cannot run {call.describe()}: {problem}; use one of {', '.join(runnable)}.")
+
+
+_warned: set = set()
+
+
+def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) -> None:
+    """Once per process and setting."""
+    if (attn, needs_grad, masked, seq_len) in _warned:
+        return
+    _warned.add((attn, needs_grad, masked, seq_len))
+    hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *cuda_facts())
+    if hazard is not None:
+        print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
+
+
+attention_problem.cache_clear = _answers.clear  # as functools' caches: forget every answer (tests, a new build)
