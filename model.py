@@ -8,7 +8,6 @@ One-file GPT-2 with a switch for the attention implementation and one for vocab 
 
 import dataclasses
 import functools
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -20,8 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-def user_error(message: str) -> Exception:
-    """A mistake in a setting, which the scripts print as one `error:` line (core/errors.py's UserError)."""
+def user_error(message: str) -> Exception:  # a setting to fix: the scripts print it as one `error:` line
     from core.errors import UserError
     return UserError(message)
 
@@ -92,14 +90,9 @@ FLEX_REGION = "attention.flex_attention"  # the profiler region every eager-call
 _block_masks: dict = {}  # building a block mask costs milliseconds: one per shape and device
 
 
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
 @functools.cache
 def compiled_flex(use: str):
-    """flex_attention compiled for one use ('causal' or 'decode'), each with a recompile count of its own (fp32 and
-    bf16, grad or not, every length): eager flex is PyTorch's unfused reference. bench.py clears it between rows."""
+    """flex_attention compiled per use ('causal', 'decode'), each with its own recompile count."""
     from core.runtime import compile_isolated
     return compile_isolated(flex_attention, recompile_limit=16)
 
@@ -121,7 +114,8 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
     if mask is None and q.size(-2) > 1:
         key = (q.size(-2), k.size(-2), str(q.device))
         if key not in _block_masks:
-            _block_masks[key] = create_block_mask(_causal, None, None, key[0], key[1], device=q.device)
+            _block_masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, *key[:2],
+                                                  device=q.device)
         block_mask = _block_masks[key]
     if torch.compiler.is_compiling():  # inside a compiled model dynamo traces flex itself
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
@@ -162,29 +156,9 @@ IMPLEMENTATIONS = {
 }
 
 
-def span_mask(attn: str, start: torch.Tensor, end: torch.Tensor, kv_len: int):
-    """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in attn's form: flex a score
-    mod, the others a (1 or B, 1, 1, kv_len) bool row."""
-    if attn != "flex":
-        kv = torch.arange(kv_len, device=end.device)
-        return ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]
-    first, length = start, end - start  # (1 or B,) each
-    if not start.is_cuda and torch.compiler.is_compiling():
-        # torch 2.13's CPU flex template reads only tensors inductor materialises: reductions over the row are
-        rows = span_mask("dense", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
-        first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
-    per_row = first.size(0) > 1
-
-    def visible(score, b, h, q_idx, kv_idx):
-        r = b if per_row else 0
-        return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
-    return visible
-
-
 # -----------------------------------------------------------------------------
-# the model
+# the model; RUN_FIELDS: what a run may choose for weights trained otherwise (attention, its masks, dropout)
 
-# What a run may choose for weights trained otherwise: the attention implementation, its masks and dropout.
 RUN_FIELDS = ("attn", "dropout", "doc_mask", "window", "eot_token", "chunked_loss")
 
 
@@ -341,8 +315,7 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def get_num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default without the position embedding (wte, tied to lm_head, counts as compute)."""
+    def get_num_params(self, non_embedding: bool = True) -> int:  # wte, tied to lm_head, counts as compute
         return sum(p.numel() for p in self.parameters()) - (self.transformer.wpe.weight.numel() if non_embedding else 0)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
@@ -359,26 +332,22 @@ class GPT(nn.Module):
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         cache = None if input_pos is None else self.cache
-        compiling = torch.compiler.is_compiling()  # compiled code was checked before it was traced
-        if not compiling:
+        if not torch.compiler.is_compiling():  # compiled code was checked before it was traced
             self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T)
             if cache is not None and T > 1 and input_pos[0].item() != 0:
                 raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
         pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
         mask = self._attention_mask(idx, cache, input_pos)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        if compiling:
-            x = self._blocks(x, mask, cache, input_pos)
-        else:
-            try:
-                x = self._blocks(x, mask, cache, input_pos)
-            except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the check could not foresee
-                if "No available kernel" not in str(e):
-                    raise
-                shape = (B, self.config.n_head, T, self.config.head_size)
+        try:
+            for block in self.transformer.h:
+                x = block(x, mask, cache, input_pos)
+        except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the check could not foresee
+            if "No available kernel" in str(e):
+                shape = (B, self.config.n_head, T, self.config.head_size)  # q's
                 self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(),
                                      T, problem=f"PyTorch refused q of shape {shape} at run time")
-                raise
+            raise
         x = self.transformer.ln_f(x)
         if targets is None and not all_positions:
             x = x[:, -1:, :]  # (B, 1, C): only the next token is needed
@@ -394,11 +363,6 @@ class GPT(nn.Module):
         # reshape, not view: targets may be any (B, T) tensor, a strided slice such as x[:, 1:] included
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-    def _blocks(self, x, mask, cache, input_pos):
-        for block in self.transformer.h:
-            x = block(x, mask, cache, input_pos)
-        return x
 
     def _attention_mask(self, idx: torch.Tensor, cache: Optional["KVCache"], input_pos: Optional[torch.Tensor]):
         """The mask every layer takes beyond causality: for training and a prefill, None (causal) or the documents'
@@ -426,20 +390,17 @@ class GPT(nn.Module):
         check_attention(self.config.attn, call, IMPLEMENTATIONS, problem)
         self.checked.add(key)
 
-    def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:
-        """A KV cache (all the state decoding keeps) for batch_size sequences, in the keys' `dtype`."""
+    def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:  # all decoding keeps
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
     def clear_cache(self) -> None:  # and its buffers with it
         self.cache = None
 
-    def cache_bytes(self) -> int:
-        """Memory held by the KV cache (0 without one), doc_mask's document starts included."""
+    def cache_bytes(self) -> int:  # the KV cache's buffers, doc_mask's document starts included
         return sum(t.numel() * t.element_size() for t in self.cache.buffers()) if self.cache is not None else 0
 
-    def compute_dtype(self) -> torch.dtype:
-        """Autocast's dtype when autocast is on for the model's device, else the weights'."""
+    def compute_dtype(self) -> torch.dtype:  # autocast's dtype when it is on for the model's device, else the weights'
         weight = self.transformer.wpe.weight  # never quantized (int8 weights report their own dtype)
         device = weight.device.type
         return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
@@ -463,11 +424,10 @@ class GPT(nn.Module):
             block.attn.attend = IMPLEMENTATIONS[attn]
         return self
 
-    def crop_block_size(self, block_size: int) -> None:
-        """Shrink the context, e.g. to fine-tune GPT-2 (1024) at a shorter block_size."""
+    def crop_block_size(self, block_size: int) -> None:  # e.g. to fine-tune GPT-2 (1024) at a shorter block_size
         if block_size > self.config.block_size:
             raise user_error(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
-                             f"use at most {self.config.block_size}.")
+                             f"use --block_size={self.config.block_size} or less.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
         self.checked.clear()
@@ -484,8 +444,7 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu") or None)
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> float:
         """Training FLOPs per token (PaLM appendix B): 6N for the weights' matmuls, 12·L·C·T for attention's."""
@@ -493,7 +452,7 @@ class GPT(nn.Module):
         return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * T
 
     def model_flops_utilization(self, tokens_per_s: float, peak_flops: float, seq_len: Optional[int] = None) -> float:
-        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak for the dtype in use."""
+        # achieved training FLOP/s over the device's peak for the dtype in use
         return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
 
     # -- nanoGPT's API: its signatures and meanings --------------------------------------------------------------
@@ -531,7 +490,7 @@ class GPT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the loss over row chunks: lm_head and cross-entropy without the (N, V) logits whole
+# the loss over row chunks (chunked_loss, train.py's default): lm_head and cross-entropy, the (N, V) logits never whole
 
 # rows of logits per chunk: 2^26 fp32 elements (256 MB; 1334 rows of GPT-2's padded 50304, so 7 chunks for a step
 # of 8,192 tokens): small beside the whole logits, and few chunks, since each adds lm_head's weight gradient once
@@ -606,16 +565,15 @@ class KVCache(nn.Module):
 
     def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
         super().__init__()
-        self.window, self.eot_token, self.batch_size, self.dtype = config.window, config.eot_token, batch_size, dtype
-        self.block_size = config.block_size
+        self.window, self.eot_token, self.block_size = config.window, config.eot_token, config.block_size
+        self.batch_size, self.dtype = batch_size, dtype
         shape = (batch_size, config.n_head, config.block_size, config.head_size)
         for layer in range(config.n_layer):  # buffers of their own: CPU flex refuses a key tensor inside another's
             self.register_buffer(f"k{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
             self.register_buffer(f"v{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.doc_mask else None  # (B,)
         self.register_buffer("doc_start", starts, persistent=False)
-        self.length = 0  # positions written, known on the host: the eager decode step's own position
-        self.keys = slice(None)  # the cache positions the current decode step sees (KVCache.step)
+        self.length, self.keys = 0, slice(None)  # on the host: positions written; those the decode step sees
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return the keys and values the step sees."""
@@ -639,6 +597,7 @@ class KVCache(nn.Module):
         if self.doc_start is not None:
             self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
         if torch.compiler.is_compiling():  # one shape at every position: the whole cache behind a mask row
+            from tools.masks import span_mask  # compiled decoding's (tools/decoding.py)
             end = input_pos + 1  # (1,)
             start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
             start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
@@ -649,13 +608,13 @@ class KVCache(nn.Module):
         self.keys, self.length = slice(first, end), end
         if self.doc_start is None:
             return None
+        from tools.masks import span_mask  # documents: each row from its own start
         ends = torch.full((1,), end - first, device=idx.device)  # (1,): a fill, not a copy from the host
         return span_mask(attn, (self.doc_start - first).clamp(min=0), ends, end - first)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token id per row from logits (B, V) -> (B, 1)."""
+                generator: Optional[torch.Generator]) -> torch.Tensor:  # logits (B, V) -> one token id per row (B, 1)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     # <= 0 over a float32 temperature that cannot round to 0: no inf - inf or 0 / 0 however small it is
@@ -664,12 +623,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k), largest first
         logits = logits.masked_fill(logits < v[:, -1:], float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> torch.Tensor:
-    """One generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)."""
+    # one generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)
     logits, _ = model(idx, input_pos=input_pos)  # (B, 1, V)
     return logits[:, -1]
 
@@ -679,8 +637,7 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
                   prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
     model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
-    block_size = model.config.block_size
-    cache = None
+    block_size, cache = model.config.block_size, None
     if use_cache:
         dtype = dtype or model.compute_dtype()
         if model.cache is None or model.cache.batch_size != idx.size(0) or model.cache.dtype != dtype:

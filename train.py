@@ -130,10 +130,7 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     if model.config.vocab_size != vocab_size:
         raise UserError(f"{source} has vocab_size {model.config.vocab_size} but dataset '{cfg.dataset}' has "
                         f"{vocab_size}; use the dataset the weights were trained on (GPT-2's: GPT-2 BPE).")
-    if cfg.block_size > model.config.block_size:
-        raise UserError(f"block_size={cfg.block_size} is larger than the model's {model.config.block_size}; "
-                        f"use --block_size={model.config.block_size} or less.")
-    if cfg.block_size < model.config.block_size:
+    if cfg.block_size != model.config.block_size:  # shorter only: crop_block_size refuses a longer one
         model.crop_block_size(cfg.block_size)
     return model
 

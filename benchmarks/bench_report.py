@@ -152,15 +152,15 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     """The post's figure: ms per step per attn, unpadded and padded side by side, IQR whiskers (attention mode: one bar
     per sequence length)."""
     from matplotlib.ticker import NullFormatter
-    masked = len(cfg.mask) > 1 or cfg.mask != ["causal"]
+    name_masks = len(cfg.mask) > 1 or cfg.mask != ["causal"]  # the series say which mask
     if cfg.mode == "train":
-        series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if masked else "") +
+        series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if name_masks else "") +
                   (f", {loss} loss" if len(cfg.loss) > 1 else ""): {"pad_vocab": p, "mask": m, "loss": loss}
                   for p in cfg.padding for m in cfg.mask for loss in cfg.loss}
         dropout = f", dropout {cfg.dropout:g}" if cfg.dropout else ""
         title = (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, B={cfg.batch_size}, T={cfg.seq_len}{dropout}: ms per "
                  f"training step (lower is better)")
-    elif masked:  # one bar per mask, at the longest sequence
+    elif name_masks:  # one bar per mask, at the longest sequence
         hs, T = cfg.attn_head_sizes[0], max(cfg.attn_seq_lens)
         series = {m: {"seq_len": T, "head_size": hs, "backward": True, "mask": m} for m in cfg.mask}
         title = f"attention forward+backward, hs={hs}, T={T}, by mask (lower is better)"

@@ -80,7 +80,7 @@ def reduced_dtype(rt: Runtime) -> str:
     """The reduced precision reported next to fp32: the run's, else bf16 (fp16 on GPUs without native bf16)."""
     if rt.dtype != "float32":
         return rt.dtype
-    return "float16" if rt.is_cuda and not runtime.cuda_has_bf16() else "bfloat16"
+    return "float16" if rt.is_cuda and not runtime.bf16_native("cuda") else "bfloat16"
 
 
 def first_divergence(reference: list[list[int]], samples: list[list[int]]) -> Optional[dict]:
@@ -174,66 +174,70 @@ class Comparison:
                                  IMPLEMENTATIONS[attn])
 
 
-def resolve_compare(compare: str, run: Comparison, config: GPTConfig) -> tuple[list[str], dict[str, str]]:
+def resolve_compare(compare: str, comparison: Comparison, config: GPTConfig) -> tuple[list[str], dict[str, str]]:
     """The implementations asked for, in order, and why those that cannot run here are skipped."""
     names = attention_names(compare)
-    skipped = {n: p for n in names if (p := run.problem(n, run.rt.dtype, config))}
+    skipped = {n: p for n in names if (p := comparison.problem(n, comparison.rt.dtype, config))}
     if len(skipped) == len(names):
-        raise UserError(f"none of {', '.join(names)} can run on {run.rt.device} in {run.rt.dtype}; try --compare=all.")
+        rt = comparison.rt
+        raise UserError(f"none of {', '.join(names)} can run on {rt.device} in {rt.dtype}; try --compare=all.")
     return names, skipped
 
 
-def compare_one(model: GPT, run: Comparison, first: Optional[list[list[int]]]) -> dict:
+def compare_one(model: GPT, comparison: Comparison, first: Optional[list[list[int]]]) -> dict:
     """Generation with and without the KV cache, and teacher-forced logits, of one implementation."""
-    sampling, decoder = run.sampling, Decoder(model, run.compile, dtype=run.rt.torch_dtype)  # draws under autocast
+    sampling = comparison.sampling
+    decoder = Decoder(model, comparison.compile, dtype=comparison.rt.torch_dtype)  # draws under autocast
     warmup = full_warmup(model, sampling)
-    cached, t_cached, _ = draw_samples(decoder, run.prompt, run.rt, sampling, True, warmup)
-    plain, t_plain, _ = draw_samples(decoder, run.prompt, run.rt, sampling, False, warmup)
+    cached, t_cached, _ = draw_samples(decoder, comparison.prompt, comparison.rt, sampling, True, warmup)
+    plain, t_plain, _ = draw_samples(decoder, comparison.prompt, comparison.rt, sampling, False, warmup)
     first = cached if first is None else first
     result = {"samples": cached, "identical_to_first": cached == first,
               "first_divergence": first_divergence(first, cached), "cache_equals_no_cache": cached == plain,
               "tokens_per_s": tokens_per_s(t_cached, sampling),
               "tokens_per_s_no_cache": tokens_per_s(t_plain, sampling), "logits": {},
-              "held_out_loss": held_out_loss(model, run.held_out[0])[0]}
-    for dt in ("float32", run.reduced):
-        problem = run.problem(model.config.attn, dt, model.config)
+              "held_out_loss": held_out_loss(model, comparison.held_out[0])[0]}
+    for dt in ("float32", comparison.reduced):
+        problem = comparison.problem(model.config.attn, dt, model.config)
         result["logits"][dt] = ({"skipped": problem} if problem else
-                                logit_errors(forced_logits(model, run.x, Runtime(run.rt.device, dt)), run.ref_logits))
+                                logit_errors(forced_logits(model, comparison.x, Runtime(comparison.rt.device, dt)),
+                                             comparison.ref_logits))
     return result
 
 
-def run_compare(model: GPT, tok: Tokenizer, run: Comparison, names: list[str], skipped: dict[str, str],
+def run_compare(model: GPT, tok: Tokenizer, comparison: Comparison, names: list[str], skipped: dict[str, str],
                 data: Optional[Path] = None) -> dict:
     """Every runnable implementation in turn, its samples printed as they come; returns all the numbers."""
-    ids = numerics_ids(tok, run.prompt, model.config.block_size)
-    run.x = torch.tensor([ids], dtype=torch.long, device=run.rt.device)  # (1, T)
-    run.held_out = held_out_windows(data, run.x, model.config.block_size, model.config.vocab_size,
+    ids = numerics_ids(tok, comparison.prompt, model.config.block_size)
+    comparison.x = torch.tensor([ids], dtype=torch.long, device=comparison.rt.device)  # (1, T)
+    comparison.held_out = held_out_windows(data, comparison.x, model.config.block_size, model.config.vocab_size,
                                     max_tokens=4096)  # the same for each
-    ref_device = "cpu" if run.rt.device_type == "mps" else run.rt.device  # MPS has no float64
+    ref_device = "cpu" if comparison.rt.device_type == "mps" else comparison.rt.device  # MPS has no float64
     ref_model = with_attn(model, "manual").double().to(ref_device)
-    run.ref_logits = forced_logits(ref_model, run.x.to(ref_device), Runtime(ref_device, "float32")).to(run.rt.device)
+    comparison.ref_logits = forced_logits(ref_model, comparison.x.to(ref_device),
+                                          Runtime(ref_device, "float32")).to(comparison.rt.device)
     del ref_model
     layer = model.config.n_layer // 2
-    qkv = layer_qkv(model, run.x, layer)
+    qkv = layer_qkv(model, comparison.x, layer)
     report = {"order": names, "skipped": skipped, "implementations": {}, "numerics_tokens": len(ids),
-              "held_out": run.held_out[1],
-              "reduced_dtype": run.reduced,
+              "held_out": comparison.held_out[1],
+              "reduced_dtype": comparison.reduced,
               "appendix_a": {"layer": layer, "head_size": model.config.head_size,
-                             **{dt: appendix_a(qkv, dt) for dt in ("float32", run.reduced)}}}
+                             **{dt: appendix_a(qkv, dt) for dt in ("float32", comparison.reduced)}}}
     first_name, first = None, None
     printed: dict[str, list] = {}  # the implementation whose samples were printed -> those samples
     for name in names:
         if name in skipped:
             print(f"=== {name}: skipped, {skipped[name]}")
             continue
-        twin = with_attn(model, name, run.rt.torch_dtype)
+        twin = with_attn(model, name, comparison.rt.torch_dtype)
         try:
-            result = compare_one(twin, run, first)
+            result = compare_one(twin, comparison, first)
         except UserError as e:  # a kernel that refused a shape only the real run met: skip the row, not the run
             skipped[name] = str(e)  # the same dict as report["skipped"]
             print(f"=== {name}: skipped, {e}")
             continue
-        result["texts"] = [tok.decode(run.prompt + sample) for sample in result["samples"]]
+        result["texts"] = [tok.decode(comparison.prompt + sample) for sample in result["samples"]]
         div = result["first_divergence"]
         if first is None:
             first_name, first, verdict = name, result["samples"], "the reference tokens"
@@ -244,7 +248,7 @@ def run_compare(model: GPT, tok: Tokenizer, run: Comparison, names: list[str], s
         same_as = next((other for other, samples in printed.items() if samples == result["samples"]), None)
         if same_as is None:
             print(f"=== {name}: {verdict}")
-            print_samples(tok, run.prompt, result["samples"])
+            print_samples(tok, comparison.prompt, result["samples"])
             printed[name] = result["samples"]
         else:  # identical text is printed once, under the first implementation that produced it
             print(f"=== {name}: {verdict} (the samples printed under {same_as})")
@@ -252,13 +256,14 @@ def run_compare(model: GPT, tok: Tokenizer, run: Comparison, names: list[str], s
     return report
 
 
-def print_comparison(run: Comparison, report: dict) -> None:
+def print_comparison(comparison: Comparison, report: dict) -> None:
     """The summary tables (bench.py's layout): generation, teacher-forced logits, Appendix A."""
-    sampling, gens, dts = run.sampling, report["implementations"], ("float32", run.reduced)
+    sampling, gens, dts = comparison.sampling, report["implementations"], ("float32", comparison.reduced)
     first, short = next(iter(gens)), {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     print(f"\n== generation: {sampling.num_samples} sample(s) x {sampling.max_new_tokens} new tokens in one batch, "
-          f"seed {sampling.seed}, {run.rt.dtype} on {run.rt.device}{', compiled' if run.compile else ''}; "
-          f"tokens compared with {first}'s; held-out loss (fp32) on {run.held_out[1]}")
+          f"seed {sampling.seed}, {comparison.rt.dtype} on {comparison.rt.device}"
+          f"{', compiled' if comparison.compile else ''}; "
+          f"tokens compared with {first}'s; held-out loss (fp32) on {comparison.held_out[1]}")
     rows = [dict(attn=n, status="skipped", reason=report["skipped"][n]) if n in report["skipped"]
             else dict(gens[n], attn=n, status="ok", tokens=tokens_cell(n, gens, first)) for n in report["order"]]
     print(format_table(rows, {
@@ -332,19 +337,19 @@ def held_out_loss(model: GPT, windows: torch.Tensor) -> tuple[float, torch.Tenso
     return sum(losses) / windows.size(0), torch.cat(greedy)
 
 
-def weights_study(model: GPT, run: Comparison, quantize: str, data: Optional[Path]) -> dict:
+def weights_study(model: GPT, comparison: Comparison, quantize: str, data: Optional[Path]) -> dict:
     """fp32, reduced-precision and int8 weights side by side: memory, greedy tokens/s, held-out loss, and agreement
     with fp32's greedy tokens."""
-    windows, source = held_out_windows(data, run.x, model.config.block_size, model.config.vocab_size)
-    greedy = dataclasses.replace(run.sampling, num_samples=1, temperature=0.0)
+    windows, source = held_out_windows(data, comparison.x, model.config.block_size, model.config.vocab_size)
+    greedy = dataclasses.replace(comparison.sampling, num_samples=1, temperature=0.0)
     rows, ref = {}, None
-    for label, dtype, q in (("float32", "float32", ""), (run.reduced, run.reduced, ""),
-                            (quantize, run.rt.dtype, quantize)):
-        weights = for_inference(copy.deepcopy(model), run.rt.device, runtime.DTYPES[dtype], q)
+    for label, dtype, q in (("float32", "float32", ""), (comparison.reduced, comparison.reduced, ""),
+                            (quantize, comparison.rt.dtype, quantize)):
+        weights = for_inference(copy.deepcopy(model), comparison.rt.device, runtime.DTYPES[dtype], q)
         loss, tokens = held_out_loss(weights, windows)
-        decoder = Decoder(weights, run.compile, dtype=runtime.DTYPES[dtype])
-        sample, seconds, _ = draw_samples(decoder, run.prompt, Runtime(run.rt.device, dtype), greedy, True,
-                                          full_warmup(weights, greedy))
+        decoder = Decoder(weights, comparison.compile, dtype=runtime.DTYPES[dtype])
+        sample, seconds, _ = draw_samples(decoder, comparison.prompt, Runtime(comparison.rt.device, dtype), greedy,
+                                          True, full_warmup(weights, greedy))
         ref = ref or {"tokens": tokens, "sample": sample, "loss": loss}
         rows[label] = {"weight_bytes": weight_bytes(weights), "tokens_per_s": tokens_per_s(seconds, greedy),
                        "loss": loss, "perplexity": math.exp(loss), "loss_delta": loss - ref["loss"],
@@ -353,9 +358,9 @@ def weights_study(model: GPT, run: Comparison, quantize: str, data: Optional[Pat
     return {"held_out": source, "held_out_tokens": windows[:, 1:].numel(), "rows": rows}
 
 
-def print_weights_study(study: dict, run: Comparison) -> None:
+def print_weights_study(study: dict, comparison: Comparison) -> None:
     print(f"\n== weights: held-out loss on {study['held_out']} ({study['held_out_tokens']} tokens); agreement = "
-          f"greedy token equal to fp32's, teacher-forced; greedy sample of {run.sampling.max_new_tokens} tokens")
+          f"greedy token equal to fp32's, teacher-forced; greedy sample of {comparison.sampling.max_new_tokens} tokens")
     rows = [dict(r, weights=label, status="ok") for label, r in study["rows"].items()]
     print(format_table(rows, {
         "weights": lambda r: r["weights"], "MB": lambda r: f"{r['weight_bytes'] / 1e6:.2f}",
@@ -369,11 +374,12 @@ def compare(spec: str, model: GPT, tok: Tokenizer, rt: Runtime, sampling: Sampli
             compile: bool, quantize: str = "", data: Optional[Path] = None) -> dict:
     """sample.py --compare=SPEC: every implementation asked for, then the summary tables; returns the numbers.
     With quantize, also the weights study, through the first implementation that ran."""
-    run = Comparison(rt, reduced_dtype(rt), sampling, prompt, compile)
-    names, skipped = resolve_compare(spec, run, model.config)
-    report = run_compare(model, tok, run, names, skipped, data)
-    print_comparison(run, report)
+    comparison = Comparison(rt, reduced_dtype(rt), sampling, prompt, compile)
+    names, skipped = resolve_compare(spec, comparison, model.config)
+    report = run_compare(model, tok, comparison, names, skipped, data)
+    print_comparison(comparison, report)
     if quantize:
-        report["weights"] = weights_study(with_attn(model, next(iter(report["implementations"])), run.rt.torch_dtype), run, quantize, data)
-        print_weights_study(report["weights"], run)
+        first = with_attn(model, next(iter(report["implementations"])), comparison.rt.torch_dtype)
+        report["weights"] = weights_study(first, comparison, quantize, data)
+        print_weights_study(report["weights"], comparison)
     return report

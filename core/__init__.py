@@ -1,2 +1,2 @@
 """The foundation: errors, settings (configurator, --help), runtime, files and datasets, the tokenizer, FLOP counts
-and GPU peaks, and what the kernels need. It imports only itself and outside packages."""
+and GPU peaks. It imports only itself and outside packages."""

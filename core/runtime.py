@@ -56,17 +56,12 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def cuda_has_bf16() -> bool:
-    """Native bf16 (Ampere on): torch counts emulation by default, which would pick slow bf16 over fp16 on a V100."""
-    return torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def bf16_native(device_type: str, training: bool = False) -> bool:
     """bf16 matmuls run in hardware: CUDA from Ampere on, CPUs with AMX or AVX512-BF16 (AVX2 emulates them, ~20-35x
     slower than fp32). For training, AMX only: a bf16 step with AVX512-BF16 alone measured 1.5x *slower* than fp32
     (docs/training.md, "Precision on CPU")."""
-    if device_type == "cuda":
-        return cuda_has_bf16()
+    if device_type == "cuda":  # torch counts emulation by default, which would pick slow bf16 over fp16 on a V100
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     return device_type == "cpu" and cpu_capability() in (("AMX",) if training else ("AMX", "AVX512_BF16"))
 
 
@@ -299,7 +294,7 @@ def mean_across_ranks(value: float, device: str) -> float:
 
 def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
     """What `call` returns and the seconds it took, its queued device work included (the device is synchronized
-    before and after). The one clock of train, sample and bench."""
+    before and after): sample's and bench's clock, and attn=auto's (train's steps are timed by its StepTimer)."""
     rt.synchronize()
     t0 = time.perf_counter()
     result = call()

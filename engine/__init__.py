@@ -1,3 +1,3 @@
-"""What runs a model, above model.py and below the scripts: checkpoints (one reader for every format), decoding
-(compiled steps, int8, sampling), attn=auto, metrics, DDP/FSDP2 wrapping and Muon. It imports core/ and the model,
-never the scripts or the measuring tools."""
+"""What the scripts run a model with, above model.py: the single-file checkpoint and its reader, the training step
+and its optimizers (AdamW, Muon), the metrics log and its clock, and sampling. It imports core/ and the model; the
+other formats (sharded, nanoGPT's) and compiled or int8 decoding are tools/' and opened at their doors."""

@@ -57,7 +57,7 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
     if "model_args" in contents and "model_config" not in contents:  # nanoGPT's ckpt.pt: converted
         from tools import nanogpt  # the conversion is read only for nanoGPT's files
         contents = nanogpt.from_nanogpt(contents, path, for_training, data_dir)
-        training_state = ("optimizer",)  # no RNG state: a resumed run starts fresh streams
+        training_state = ()  # its optimizer state required there; no RNG state: a resume starts fresh streams
     required = ("model_config",) if shards and for_training else (
         ("model", "model_config") + (training_state if for_training else ()))
     missing = [k for k in required if contents.get(k) is None]

@@ -172,11 +172,11 @@ def test_compare_builds_its_decoders_for_the_dtype_it_draws_in(monkeypatch):
     real = compare.Decoder
     monkeypatch.setattr(compare, "Decoder", lambda model, compile, dtype: made.append(dtype) or real(model, compile,
                                                                                                        dtype=dtype))
-    run = compare.Comparison(rt=runtime.Runtime("cpu", "bfloat16"), reduced="bfloat16", prompt=[1, 2],
+    comparison = compare.Comparison(rt=runtime.Runtime("cpu", "bfloat16"), reduced="bfloat16", prompt=[1, 2],
                       sampling=Sampling(1, 2, 0.0, None, 1), compile=False, x=torch.tensor([[1, 2, 3]]),
                       ref_logits=torch.zeros(3, SMALL["vocab_size"], dtype=torch.float64),
                       held_out=(torch.tensor([[1, 2, 3, 4]]), "a held-out text"))
-    compare.compare_one(small_model("sdpa"), run, None)
+    compare.compare_one(small_model("sdpa"), comparison, None)
     assert made == [torch.bfloat16]  # fp32 weights, bf16 autocast: the cache and the gate are bf16
 
 

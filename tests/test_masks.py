@@ -154,7 +154,7 @@ def decoded(model: GPT, new_tokens: int = 40, temperatures=(0.0, 1.0), **kw) -> 
 
 @pytest.mark.parametrize("attn", CPU_ALL)
 def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_names(attn):
-    """A decode step's visible keys, one interval per row in the implementation's form (model.span_mask): each
+    """A decode step's visible keys, one interval per row in the implementation's form (masks.span_mask): each
     implementation, called as a layer calls it, computes a softmax over exactly those keys of the cache - written
     out by hand here in float64 - with rows starting in their own documents, rows starting alike, and one start for
     every row."""
@@ -162,7 +162,7 @@ def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_
     q = torch.randn(2, 2, 1, 16, generator=g)  # (B, nh, 1, hs): one query per row
     k, v = torch.randn(2, 2, 2, 48, 16, generator=g)  # (B, nh, block, hs) each: the whole cache
     for starts in ([3, 17], [5, 5], [0]):
-        span = model.span_mask(attn, torch.tensor(starts), torch.tensor([30]), 48)  # keys [start, 30) of each row
+        span = masks.span_mask(attn, torch.tensor(starts), torch.tensor([30]), 48)  # keys [start, 30) of each row
         expected = torch.stack([
             ((q[b].double() @ k[b, :, s:30].double().transpose(-2, -1)) / 4.0).softmax(-1) @ v[b, :, s:30].double()
             for b, s in enumerate(starts * 2 if len(starts) == 1 else starts)])  # (B, nh, 1, hs)

@@ -140,7 +140,7 @@ def test_muon_in_bf16_takes_exactly_torch_optim_muons_steps():
 ])
 def test_muon_iterates_in_bf16_only_where_bf16_is_native(monkeypatch, device_type, capability, bf16_gpu, wanted):
     monkeypatch.setattr(runtime, "cpu_capability", lambda: capability)
-    monkeypatch.setattr(runtime, "cuda_has_bf16", lambda: bf16_gpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_gpu)
     monkeypatch.setattr(runtime, "pick_device", lambda device: "cuda:0" if device_type == "cuda" else "cpu")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     rt = runtime.resolve_runtime(device_type, "float32")

@@ -214,14 +214,14 @@ def test_pre_scaling_by_a_power_of_two_rounds_nothing():
 
 
 def test_compare_names_are_checked_and_unrunnable_ones_skipped_with_the_reason():
-    run = compare.Comparison(CPU_FP32, "bfloat16", SAMPLING, [0], False)
-    names, skipped = compare.resolve_compare("sdpa, manual,sdpa,efficient", run, GPTConfig(**TINY))
+    comparison = compare.Comparison(CPU_FP32, "bfloat16", SAMPLING, [0], False)
+    names, skipped = compare.resolve_compare("sdpa, manual,sdpa,efficient", comparison, GPTConfig(**TINY))
     assert names == ["sdpa", "manual", "efficient"]  # in the order given, each once
     assert skipped == {"efficient": "the memory-efficient kernel is CUDA-only"}
     with pytest.raises(UserError, match="unknown attn 'fast'; use all or a comma-separated list"):
-        compare.resolve_compare("manual,fast", run, GPTConfig(**TINY))
+        compare.resolve_compare("manual,fast", comparison, GPTConfig(**TINY))
     with pytest.raises(UserError, match="none of efficient, cudnn can run"):
-        compare.resolve_compare("efficient,cudnn", run, GPTConfig(**TINY))
+        compare.resolve_compare("efficient,cudnn", comparison, GPTConfig(**TINY))
 
 
 def test_first_divergence_names_the_sample_and_the_token():

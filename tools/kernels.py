@@ -81,7 +81,7 @@ class AttnCall:
     seq_len: int = 64               # training is checked at its own length (cuDNN's hazard depends on it)
     masked: bool = False            # with a document or window mask
     decode_step: bool | str = True  # inference also checked as a decode step; False: whole sequences only;
-                                    # "masked": a decode step over the whole cache behind a mask row, alone
+                                    # "whole_cache": a decode step over the whole cache behind a mask row, alone
 
     def describe(self) -> str:
         mask = ", a document or window mask" if self.masked else ""
@@ -138,7 +138,7 @@ def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def probe(attn: str, fn: Callable, call: AttnCall) -> Optional[str]:
     """Run `fn` on what the model passes it (kernels' limits differ between layouts): q, k, v as strided views of one
     projection (with backward when training), and for inference a one-query decode step over the written keys, or
-    (decode_step="masked") over a longer cache behind a mask row."""
+    (decode_step="whole_cache") over a longer cache behind a mask row."""
     T, hs, device, dtype = call.seq_len, call.head_size, call.device_type, call.dtype
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
     # forward: in exactly `dtype` whatever autocast says, with gradients when training whatever no_grad says
@@ -150,9 +150,11 @@ def probe(attn: str, fn: Callable, call: AttnCall) -> Optional[str]:
         try:
             with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
                 warnings.simplefilter("always")
-                if call.decode_step == "masked":  # the last 8 positions unwritten
-                    row = (torch.arange(T + 8, device=device) < T)[None, None, None, :]  # (1, 1, 1, T + 8)
-                    fn(q[:, :, -1:], cache[:1], cache[1:], step_mask(attn, row), 0.0)
+                if call.decode_step == "whole_cache":  # the last 8 positions unwritten
+                    from tools.masks import span_mask
+                    written = span_mask(attn, torch.zeros(1, dtype=torch.long, device=device),
+                                        torch.full((1,), T, device=device), T + 8)
+                    fn(q[:, :, -1:], cache[:1], cache[1:], written, 0.0)
                     return None
                 mask = None
                 if call.masked:
@@ -168,17 +170,10 @@ def probe(attn: str, fn: Callable, call: AttnCall) -> Optional[str]:
     return None
 
 
-def step_mask(attn: str, row: torch.Tensor):
-    """A decode step's dense row (B, 1, 1, Tk) in attn's form: flex reads it through a score mod."""
-    if attn != "flex":
-        return row
-    return lambda score, b, h, q_idx, kv_idx: torch.where(row[0, 0, 0, kv_idx], score, -float("inf"))
-
-
 def decodes_with_mask(attn: str, fn: Callable, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `attn` takes a mask row for a decode step over the whole cache, as a compiled decode step (one shape at
     every position) needs. CUDA's flash takes none."""
-    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="masked")
+    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="whole_cache")
     return attention_problem(attn, call, fn) is None
 
 

@@ -6,6 +6,7 @@ One rule, `allowed`, in the form each implementation takes (mask_form picks it, 
     dense_mask      (B, 1, T, T) bool, True where allowed: manual, sdpa_mask and the SDPA rows
     block_mask      a FlexAttention BlockMask: blocks where nothing is allowed are skipped
     varlen_packing  the documents as varlen_attn's cu_seqlens (and the window as its window_size)
+    span_mask       a decode step's visible keys: a row over the cache, or a score mod for flex
 
 Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
 """
@@ -108,3 +109,21 @@ def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, de
         cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
     return VarlenPacking(cu_seqlens.to(device), max_len, window)
 
+
+def span_mask(attn: str, start: torch.Tensor, end: torch.Tensor, kv_len: int):
+    """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in attn's form: flex a score
+    mod, the others a (1 or B, 1, 1, kv_len) bool row."""
+    if attn != "flex":
+        kv = torch.arange(kv_len, device=end.device)
+        return ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]
+    first, length = start, end - start  # (1 or B,) each
+    if not start.is_cuda and torch.compiler.is_compiling():
+        # torch 2.13's CPU flex template reads only tensors inductor materialises: reductions over the row are
+        rows = span_mask("manual", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
+        first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
+    per_row = first.size(0) > 1
+
+    def visible(score, b, h, q_idx, kv_idx):
+        r = b if per_row else 0
+        return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
+    return visible
