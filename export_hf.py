@@ -6,9 +6,9 @@ transformers loads with no custom code.
     >>> pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=100, do_sample=False)
 """
 
+import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -23,7 +23,7 @@ from core.errors import UserError
 from core.hf import CONV1D_WEIGHTS
 from tools.decoding import quiet_imports
 from model import GPT
-from core.tokenizer import GPT2_EOT_TOKEN, ENDOFTEXT, check_gpt2_files, gpt2_files_dir
+from core.tokenizer import GPT2_EOT_TOKEN, check_gpt2_files, gpt2_files_dir
 
 out_dir = "out"                   # the training run's folder (its ckpt.pt)
 hf_dir = ""                       # where to write the Hugging Face directory; empty: <out_dir>/hf
@@ -68,33 +68,20 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_tokenizer(meta: Optional[dict], block_size: int):
-    """A PreTrainedTokenizerFast that encodes and decodes exactly as this repo's tokenizer for `meta` does."""
-    from transformers import PreTrainedTokenizerFast
+def hf_tokenizer(meta: Optional[dict], block_size: int, folder: Path):
+    """A fast tokenizer that encodes and decodes exactly as this repo's tokenizer for `meta` does. For GPT-2 BPE: the
+    packaged vocabulary files (checked by hash) copied into `folder` under the hub's names, and loaded from there."""
+    from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
     settings = dict(model_max_length=block_size, clean_up_tokenization_spaces=False)
     if is_bpe(meta):
-        return PreTrainedTokenizerFast(tokenizer_object=gpt2_bpe(), bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
-                                       unk_token=ENDOFTEXT, **settings)
+        paths = check_gpt2_files(gpt2_files_dir())
+        shutil.copyfile(paths["encoder.json"], Path(folder) / "vocab.json")
+        shutil.copyfile(paths["vocab.bpe"], Path(folder) / "merges.txt")
+        return GPT2TokenizerFast.from_pretrained(folder, **settings)
     if meta.get("tokenizer") != "char":
         raise UserError(f"the checkpoint's meta names tokenizer {meta.get('tokenizer')!r}; only GPT-2 BPE and "
                         f"character vocabularies export.")
     return PreTrainedTokenizerFast(tokenizer_object=characters(meta["chars"]), **settings)
-
-
-def gpt2_bpe():
-    """GPT-2's byte-level BPE as a `tokenizers` Tokenizer, from the packaged vocabulary files (checked by hash)."""
-    import json
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    paths = check_gpt2_files(gpt2_files_dir())
-    vocab = json.loads(paths["encoder.json"].read_text(encoding="utf-8"))
-    merges = [tuple(line.split()) for line in paths["vocab.bpe"].read_text(encoding="utf-8").splitlines()[1:] if line]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(ENDOFTEXT, special=True)])  # one id, as tiktoken's allowed special
-    return tok
 
 
 def characters(chars: list[str]):
@@ -122,7 +109,6 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
         raise UserError(f"this run attends through a window of {model.config.window} tokens, which Hugging Face's "
                         f"GPT-2 cannot express (its logits would differ); export a run trained with window=0.")
     config = hf_config(model, checkpoint.meta)
-    tokenizer = hf_tokenizer(checkpoint.meta, model.config.block_size)
     hf_model = GPT2LMHeadModel(config)
     hf_model.load_state_dict(hf_state_dict(model), strict=True)
     sampled = temperature > 0
@@ -131,14 +117,16 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     hf_model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id,
         do_sample=sampled, temperature=temperature if sampled else None, top_k=top_k if sampled else None)
-    staging = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.", dir=hf_dir.parent))
+    staging = hf_dir.parent / f".{hf_dir.name}.{os.getpid()}.tmp"  # made as any folder is (tempfile's are 0700)
     try:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed export's, of a process with this id
+        staging.mkdir()
         hf_model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        if is_bpe(checkpoint.meta):  # the slow GPT2Tokenizer's files too, as on the hub (hash-checked by gpt2_bpe)
-            shutil.copyfile(gpt2_files_dir() / "encoder.json", staging / "vocab.json")
-            shutil.copyfile(gpt2_files_dir() / "vocab.bpe", staging / "merges.txt")
-        files.with_umask_permissions(staging)  # a shared model folder: readable as any other tool's output
+        hf_tokenizer(checkpoint.meta, model.config.block_size, staging).save_pretrained(staging)
+        umask = os.umask(0)
+        os.umask(umask)  # reading the umask means setting it: put back at once
+        for path in staging.iterdir():  # safetensors writes its file 0600 whatever the umask
+            path.chmod(0o666 & ~umask)
         if hf_dir.exists():
             hf_dir.rmdir()  # empty, checked above
         staging.rename(hf_dir)

@@ -123,14 +123,6 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
         os.replace(path, out_dir / name)
 
 
-def with_umask_permissions(folder: Path) -> None:
-    """A folder made through tempfile (0700, files 0600) given the permissions any other tool would give it."""
-    umask = os.umask(0)
-    os.umask(umask)  # reading the umask means setting it: put it back at once
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
 def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
     """Create the folder if needed and make sure a file can be written in it, before any work is done."""
     path = Path(path)

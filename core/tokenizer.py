@@ -70,15 +70,10 @@ def gpt2_encoding(files_dir: Path | None = None) -> tiktoken.Encoding:
 
 @functools.lru_cache(maxsize=4)
 def _build_gpt2_encoding(files_dir: Path) -> tiktoken.Encoding:
-    paths = check_gpt2_files(files_dir)
-    # tiktoken reads local paths with open() (only "scheme://" paths go to the network); it re-checks the
-    # hashes and keeps a copy in its cache dir, which is harmless
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(paths["vocab.bpe"]),
-        encoder_json_file=str(paths["encoder.json"]),
-        vocab_bpe_hash=GPT2_FILE_HASHES["vocab.bpe"],
-        encoder_json_hash=GPT2_FILE_HASHES["encoder.json"],
-    )
+    paths = check_gpt2_files(files_dir)  # hashed here once: tiktoken is not asked to hash them again
+    # tiktoken reads local paths with open() (only "scheme://" paths go to the network)
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(paths["vocab.bpe"]),
+                                            encoder_json_file=str(paths["encoder.json"]))
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=r50k_pat_str,  # imported, not copied, so it stays what tiktoken uses for gpt2

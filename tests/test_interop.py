@@ -169,7 +169,7 @@ def test_pipeline_greedy_text_equals_sample_py_greedy_text(kind, prompt, char_da
 def test_the_exported_tokenizer_encodes_and_decodes_as_this_repos(kind, char_data, bpe_data, tmp_path):
     data = char_data if kind == "char" else bpe_data
     meta = json.loads((data / "meta.json").read_text())
-    tokenizer = export_hf.hf_tokenizer(meta, block_size=32)
+    tokenizer = export_hf.hf_tokenizer(meta, 32, tmp_path)
     tokenizer.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     ours = tokenizer_from_meta(meta)
