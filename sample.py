@@ -20,7 +20,6 @@ from core import runtime
 from engine.checkpoint import sharded_folder
 from engine.reader import load_checkpoint
 from core.configurator import configure, one_of
-from core.dataset import dataset_dir
 from core.errors import UserError
 from engine.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                       tokens_per_s)
@@ -62,10 +61,10 @@ LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature"
 # -----------------------------------------------------------------------------
 # model, tokenizer, prompt
 
-def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str, Optional[Path]]:
-    """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the folder of its
-    training data (for held-out text; None for GPT-2 weights or when it is gone)."""
-    data = None
+def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str, dict]:
+    """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the settings it was
+    trained with (empty for GPT-2 weights)."""
+    settings = {}
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
         checkpoint = load_checkpoint(path)
@@ -73,7 +72,7 @@ def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str, Optio
         model = checkpoint.build_model()
         tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")
         source = f"{path} (iter {checkpoint.iter_num})"
-        data = training_data(checkpoint.settings)
+        settings = checkpoint.settings
     else:
         model, tok, source = GPT.from_pretrained(init_from), tokenizer_from_meta(None), init_from
         if model.config.vocab_size != tok.vocab_size:  # e.g. a character model exported by export_hf.py
@@ -82,11 +81,12 @@ def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str, Optio
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
                         f"{tok.vocab_size} tokens; sample from a checkpoint trained on this tokenizer's data.")
-    return model.eval(), tok, source, data
+    return model.eval(), tok, source, settings
 
 
 def training_data(settings: dict) -> Optional[Path]:
-    """The data folder a training run read, if it still holds val.bin."""
+    """The data folder a training run read, if it still holds val.bin (--compare's held-out text)."""
+    from core.dataset import dataset_dir
     try:
         folder = dataset_dir(settings.get("data_dir", ""), settings.get("dataset", ""))
     except UserError:
@@ -120,8 +120,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     if cfg.json:  # find out now, not after a long comparison
         files.check_writable_dir(Path(cfg.json).parent, "json")
+    if cfg.compare:  # its names checked before anything is loaded
+        from benchmarks import compare  # the comparison: only when it is asked for
+        compare.attention_names(cfg.compare)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
-    model, tok, source, data = load_model(cfg.init_from, cfg.out_dir)
+    model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir)
     prompt = encode_prompt(tok, read_prompt(cfg.start))
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
@@ -131,9 +134,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if attn == "auto" and not cfg.compare:  # --compare runs every implementation anyway
         report["attn_auto"], attn = choose_attention(model, rt, cfg, len(prompt))
     if cfg.compare:
-        from benchmarks import compare  # the comparison harness imports this module: only now, when it is asked for
         report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile,
-                                      cfg.quantize, data))
+                                      cfg.quantize, training_data(settings)))
     else:
         report.update(sample(model, attn, tok, rt, sampling, prompt, cfg.compile, cfg.quantize))
     if cfg.json:

@@ -19,6 +19,7 @@ import numpy as np
 
 from core import runtime
 from tools.kernels import AttnCall, attention_problem
+from core.configurator import comma_list_of
 from core.dataset import TOKEN_BYTES, read_windows
 from core.errors import UserError
 from engine.generate import Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s
@@ -35,8 +36,9 @@ def attention_names(spec) -> list[str]:
     names = list(IMPLEMENTATIONS) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
     unknown = [n for n in names if n not in IMPLEMENTATIONS]
     if unknown or not names:
+        close = comma_list_of(*IMPLEMENTATIONS).suggestion(names)  # "." or "; did you mean ...?"
         raise UserError(f"unknown attn {', '.join(map(repr, unknown)) or '(none given)'}; "
-                        f"use all or a comma-separated list of {', '.join(IMPLEMENTATIONS)}.")
+                        f"use all or a comma-separated list of {', '.join(IMPLEMENTATIONS)}{close}")
     return list(dict.fromkeys(names))
 
 
