@@ -6,6 +6,7 @@ and the one sentence of a refusal: what was asked, why it cannot run, and what c
     check_attention("flash", call, model.IMPLEMENTATIONS)   # raises UserError naming what runs instead
 """
 
+import functools
 import re
 import sys
 import warnings
@@ -90,15 +91,10 @@ class AttnCall:
                 f"{self.head_size}")
 
 
-_answers: dict = {}  # (attn, its function, call) -> problem: asked once per process
-
-
+@functools.cache  # asked once per process: (attn, its function, call)
 def attention_problem(attn: str, call: AttnCall, fn: Callable) -> Optional[str]:
     """None if `attn` (whose function is `fn`) runs `call` here, else why not."""
-    key = (attn, fn, call)
-    if key not in _answers:
-        _answers[key] = _rules(attn, call) or probe(attn, fn, call)
-    return _answers[key]
+    return _rules(attn, call) or probe(attn, fn, call)
 
 
 def _rules(attn: str, call: AttnCall) -> Optional[str]:
@@ -189,17 +185,8 @@ def check_attention(attn: str, call: AttnCall, implementations: dict, problem: O
     raise UserError(f"attn='{attn}' cannot run {call.describe()}: {problem}; use one of {', '.join(runnable)}.")
 
 
-_warned: set = set()
-
-
+@functools.cache  # once per process and setting
 def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) -> None:
-    """Once per process and setting."""
-    if (attn, needs_grad, masked, seq_len) in _warned:
-        return
-    _warned.add((attn, needs_grad, masked, seq_len))
     hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *cuda_facts())
     if hazard is not None:
         print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
-
-
-attention_problem.cache_clear = _answers.clear  # as functools' caches: forget every answer (tests, a new build)

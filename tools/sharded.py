@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from core import files
 from core import runtime
@@ -194,10 +196,6 @@ def unreadable(folder: Path, error: BaseException) -> UserError:
 def read_step(folder: Path, parts: set[str]) -> dict:
     """The named parts of a step ('model', 'optimizer'; TRAIN always) as a Checkpoint's fields, full tensors on the
     CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
-    import torch.distributed.checkpoint as dcp  # DCP: only a sharded checkpoint reads its files
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     state: dict = {}
     try:
         _load_state_dict(state, storage_reader=dcp.FileSystemReader(folder),
@@ -210,10 +208,6 @@ def read_step(folder: Path, parts: set[str]) -> dict:
 def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
     """A sharded step read into the model as it is placed (each rank reads what it holds), and its optimizer state
     shaped for set_optimizer_state_dict. Collective under torchrun."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict)
-    from torch.distributed.checkpoint.api import CheckpointException
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     try:
         dcp.load(state, checkpoint_id=folder)
