@@ -4,7 +4,12 @@ import the read, and the read opens them only inside a function, at the setting 
 import counts, module-level or inside a function (a lazy import is still an arrow a reader follows), and none runs
 in a cycle."""
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("tools", "benchmarks")
@@ -71,3 +76,27 @@ def test_no_import_runs_in_a_cycle():
         return False
     assert sorted(f"{m} <-> {n}" for m in arrows for n in arrows[m] if reaches(n, m)) == []
     assert arrows["core.errors"] == set() and "model" in arrows["train"]  # the walk reads the real graph
+
+
+OPENED = ("import sys, train; train.main(sys.argv[1:]); "
+          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tools', 'benchmarks') and '.' in m))")
+
+
+@pytest.mark.slow  # four training runs of two steps, each in a fresh interpreter: what it loads is the point
+@pytest.mark.parametrize("setting, opens", [
+    ([], []),
+    (["--window=8"], ["tools.kernels", "tools.masks"]),
+    (["--checkpoint_format=sharded"], ["tools.kernels", "tools.sharded"]),
+    (["--attn=auto", "--attn_auto_budget=1"], ["tools.attn_auto", "tools.kernels"]),
+], ids=["default", "window", "sharded", "auto"])
+def test_a_setting_opens_its_own_tool_and_nothing_else(char_data, tmp_path, setting, opens):
+    """The default run's tools are the check of the implementation (set_attention's) alone; each setting adds its
+    own door's tool."""
+    from conftest import TINY
+    args = [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2",
+            *TINY, *setting]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", OPENED, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ast.literal_eval(run.stdout.strip().splitlines()[-1]) == (opens or ["tools.kernels"])

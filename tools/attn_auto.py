@@ -22,7 +22,6 @@ from core.flops import peak_flops_cache
 from core import files, runtime
 from core.runtime import Runtime, compile_isolated, time_call
 from tools.kernels import AttnCall, attention_pass, attention_problem
-from tools.masks import dense_mask, mask_form
 
 FALLBACK = "sdpa"  # what runs when measuring fails: PyTorch's own choice
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |y - ref| / max |ref| (fp32: TF32 on CUDA)
@@ -103,7 +102,10 @@ def attention_call(fn: Callable, attn: str, w: Workload, data: dict) -> Callable
     the prompt and a decode step over its written keys, as eager decoding reads them. Returns the prefill's or the
     forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
-    mask = mask_form(attn, docs, w.window, w.batch_size, w.seq_len, q.device) if w.documents or w.window else None
+    mask = None
+    if w.documents or w.window:
+        from tools.masks import mask_form  # a masked run's
+        mask = mask_form(attn, docs, w.window, w.batch_size, w.seq_len, q.device)
     if w.training:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         return attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
@@ -121,7 +123,10 @@ def numerics_problem(output: torch.Tensor, data: dict, w: Workload, reference_fn
     """None if `output` is causal attention under the run's mask within the dtype's tolerance (against the plain
     math in float64), else why not."""
     q, k, v, docs = (data[n] for n in ("q", "k", "v", "docs"))
-    dense = dense_mask(docs, w.window, w.seq_len, q.device)  # (1 or B, 1, T, T)
+    dense = None  # causal
+    if w.documents or w.window:
+        from tools.masks import dense_mask
+        dense = dense_mask(docs, w.window, w.seq_len, q.device)  # (1 or B, 1, T, T)
     reference = reference_fn(q.double(), k.double(), v.double(), dense, 0.0)  # the plain math: manual
     error = ((output.double() - reference).abs().max() / reference.abs().max()).item()
     if not error <= TOLERANCE[w.dtype]:  # NaN fails too
