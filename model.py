@@ -323,8 +323,8 @@ class GPT(nn.Module):
         """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf. With targets: (B, T, V) logits and
         the mean cross-entropy (targets of -1 are ignored), as nanoGPT's; with config.chunked_loss, None and the
         same loss, the logits never whole. Without: the last position's, (B, 1, V), or every position's with
-        all_positions. With input_pos (T,), after setup_cache: a prefill (T tokens from position 0), then one token
-        at a time at the next position, each written to the KV cache."""
+        all_positions. With input_pos (T,), after setup_cache: a prefill (T tokens at positions 0 .. T-1: a prefill
+        is not checked, which would make the host wait), then one token at a time at the next position."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise user_error(f"cannot forward a sequence of {T} tokens: block_size is "
@@ -334,8 +334,6 @@ class GPT(nn.Module):
         cache = None if input_pos is None else self.cache
         if not torch.compiler.is_compiling():  # compiled code was checked before it was traced
             self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T)
-            if cache is not None and T > 1 and input_pos[0].item() != 0:
-                raise ValueError("a prefill of several tokens starts at position 0; later positions come one by one")
         pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
         mask = self._attention_mask(idx, cache, input_pos)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import runtime
 from engine.generate import Decoder, Sampling, for_inference
@@ -63,6 +64,55 @@ def test_decoding_makes_no_host_read_per_token_in_the_loop_or_the_compiled_step(
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     reads = host_reads(monkeypatch)
     assert torch.equal(decode_tokens(model, x, 8, temperature=0), expected) and reads == []
+
+
+class HostSyncs(TorchDispatchMode):
+    """Every ATen op that on CUDA would make the host wait for the device or copy from the host: a scalar read
+    (_local_scalar_dense, item), a tensor made from host data (lift_fresh: torch.tensor, or an index given as a
+    Python list), a copy to the CPU, and ops whose output size the data decides (nonzero)."""
+    SYNCING = ("aten._local_scalar_dense", "aten.item", "aten.lift_fresh", "aten.nonzero", "aten.masked_select")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        to_host = name in ("aten._to_copy", "aten.to") and str(kwargs.get("device", "")) == "cpu"
+        if name.startswith(self.SYNCING) or to_host:
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("top_k", [None, 5])
+@pytest.mark.parametrize("prompt_len", [5, SMALL["block_size"] + 3], ids=["within-block", "past-block"])
+def test_a_decode_makes_no_op_that_would_sync_a_gpu(monkeypatch, compiled, top_k, prompt_len):
+    """Every ATen op of a generation, traced on CPU: none would wait for a GPU or copy from the host, eager or as
+    the compiled steps run (their Python as traced: torch.compiler.is_compiling() true), with top_k or without,
+    within block_size and past it (where every step is a prefill). Decoding sees the ops the CPU runs, which are
+    the ops CUDA runs; Python-level reads (tolist, cpu) are test_decoding_makes_no_host_read_per_token's."""
+    from model import decode_tokens
+    model = small_model("sdpa")
+    x = prompts(B=2, T=prompt_len)
+    generator = torch.Generator().manual_seed(0)
+    decode_tokens(model, x, 4, temperature=1.0, top_k=top_k, generator=generator)  # the checks, asked once
+    if compiled:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with HostSyncs() as syncs:
+        decode_tokens(model, x, 6, temperature=1.0, top_k=top_k, generator=generator)
+    assert syncs.seen == []
+
+
+def test_the_sync_tracer_sees_what_would_sync():
+    """The tracer above can fail: a list index, a scalar read and torch.tensor are each seen."""
+    x = torch.randn(2, 3, 4)
+    with HostSyncs() as syncs:
+        x[:, [-1], :]
+        x.sum().item()
+        torch.tensor([1, 2])
+    assert syncs.seen == ["aten.lift_fresh", "aten._local_scalar_dense", "aten.lift_fresh"]
 
 
 # -- the static KV cache -------------------------------------------------------------------------------------
@@ -185,12 +235,8 @@ def test_cpu_flash_takes_a_decode_mask():
     assert not decodes_with_mask("efficient", IMPLEMENTATIONS["efficient"], "cpu", torch.float32, 16)  # CUDA-only
 
 
-def test_a_prefill_that_does_not_start_at_position_0_is_refused():
+def test_positions_without_a_cache_are_refused():
     model = small_model()
-    model.setup_cache(1)
-    with pytest.raises(ValueError, match="starts at position 0"):
-        model(prompts(B=1, T=3), input_pos=torch.arange(2, 5))
-    model.clear_cache()
     with pytest.raises(ValueError, match="call model.setup_cache"):
         model(prompts(B=1, T=1), input_pos=torch.tensor([0]))
 

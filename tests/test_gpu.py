@@ -158,6 +158,25 @@ def test_sample_compare_all_finishes_on_the_gpu(tmp_path, monkeypatch):
     assert all(r["cache_equals_no_cache"] for r in report["implementations"].values())
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("top_k", [None, 200])
+def test_decoding_never_synchronizes_the_gpu(compiled, top_k):
+    """torch.cuda.set_sync_debug_mode("error") around a whole generation, warmed up first (the checks and compiling
+    may wait; a token may not): sampling with and without top_k, past block_size (every step a prefill) included."""
+    torch.manual_seed(0)
+    model = for_inference(GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=2, n_head=2, n_embd=128)), "cuda",
+                          torch.bfloat16)
+    decoder = Decoder(model, compile=compiled)
+    x = torch.randint(512, (2, 5), device="cuda")
+    generator = torch.Generator("cuda").manual_seed(0)
+    decoder.generate(x, 40, temperature=1.0, top_k=top_k, generator=generator)  # warm-up: 5 + 40 > block_size
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decoder.generate(x, 40, temperature=1.0, top_k=top_k, generator=generator)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("attn", list(IMPLEMENTATIONS))
 def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_says_why_not(attn, monkeypatch):
     """fp32 where the kernel takes it (TF32 off: the three paths then round alike), else bf16, where paths that
@@ -183,7 +202,7 @@ def test_every_attention_generates_the_cache_free_tokens_eager_and_compiled_or_s
             return torch.equal(tokens, reference)
         return (tokens == reference).float().mean() >= 0.95
     assert agrees(Decoder(model).generate(x, 70, temperature=0.0), plain)
-    if not decodes_with_mask(attn, IMPLEMENTATIONS[attn], "cuda", dtype, 64):  # flash: eager reads the written keys; compiled is refused
+    if not decodes_with_mask(attn, IMPLEMENTATIONS[attn], "cuda", dtype, 64):  # flash: compiled is refused
         with pytest.raises(UserError, match=f"attn='{attn}' takes no mask on cuda"):
             Decoder(model, compile=True)
         return
