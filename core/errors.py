@@ -3,10 +3,11 @@ The one error type for bad input, and the one place a script turns it into an `e
 that what only reads and writes files can raise it.
 """
 
+import contextlib
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 
 class UserError(ValueError):
@@ -20,20 +21,33 @@ class StoppedWithRank0(UserError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (what schedulers, `timeout` and torchrun send), raised where Ctrl-C raises KeyboardInterrupt, so the
-    same clean-up runs (temporary files removed, half-written checkpoints dropped)."""
+    """SIGTERM (what schedulers, `timeout` and torchrun send) during a write held_signals guards, raised where Ctrl-C
+    raises KeyboardInterrupt, so the same clean-up runs (temporary files removed, half-written checkpoints dropped)."""
 
 
 def _terminate(signum, frame):
     raise Terminated()
 
 
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """Across a write that must end whole or not at all, SIGTERM raises Terminated once Python runs again, so the
+    write's clean-up runs. Everywhere else SIGTERM keeps its default action: the process ends at once, even while
+    it waits in C (a device wait behind a dead peer's collective, a long matmul), which no Python handler could."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may take signals
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def exit_code(main: Callable[[], int | None]) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
-    stderr and 2, or 130 on Ctrl-C, 143 on SIGTERM (128 + the signal, as a shell reports them)."""
-    handler = None
-    if threading.current_thread() is threading.main_thread():  # only the main thread may take signals
-        handler = signal.signal(signal.SIGTERM, _terminate)
+    stderr and 2, or 130 on Ctrl-C, 143 on a SIGTERM during a held write (128 + the signal, as a shell reports it;
+    elsewhere SIGTERM ends the process itself, which the shell reports as 143 too)."""
     try:
         return main() or 0
     except UserError as e:
@@ -46,6 +60,3 @@ def exit_code(main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        if handler is not None:
-            signal.signal(signal.SIGTERM, handler)

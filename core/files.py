@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from core import errors
 from core.errors import UserError
 
 TOKEN_DTYPE = np.uint16  # every .bin file holds token ids in this dtype
@@ -102,25 +103,26 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
     finishes without an error, so a crash or a full disk keeps the previous files whole. A failure is one sentence."""
     out_dir = Path(out_dir)
     tmp = {name: out_dir / f"{name}.tmp" for name in names}
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        yield tmp
+    with errors.held_signals():  # a SIGTERM raises in the block, and its clean-up runs
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            for name, path in tmp.items():
+                if not path.exists():
+                    raise RuntimeError(f"staged output {path} was never written")
+        except BaseException as e:
+            for path in tmp.values():
+                with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
+                    path.unlink(missing_ok=True)
+            if isinstance(e, OSError):  # a read-only folder or a full disk
+                kept = [name for name in names if (out_dir / name).exists()]
+                kept_text = f"the previous {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else \
+                    "nothing was written"
+                raise UserError(f"could not write {what or f'to {out_dir}'} ({e.strerror or e}); {kept_text} - "
+                                f"{advice}.") from None
+            raise
         for name, path in tmp.items():
-            if not path.exists():
-                raise RuntimeError(f"staged output {path} was never written")
-    except BaseException as e:
-        for path in tmp.values():
-            with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
-                path.unlink(missing_ok=True)
-        if isinstance(e, OSError):  # a read-only folder or a full disk
-            kept = [name for name in names if (out_dir / name).exists()]
-            kept_text = f"the previous {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else \
-                "nothing was written"
-            raise UserError(f"could not write {what or f'to {out_dir}'} ({e.strerror or e}); {kept_text} - "
-                            f"{advice}.") from None
-        raise
-    for name, path in tmp.items():
-        os.replace(path, out_dir / name)
+            os.replace(path, out_dir / name)
 
 
 def check_writable_dir(path: Path, setting: str = "out_dir") -> None:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -79,6 +80,38 @@ def signalled_during(monkeypatch, target, name: str, sig: int) -> None:
             os.kill(os.getpid(), sig)
         return real(*args, **kwargs)
     monkeypatch.setattr(target, name, send)
+
+
+LONG_C_CALL = """
+import sys, torch
+from core import errors, files
+from pathlib import Path
+def main():
+    with files.staged_outputs(Path(sys.argv[1]), ["ckpt.pt"]) as tmp:  # a save, whole before the long call
+        tmp["ckpt.pt"].write_bytes(b"weights")
+    a = torch.randn(6000, 6000, dtype=torch.float64)
+    print("in the call", flush=True)
+    a @ a  # seconds in one C call: a device wait behind a dead peer's collective, as a CPU can show it
+    print("the call returned", flush=True)
+sys.exit(errors.exit_code(main))
+"""
+
+
+def test_a_sigterm_outside_a_save_ends_the_process_at_once_even_in_a_long_c_call(tmp_path):
+    """A Python handler runs only when the main thread returns to Python: outside a save, SIGTERM keeps its default
+    action, so the process ends within half a second (not when the call returns), as the shell's 143, with nothing
+    half-written."""
+    run = subprocess.Popen([sys.executable, "-c", LONG_C_CALL, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                           text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.stdout.readline() == "in the call\n"
+    time.sleep(0.3)  # well inside the matmul
+    sent = time.perf_counter()
+    run.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=60)
+    assert time.perf_counter() - sent < 0.5 and code == -signal.SIGTERM  # a shell reports 128 + 15 = 143
+    assert run.stdout.read() == ""  # the call never returned
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"weights" and not list(tmp_path.glob("*.tmp"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # and the test process's own is untouched
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from core import files
 from core import runtime
 from engine.checkpoint import POINTER, TRAIN, sharded_folder
+from core import errors
 from core.errors import UserError
 from core.runtime import Runtime
 
@@ -92,8 +93,11 @@ class ShardedSaver:
                  TRAIN: fields}
         if not self.use_async:
             try:
-                dcp.save(state, checkpoint_id=folder)
-            except (CheckpointException, KeyboardInterrupt) as e:  # raised on every rank alike
+                with errors.held_signals():  # a SIGTERM during the write raises here, on the rank it reached
+                    dcp.save(state, checkpoint_id=folder)
+            except (CheckpointException, KeyboardInterrupt) as e:
+                # DCP's failures reach every rank alike; a signal reaches each rank at its own point (torchrun sends
+                # it to all), so the step is never committed: the pointer still names the previous whole step
                 stop = interruption(e)
                 if stop is None:
                     raise UserError(failure_text(e, folder)) from None
