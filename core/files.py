@@ -6,6 +6,7 @@ folder of train.bin and val.bin (uint16 token ids) and meta.json naming the toke
 """
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -156,6 +157,12 @@ class OutDirLock:
                 self.file.close()
                 raise UserError(f"{self.out} is in use by another run ({holder}); wait for it to finish, or pass "
                                 f"another --out_dir=.") from None
+            except OSError as e:  # a shared filesystem without flock (Lustre without -o flock, some NFS)
+                if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK):
+                    raise
+                print(f"note: {self.out}'s filesystem has no file locks ({e.strerror}); this run goes on unlocked, "
+                      f"so start no other run on this out_dir until it ends.", file=sys.stderr)
+                break
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino:
                 break  # the file at the path, not one a finishing run took away while this opened it
             self.file.close()

@@ -109,8 +109,11 @@ GPU_PEAKS = [
 
 
 def datasheet_peak_flops(name: str, dtype: str) -> float | None:
-    """The datasheet peak of a GPU by its device name, in FLOP/s; None for a GPU (or dtype) not listed."""
+    """The datasheet peak of a GPU by its device name, in FLOP/s; None for a GPU (or dtype) not listed, and for a MIG
+    slice ("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), which has a share of the GPU's SMs: its peak is measured instead."""
     words = set(name.upper().replace("-", " ").split())
+    if "MIG" in words:
+        return None
     for peak in GPU_PEAKS:
         if words.issuperset(peak.words):
             if dtype == "bfloat16" and not peak.bf16:

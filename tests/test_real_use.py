@@ -2,6 +2,7 @@
 torchrun, None as a setting, and messages whose advice must be the fix. One sentence, exit 2 (143 and 130 for the
 signals), and nothing on disk lost or left behind."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -53,6 +54,24 @@ def test_a_second_run_on_a_trained_out_dir_is_refused_naming_the_holder_and_kill
         holder.wait()
     assert train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume")) == 0
     assert load_checkpoint(out / "ckpt.pt").iter_num == 4
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK], ids=["ENOSYS", "EOPNOTSUPP",
+                                                                                 "ENOLCK"])
+def test_a_filesystem_without_file_locks_trains_unlocked_after_one_line(char_data, tmp_path, monkeypatch, capsys,
+                                                                          code):
+    """Lustre mounted without -o flock, some NFS: flock raises OSError, not BlockingIOError."""
+    import fcntl
+
+    def no_locks(file, operation):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "lock" in line]
+    assert notes == [f"note: {out}'s filesystem has no file locks ({os.strerror(code)}); this run goes on unlocked, "
+                     f"so start no other run on this out_dir until it ends."]
+    assert (out / "ckpt.pt").exists() and not (out / ".lock").exists()
 
 
 def test_a_refused_run_leaves_no_out_dir_and_no_lock_behind(char_data, tmp_path):

@@ -262,3 +262,12 @@ def test_batches_reach_a_gpu_from_pinned_memory_without_the_host_waiting(monkeyp
     calls.clear()  # a batch already on the GPU (bench.py's rows keep theirs there) is used as it is: no pinning
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     assert runtime.Runtime("cuda:0", "bfloat16").to_device(x) == (x,) and calls == []
+
+
+def test_a_mig_slice_gets_no_whole_gpus_datasheet_peak_but_its_own_measured_one(monkeypatch):
+    """A MIG slice has a share of the GPU's SMs: the whole H100's 989 TFLOP/s would read its MFU up to 7x low."""
+    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
+    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bfloat16") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    monkeypatch.setattr(flops, "measured_matmul_flops", lambda rt: 118e12)  # what the slice's matmuls reach
+    assert flops.peak_flops(runtime.Runtime("cuda:0", "bfloat16")) == 118e12
