@@ -271,6 +271,20 @@ def test_the_gpu_baseline_is_nanogpts_recipe_and_model_as_its_code_builds_them()
     assert {k: getattr(cfg, k) for k in nanogpt} == nanogpt
 
 
+def test_the_gpu_comparison_decides_both_crossings_on_the_same_evaluation():
+    """The fast recipe's own 20 val batches would carry one fixed offset into every evaluation (and so into when it
+    first 'reaches' the target): both recipes read nanoGPT's 200, the same batches (one seed, one batch shape)."""
+    import train
+    from benchmarks import time_to_loss
+    from core.configurator import configure
+    evaluation = ("eval_iters", "batch_size", "block_size", "seed", "dataset", "data_dir")
+    seen = []
+    for args in time_to_loss.RECIPE_SETS["gpu"].values():
+        cfg = configure(vars(train), [str(REPO / args[0]), *args[1:]], train.LIMITS)
+        seen.append({k: getattr(cfg, k) for k in evaluation})
+    assert seen[0] == seen[1] and seen[0]["eval_iters"] == 200
+
+
 def test_time_to_loss_refuses_a_gpu_comparison_on_a_cpu_and_names_a_recipe_that_fails(fake_train, tmp_path,
                                                                                        monkeypatch):
     time_to_loss, _ = fake_train
