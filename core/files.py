@@ -126,6 +126,38 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
             os.replace(path, out_dir / name)
 
 
+class _WholeWrites:
+    """A file whose every write is whole or an OSError: torch.save's zip writer turns a write that raised into
+    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            written = self.file.write(data)
+            if written is not None and written < len(data):
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {written} of {len(data)} bytes)")
+        except OSError as e:
+            self.error = e
+            raise
+        return len(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_through(file, save: Callable) -> None:
+    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, wherever it came."""
+    whole = _WholeWrites(file)
+    try:
+        save(whole)
+    except RuntimeError:
+        if whole.error is not None:
+            raise whole.error from None
+        raise
+
+
 def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
     """Create the folder if needed and make sure a file can be written in it, before any work is done."""
     path = Path(path)
@@ -166,15 +198,17 @@ class OutDirLock:
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino:
                 break  # the file at the path, not one a finishing run took away while this opened it
             self.file.close()
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        self.file.flush()
+        with contextlib.suppress(OSError):  # who holds it, for a refused run's sentence; a full disk: the lock holds
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            self.file.flush()
 
     def release(self, failed: bool = False) -> None:
         """Remove the lock file, then unlock; a refused run also takes away the folder it made, left empty."""
         self.path.unlink(missing_ok=True)
-        self.file.close()  # closing the file drops the lock
+        with contextlib.suppress(OSError):  # a full disk may refuse the pid line's flush again
+            self.file.close()  # closing the file drops the lock
         if failed and self.made_dir and self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()
 

@@ -55,8 +55,8 @@ class Checkpoint:
         contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shards"}
         with files.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
                                   advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
-            with open(tmp[path.name], "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
-                torch.save(contents, f)
+            with open(tmp[path.name], "wb") as f:
+                files.save_through(f, lambda out: torch.save(contents, out))
 
 
 def sharded_folder(path: Path) -> Path | None:

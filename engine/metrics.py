@@ -60,8 +60,12 @@ class MetricsLog:
                          else f"{k} {v}" for k, v in metrics.items())  # mfu: a percent, as bench's (JSON: a fraction)
         print(text, flush=True)
         if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            except OSError as e:  # a full disk: the line above was printed; the run stops with one sentence
+                raise UserError(f"could not append to {self.path} ({e.strerror or e}); the run stops, its last "
+                                f"checkpoint kept - free disk space or pass --out_dir= another folder.") from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "iter"}, step=metrics["iter"])
 

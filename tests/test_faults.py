@@ -4,6 +4,7 @@ wrote, a bad mask setting in bench, a measuring tool's settings, an OS error und
 is the scripts' own: one sentence that names what is wrong and a next step that can work, and nothing on disk lost.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -214,3 +215,81 @@ def test_a_save_cut_short_by_the_file_size_limit_says_so_and_keeps_the_previous_
                                   f"the previous one ({out / 'latest'}) is kept")
         assert (out / "latest").read_text() == "step-000002" and load_checkpoint(out / "ckpt.pt").iter_num == 2
     assert set(said) == {"False", "True"}
+
+
+# -- a disk that fills at any byte of a save ----------------------------------------------------------------
+
+class FillingDisk:
+    """A file that takes `room` bytes, then fails as a full disk does: raising ENOSPC, or (`short`) writing short."""
+
+    def __init__(self, path, room: int, short: bool, sizes: list | None = None):
+        self.file, self.room, self.short, self.sizes = open(path, "wb"), room, short, sizes
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        if self.sizes is not None:
+            self.sizes.append(len(data))
+        if len(data) <= self.room:
+            self.room -= len(data)
+            return self.file.write(data)
+        if not self.short:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written, self.room = self.file.write(data[:self.room]), 0
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def test_a_checkpoint_save_that_meets_a_full_disk_at_any_write_is_one_sentence_and_keeps_the_old_one(
+        tmp_path, monkeypatch):
+    """torch.save's zip writer turns a write that raised into 'unexpected pos' and takes a short write silently: at
+    the start and the middle of every write the save makes, raising or writing short, the run stops with one
+    sentence, the previous checkpoint whole and no .tmp."""
+    from engine import checkpoint
+    from model import GPT, GPTConfig
+    from conftest import checkpoint_of
+    model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))
+    path = tmp_path / "ckpt.pt"
+    checkpoint_of(model, iter_num=1).save(path)
+    kept = path.read_bytes()
+    sizes = []
+    monkeypatch.setattr(checkpoint, "open", lambda p, mode: FillingDisk(p, 1 << 40, False, sizes), raising=False)
+    checkpoint_of(model, iter_num=2).save(tmp_path / "probe.pt")  # where the writes fall
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    offsets = sorted({0, *ends[:-1], *(end - size // 2 for end, size in zip(ends, sizes) if size > 1)})
+    assert len(offsets) > 10 and ends[-1] == (tmp_path / "probe.pt").stat().st_size
+    for short in (False, True):
+        for room in offsets:
+            monkeypatch.setattr(checkpoint, "open", lambda p, mode: FillingDisk(p, room, short), raising=False)
+            with pytest.raises(UserError) as refused:
+                checkpoint_of(model, iter_num=2).save(path)
+            assert str(refused.value).startswith(f"could not write the checkpoint to {path} (No space left on "
+                                                 f"device") and "\n" not in str(refused.value), (room, short)
+            assert str(refused.value).endswith("the previous ckpt.pt is kept - free disk space or pass --out_dir= "
+                                               "another folder, then resume.")
+            assert path.read_bytes() == kept and not list(tmp_path.glob("*.tmp")), (room, short)
+
+
+def test_a_full_disk_at_metrics_jsonl_or_the_lock_file_is_one_sentence(char_data, tmp_path, monkeypatch):
+    """The out_dir's lock takes the run's pid line on a best-effort basis (the lock is the flock, not the line);
+    metrics.jsonl's append is one sentence, not OSError's traceback."""
+    import builtins
+    real_open = builtins.open
+
+    def full(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", full)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=rf"^could not append to {out / 'metrics.jsonl'} \(No space left on device\); "
+                                        r"the run stops, its last checkpoint kept - free disk space"):
+        train.main([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=2", *TINY])
+    assert not list(out.glob("*.tmp"))
