@@ -39,7 +39,8 @@ from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
 from benchmarks.bench_train import auto_rows, build_trainer, fits
 from benchmarks.compare import attention_names
-from benchmarks.bench_report import ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table
+from benchmarks.bench_report import (ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table,
+                                     padding_note, unreliable)
 from core.runtime import Runtime
 from model import IMPLEMENTATIONS, GPTConfig, compiled_flex
 
@@ -232,7 +233,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
     for row in rows.values():
         base = rows.get(row_key("manual", row["pad_vocab"], row["mask"], row["loss"]), {})
         if row["status"] == "ok" and base.get("status") == "ok":
-            row["speedup_vs_manual"] = paired_speedup(base, row)
+            row["speedup_vs_manual"] = None if unreliable(base) else paired_speedup(base, row)
     if cfg.auto:  # what attn=auto would pick, beside the fastest row measured here
         rows.update({f"auto_{r['pad_vocab']}_{r['mask']}_{r['loss']}": r for r in auto_rows(rows, trainers, cfg, rt)})
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
@@ -292,7 +293,8 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
                     here[a]["mem/peak_gb"] = here[a].pop("added_bytes") / 1e9  # beyond q, k, v themselves
             for row in here.values():
                 if row["status"] == "ok" and here["manual"]["status"] == "ok":
-                    row["speedup_vs_manual"] = paired_speedup(here["manual"], row)
+                    row["speedup_vs_manual"] = None if unreliable(here["manual"]) else paired_speedup(here["manual"],
+                                                                                                        row)
             rows += list(here.values())
     return rows
 
@@ -373,14 +375,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         columns = {k: v for k, v in columns.items() if k not in ("mask", "computed")}
     print(f"{env['device_name']}, torch {env['torch']}, {cfg.dtype}: {env['command']}")
     print(format_table(rows, columns))
-    for row in rows:
-        if row["status"] == "ok" and not row["kernel_ok"]:
-            print(f"! {row['attn']} ran {row['kernel']} ({', '.join(row['kernel_ops']) or 'no SDPA op'}), not "
-                  f"{' or '.join(row['kernel_expected'])}: a fused kernel refused these settings and PyTorch fell "
-                  f"back without a word (dropout, a mask, the dtype or the head size)")
-    if cfg.mode == "train" and not rt.is_cuda and len(cfg.padding) == 2:
-        print("note: on a CPU padding the vocabulary buys nothing (no tensor-core tiles for the alignment to help) and "
-              "costs the extra rows of lm_head; on a GPU it is the post's fast path (docs/bench.md)")
+    fallbacks = {(r["attn"], r["kernel"], ", ".join(r["kernel_ops"]) or "no SDPA op", " or ".join(r["kernel_expected"]))
+                 for r in rows if r["status"] == "ok" and not r["kernel_ok"]}  # one line per message, not per row
+    for attn, kernel, ops, expected in sorted(fallbacks):
+        print(f"! {attn} ran {kernel} ({ops}), not {expected}: a fused kernel refused these settings and PyTorch fell "
+              f"back without a word (dropout, a mask, the dtype or the head size)")
+    if cfg.mode == "train" and len(cfg.padding) == 2:
+        print(padding_note(rows))
     save(rows, complete=True)
     chart(out / f"{cfg.mode}.png", rows, cfg, env)
     print(f"wrote {out / (cfg.mode + '.json')} and {out / (cfg.mode + '.png')}")

@@ -11,6 +11,7 @@ Every setting below can be set in a config file or overridden with --key=value.
 import dataclasses
 import inspect
 import math
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -194,10 +195,13 @@ class Run:
     saver: object                        # checkpoint.SingleFileSaver or sharded.ShardedSaver
     iter_num: int = 0
     best_val_loss: float = math.inf
+    time_before: float = 0.0             # training seconds the resumed checkpoint had behind it
+    saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
         losses = estimate_loss(self.trainer.forward, self.cfg, self.data_dir, self.rt)
+        train_time_s += self.time_before  # this run's, continuing the resumed one's
         self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
         val_loss = losses["val/loss"]
         if not math.isfinite(val_loss):
@@ -209,8 +213,9 @@ class Run:
         rng = rng_state(self.batches.generator, self.rt)  # collective: each rank gathers every rank's RNG state
         model = self.trainer.model
         self.saver.save(model, self.trainer.optimizers, dict(
-            model_config=dataclasses.asdict(model.config), iter_num=self.iter_num,
-            best_val_loss=self.best_val_loss, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
+            model_config=dataclasses.asdict(model.config), iter_num=self.iter_num, best_val_loss=self.best_val_loss,
+            train_time_s=train_time_s, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
+        self.saved_at = self.iter_num
 
     def log_step(self, end: StepEnd, lr: float, timer: StepTimer, peak_flops: Optional[float]) -> bool:
         """Step end.it's line: its loss averaged over ranks, and the speed over the steps timed since the last line.
@@ -346,6 +351,7 @@ def restore(run: Run, checkpoint: Checkpoint) -> int:
         from tools.nanogpt import keep_original
         keep_original(Path(run.cfg.out_dir) / "ckpt.pt")
     run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
+    run.time_before, run.saved_at = checkpoint.train_time_s, checkpoint.iter_num
     return checkpoint.iter_num
 
 
@@ -353,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, rt, resuming, data_dir, lock = start(argv)
     failed = True
     try:
-        train(cfg, rt, resuming, data_dir)
+        train(cfg, rt, resuming, data_dir, sys.argv[1:] if argv is None else argv)
         failed = False
     finally:
         if lock is not None:
@@ -361,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path) -> None:
+def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list[str]) -> None:
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
         from tools.sharded import ShardedSaver
@@ -410,8 +416,26 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path) -> None:
         muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
               f"{rt.name}{muon}, world size {rt.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
+        if resumed_at is not None:
+            print(f"resumed from iter {resumed_at} of {cfg.out_dir} ({run.time_before:.0f} s of training behind it)")
+        if resumed_at is not None and resumed_at >= cfg.max_iters:
+            print(f"nothing to train: the checkpoint is already at iter {resumed_at} >= max_iters={cfg.max_iters}; "
+                  f"to train further pass a larger --max_iters= (and --lr_decay_iters= to match).")
+    try:
+        train_loop(run, resumed_at)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a save: what is kept, and how to go on
+        if rt.is_master:
+            print(resume_hint(cfg, run, argv), file=sys.stderr)
+        raise
 
-    train_loop(run, resumed_at)
+
+def resume_hint(cfg: Settings, run: Run, argv: list[str]) -> str:
+    """Where an interrupted run stands: the newest checkpoint kept, and the command that continues from it."""
+    if run.saved_at is None:
+        return f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}"
+    command = ["python", "train.py", *(a for a in argv if not a.startswith(("--init_from=", "--overwrite=")))]
+    return (f"stopped at iter {run.iter_num}; the checkpoint kept in {cfg.out_dir} is iter {run.saved_at}; "
+            f"continue with: {shlex.join(command)} --init_from=resume")
 
 
 if __name__ == "__main__":

@@ -181,8 +181,8 @@ def mark_against_baselines(described: dict[str, dict], cfg, pad: bool) -> None:
 
 
 def generate_chart(ax, rows: list[dict], cfg) -> str:
-    """Tokens/s per attn x weights, one bar per cache mode (log scale: the modes differ by orders of magnitude);
-    returns the title."""
+    """Tokens/s per attn x weights, one bar per cache mode, on a linear axis from zero (a bar's height is its speed)
+    with each bar's value written on it; returns the title."""
     ok = [r for r in rows if r["status"] == "ok" and "tokens_per_s" in r and r["pad_vocab"] == cfg.padding[0]]
     groups = list(dict.fromkeys(f"{r['attn']}\n{r['weights']}" for r in ok))
     ax.figure.set_size_inches(max(6.0, 0.3 * len(groups) * len(cfg.cache)), 4)
@@ -190,14 +190,12 @@ def generate_chart(ax, rows: list[dict], cfg) -> str:
     for i, cache in enumerate(cfg.cache):
         by_group = {f"{r['attn']}\n{r['weights']}": r["tokens_per_s"] for r in ok if r["cache"] == cache}
         xs = np.arange(len(groups)) + (i - (len(cfg.cache) - 1) / 2) * width
-        ax.bar(xs, [by_group.get(g, np.nan) for g in groups], width, label=CACHES[cache])
+        values = [by_group.get(g, np.nan) for g in groups]
+        drawn = ax.bar(xs, values, width, label=CACHES[cache])
+        ax.bar_label(drawn, labels=["" if v != v else f"{v:,.0f}" if v >= 10 else f"{v:.2g}" for v in values],
+                     padding=2, fontsize=6, rotation=90)
     ax.set_xticks(np.arange(len(groups)), groups, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylim(top=ax.get_ylim()[1] * 4)  # headroom for the legend above the tallest bars
-    # a decade or two of tokens/s: label 1, 2 and 5 of each decade, so the axis is read without counting gridlines
-    from matplotlib.ticker import FuncFormatter, LogLocator  # drawing only: chart() has picked the backend
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.3)  # headroom for the labels and the legend
     ax.grid(axis="y", alpha=0.3)
     ax.set_ylabel("tokens/s (median; higher is better)")
     return (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, block {cfg.seq_len}: {cfg.new_tokens} new tokens after "

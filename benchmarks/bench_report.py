@@ -39,9 +39,9 @@ def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) ->
               for i, h in enumerate(columns)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()  # noqa: E731
     notes = [f"({i}) {reason}" for i, reason in enumerate(reasons, 1)]
-    if any(unreliable(row) for row in rows if row["status"] == "ok"):
-        notes.append("unreliable: the row's spread (IQR) exceeds its median, so its speedup says nothing; time it "
-                     "again on a quieter machine, or with more --iters")
+    if any(unreliable(row) or row.get("speedup_vs_manual", 0) is None for row in rows if row["status"] == "ok"):
+        notes.append("unreliable: the row's spread (IQR) exceeds its median, or its baseline's does, so its speedup "
+                     "says nothing; time it again on a quieter machine, or with more --iters")
     return "\n".join([line(list(columns)), line(["-" * w for w in widths])] + [line(c) for c in cells] + notes)
 
 
@@ -63,8 +63,23 @@ def compile_cell(row: dict) -> str:
     return f"{graphs} graphs" + (f", {breaks} breaks" if breaks else "") + (", LIMIT HIT: eager" if hits else "")
 
 
-def speedup_cell(row: dict) -> str:
-    return "unreliable" if unreliable(row) else f"{row.get('speedup_vs_manual', float('nan')):.2f}x"
+def speedup_cell(row: dict) -> str:  # None: the baseline was unreliable
+    speedup = row.get("speedup_vs_manual", float("nan"))
+    return "unreliable" if unreliable(row) or speedup is None else f"{speedup:.2f}x"
+
+
+def padding_note(rows: list[dict]) -> str:
+    """What this run's own rows say of padding: in how many (attn, mask, loss) pairs the padded row was faster, and
+    the median ratio of their times."""
+    ok = {(r["attn"], r["mask"], r["loss"], r["pad_vocab"]): r for r in rows if r["status"] == "ok" and
+          "ms_per_iter" in r and r["attn"] != "auto"}
+    ratios = [ok[a, m, loss, True]["ms_per_iter"] / row["ms_per_iter"] for (a, m, loss, padded), row in ok.items()
+              if not padded and (a, m, loss, True) in ok]
+    if not ratios:
+        return "note: no implementation ran both padded and unpadded, so this run says nothing of padding"
+    faster = sum(ratio < 1 for ratio in ratios)
+    return (f"note: padded vocabulary faster in {faster} of {len(ratios)} pairs of rows here (median time ratio "
+            f"{float(np.median(ratios)):.2f}x the unpadded row's); why the post expects it on a GPU: docs/bench.md")
 
 
 def computed_cell(row: dict) -> str:
@@ -151,7 +166,6 @@ def ms_label(ms: float) -> str:
 def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     """The post's figure: ms per step per attn, unpadded and padded side by side, IQR whiskers (attention mode: one bar
     per sequence length)."""
-    from matplotlib.ticker import NullFormatter
     name_masks = len(cfg.mask) > 1 or cfg.mask != ["causal"]  # the series say which mask
     if cfg.mode == "train":
         series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if name_masks else "") +
@@ -182,11 +196,12 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
         whiskers = [(r["ms_per_iter"] - r["ms_p25"], r["ms_p75"] - r["ms_per_iter"]) if r else (0, 0) for r in found]
         ys = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * height
         drawn = ax.barh(ys, ms, height, xerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
-        ax.bar_label(drawn, labels=[ms_label(m) for m in ms], padding=3, fontsize=7)
+        fallback = ["" if r is None or r.get("kernel_ok", True) else f"  ! ran {r['kernel']}" for r in found]
+        ax.bar_label(drawn, labels=[ms_label(m) + flag for m, flag in zip(ms, fallback)], padding=3, fontsize=7)
     ax.set_yticks(np.arange(len(groups)), groups)
     ax.invert_yaxis()  # the sweep's first implementation on top, as in the table
     ax.set_xlabel("ms (median, IQR whiskers)")
-    ax.set_xscale("log" if cfg.mode == "attention" else "linear")  # sequence lengths span orders of magnitude
-    ax.xaxis.set_minor_formatter(NullFormatter())  # log scale: decades labelled, not every 2x10^1, 3x10^1, ...
-    ax.set_xlim(right=ax.get_xlim()[1] * (3 if cfg.mode == "attention" else 1.15))  # room for the value labels
+    # linear from zero: a bar's length is its time, so 2x reads as 2x (a log axis made 38 against 77 ms look 1:8);
+    # every bar carries its value, so the short ones of a long sweep are read off their labels
+    ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.25)  # room for the value labels
     return title

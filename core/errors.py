@@ -4,9 +4,11 @@ that what only reads and writes files can raise it.
 """
 
 import contextlib
+import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Iterator
 
 
@@ -18,6 +20,9 @@ class UserError(ValueError):
 class StoppedWithRank0(UserError):
     """A rank stopping because rank 0's work failed: rank 0 prints its sentence; this rank exits with 2 quietly, so
     a torchrun console shows the error once, not after a line pointing to it."""
+
+
+QUIET_RANK_PAUSE_S = 1.0  # torchrun looks every 0.1 s: rank 0 ends first, and its report names rank 0's error
 
 
 class Terminated(KeyboardInterrupt):
@@ -51,8 +56,10 @@ def exit_code(main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except UserError as e:
-        if not isinstance(e, StoppedWithRank0):
-            print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, StoppedWithRank0) or os.environ.get("RANK", "0") != "0":  # every rank refuses alike
+            time.sleep(QUIET_RANK_PAUSE_S)  # rank 0 says it once, and is torchrun's root cause
+            return 2
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except Terminated:
         print("stopped by SIGTERM", file=sys.stderr)

@@ -33,6 +33,7 @@ class Checkpoint:
     model_config: dict                   # GPTConfig's fields
     iter_num: int = 0                    # optimizer steps taken
     best_val_loss: float = math.inf
+    train_time_s: float = 0.0            # training time to iter_num, evaluations left out, summed over resumes
     optimizer: Optional[dict] = None     # the full optimizer state dict, keyed by parameter name
     rng: Optional[dict] = None           # every rank's RNG state and the data sampler's generator (train.py;
                                          # None in a nanoGPT checkpoint: a resume starts fresh streams)

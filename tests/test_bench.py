@@ -525,6 +525,37 @@ def test_the_train_chart_keeps_every_implementation_name_legible_at_a_gpus_full_
     assert (tmp_path / "train.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.parametrize("mode", ["attention", "generate", "train"])
+def test_every_chart_reads_lengths_from_zero_on_a_linear_axis_with_each_value_written(mode):
+    """A log axis that starts near the shortest bar made 38 against 77 ms look 1:8 (issue 54): every mode's bars
+    start at zero on a linear axis, each labelled with its value; a row whose kernel fell back says so."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    from benchmarks.bench_generate import generate_chart
+    from benchmarks.bench_report import ms_chart
+    fig, ax = plt.subplots()
+    if mode == "generate":
+        rows = [dict(attn=a, weights="float32", cache=c, pad_vocab=False, status="ok", tokens_per_s=s)
+                for a, c, s in (("manual", "none", 52.0), ("manual", "cache", 431.0), ("sdpa", "none", 60.0))]
+        generate_chart(ax, rows, SimpleNamespace(padding=[False], cache=["none", "cache"], n_layer=1, n_embd=8,
+                                                 seq_len=16, new_tokens=4, prompt_len=2, gen_batch=1))
+        low, high, scale, values = *ax.get_ylim(), ax.get_yscale(), ["52", "431", "60"]
+    else:
+        rows = [dict(attn=a, pad_vocab=False, mask="causal", loss="chunked", status="ok", ms_per_iter=ms,
+                     ms_p25=ms, ms_p75=ms, head_size=16, seq_len=64, backward=True, kernel=kernel,
+                     kernel_ok=kernel != "math") for a, ms, kernel in (("manual", 76.7, "none"), ("sdpa", 38.2, "math"))]
+        ms_chart(ax, rows, SimpleNamespace(mode=mode, mask=["causal"], padding=[False], loss=["chunked"],
+                                           attn=["manual", "sdpa"], n_layer=1, n_embd=8, batch_size=1, seq_len=64,
+                                           dropout=0.1, attn_head_sizes=[16], attn_seq_lens=[64]))
+        low, high, scale, values = *ax.get_xlim(), ax.get_xscale(), ["76.7", "38.2  ! ran math"]
+    labels = [t.get_text() for t in ax.texts]
+    assert scale == "linear" and low == 0 and high > max(431.0 if mode == "generate" else 76.7, 0)
+    assert all(v in labels for v in values), labels
+    plt.close(fig)
+
+
 def test_the_generate_tables_baseline_is_named_for_what_it_is():
     """nanoGPT's generate runs SDPA's is_causal kernel wherever torch has it, with no cache: the column says so (it
     once read only "vs nanoGPT", which readers took for nanoGPT's manual attention)."""
@@ -570,3 +601,33 @@ def test_a_second_run_into_the_same_folder_keeps_the_first_ones_results(tmp_path
     assert len(kept) == 2 and kept[0].endswith(".json") and kept[1].endswith(".png")
     assert json.loads((tmp_path / kept[0]).read_text())["rows"] == first["rows"] != second["rows"]
     assert f"kept the earlier train results as {tmp_path / kept[0]}" in capsys.readouterr().err
+
+
+def test_the_note_under_the_table_says_what_its_own_rows_say_of_padding():
+    """A fixed sentence that padding 'costs the extra rows of lm_head' stood under tables whose padded rows ran
+    faster: the note is counted from the rows."""
+    from benchmarks.bench_report import padding_note
+    rows = [dict(attn=a, mask="causal", loss="chunked", pad_vocab=p, status="ok", ms_per_iter=ms)
+            for a, p, ms in (("manual", False, 10.0), ("manual", True, 9.0), ("sdpa", False, 5.0), ("sdpa", True, 6.0),
+                             ("flash", False, 4.0), ("flash", True, 3.0))]
+    assert padding_note(rows) == ("note: padded vocabulary faster in 2 of 3 pairs of rows here (median time ratio "
+                                  "0.90x the unpadded row's); why the post expects it on a GPU: docs/bench.md")
+    assert "says nothing of padding" in padding_note(rows[:1] + rows[3:4])
+
+
+def test_a_speedup_over_an_unreliable_baseline_reads_unreliable(tmp_path, capsys):
+    """manual's IQR 190 ms over a median of 113: every row measured against it says 'unreliable', not a speedup;
+    and a fallback seen in both paddings of one implementation is one `!` line, not two."""
+    from benchmarks.bench_report import TRAIN_COLUMNS, format_table, speedup_cell
+    assert speedup_cell(dict(ms_per_iter=50.0, ms_p25=49.0, ms_p75=51.0, speedup_vs_manual=None)) == "unreliable"
+    assert speedup_cell(dict(ms_per_iter=50.0, ms_p25=49.0, ms_p75=51.0, speedup_vs_manual=2.26)) == "2.26x"
+    assert bench.main([*TINY, "--attn=manual,sdpa", "--dropout=0.1", "--padding=off,on", f"--out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("! sdpa ran math")]) == 1
+    rows = json.loads((tmp_path / "train.json").read_text())["rows"]
+    manual = next(r for r in rows if r["attn"] == "manual" and not r["pad_vocab"])
+    manual.update(ms_per_iter=113.0, ms_p25=50.0, ms_p75=240.0)
+    sdpa = next(r for r in rows if r["attn"] == "sdpa" and not r["pad_vocab"])
+    sdpa["speedup_vs_manual"] = None  # as train_sweep sets it against such a baseline
+    table = format_table([manual, sdpa], TRAIN_COLUMNS)
+    assert "unreliable" in table.splitlines()[3] and "or its baseline's does" in table

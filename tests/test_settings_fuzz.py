@@ -7,7 +7,12 @@ of examples per script in the fast tier, many in the slow one. A failure names t
 
 import contextlib
 import io
+import itertools
+import json
+import logging
 import math
+import random
+import shutil
 import tempfile
 import textwrap
 from pathlib import Path
@@ -23,10 +28,11 @@ import sample
 import train
 from benchmarks import time_to_loss
 from conftest import REPO
+from model import IMPLEMENTATIONS
 from core import errors
 from core.configurator import _INTERVAL, Choice
 
-FAST, SLOW = 2, 30  # examples per script and tier
+FAST, SLOW = 2, 10  # random examples per script and tier; the slow tier adds every pair (PAIRS)
 
 
 # -- drawing settings from LIMITS ----------------------------------------------------------------------------
@@ -114,23 +120,33 @@ def snapshot(*roots: Path, skip: Path) -> dict:
     return found
 
 
-def holds(main, argv: list[str], valid: bool, out: Path, watch: Path) -> None:
-    """The property, for one command line."""
-    note(f"command line: {' '.join(argv)}")
-    before = snapshot(REPO, watch, skip=out)
+# Where a script could write besides the out_dir it is given: its default out_dirs and the data folders (the
+# checkout's other files may change while the test runs, from the user's own runs in the same checkout)
+DEFAULT_WRITES = [REPO / "out", REPO / "bench_results", REPO / "data"]
+
+
+def holds(main, argv: list[str], valid: bool, out: Path, watch: Path, say=note) -> None:
+    """The property, for one command line; a failure's report is the command line and its output (`say`:
+    hypothesis's note inside a drawn example, nothing in an enumerated one, whose assertions carry both)."""
+    line = " ".join(argv)
+    say(f"command line: {line}")
+    before = snapshot(*DEFAULT_WRITES, watch, skip=out)
     err, threads = io.StringIO(), torch.get_num_threads()
+    logging.disable(logging.INFO)  # torch's debug and info records: not the command's output
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = errors.exit_code(lambda: main(argv))
     finally:
+        logging.disable(logging.NOTSET)
         torch.set_num_threads(threads)
-    lines = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
-    note(f"exit {code}; stderr: {err.getvalue()[-600:]}")
-    assert code in (0, 2) and (code == 0 or len(lines) == 1), (code, lines)
-    assert valid or code == 2, "an invalid setting was not refused"
-    after = snapshot(REPO, watch, skip=out)
+    lines = [text for text in err.getvalue().splitlines() if text.startswith("error:")]
+    said = f"exit {code}; stderr: {err.getvalue()[-600:]}"
+    say(said)
+    assert code in (0, 2) and (code == 0 or len(lines) == 1), f"{line}\n{said}"
+    assert valid or code == 2, f"an invalid setting was not refused: {line}"
+    after = snapshot(*DEFAULT_WRITES, watch, skip=out)
     changed = sorted(str(p) for p in set(after) ^ set(before) | {p for p in after if before.get(p) != after[p]})
-    assert not changed, f"wrote outside the run's out_dir: {changed}"
+    assert not changed, f"{line}\nwrote outside the run's out_dir: {changed}"
 
 
 def fuzz(examples: int):
@@ -173,6 +189,17 @@ def tiny_train(data: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def char_documents(char_data_session, tmp_path_factory) -> Path:
+    """The tiny character data with its newline as the end-of-text token: doc_mask trains on it."""
+    folder = tmp_path_factory.mktemp("documents")
+    for name in ("train.bin", "val.bin"):
+        shutil.copyfile(char_data_session / name, folder / name)
+    meta = json.loads((char_data_session / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "eot_token": meta["chars"].index("\n")}))
+    return folder
+
+
+@pytest.fixture(scope="module")
 def checkpoint(char_data_session, tmp_path_factory) -> Path:
     """A tiny trained run, for the scripts that read one (sample.py, export_hf.py)."""
     out = tmp_path_factory.mktemp("fuzz_run")
@@ -212,11 +239,14 @@ BENCH_SIZES = {
 BENCH_SKIP = {"compile", "attn_auto_refresh", "mode"}
 
 
+BENCH_BASE = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=61", "--seq_len=32", "--batch_size=1",
+              "--iters=1", "--warmup=0", "--threads=1", "--attn_seq_lens=16,32", "--attn_head_sizes=16",
+              "--attn_batch=1", "--attn_heads=2", "--new_tokens=2", "--doc_len=8", "--weights=float32",
+              "--cache=none,cache", "--attn_auto_budget=0.05", "--device=cpu"]
+
+
 def check_bench(mode, examples):
-    base = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=61", "--seq_len=32", "--batch_size=1",
-            "--iters=1", "--warmup=0", "--threads=1", "--attn_seq_lens=16,32", "--attn_head_sizes=16", "--attn_batch=1",
-            "--attn_heads=2", "--new_tokens=2", "--doc_len=8", "--weights=float32", "--cache=none,cache",
-            "--attn_auto_budget=0.05", "--device=cpu"]
+    base = BENCH_BASE
     lists = {"train": ("attn", "padding", "mask", "loss"), "attention": ("attn", "mask"),
              "generate": ("attn", "padding", "weights", "cache")}[mode]
     explore(bench, examples, limits_strategies(bench, BENCH_SIZES, BENCH_SKIP),
@@ -255,6 +285,78 @@ def check_time_to_loss(monkeypatch, examples):
     explore(time_to_loss, examples, fuzzed, lambda out: [f"--out_dir={out}"])
 
 
+# -- every pair, by enumeration (the slow tier) ------------------------------------------------------------
+
+def covering_rows(axes: dict[str, list], lists: tuple = (), most: int = 3) -> list[dict[str, list]]:
+    """Rows of settings in which every two values of one list setting (`lists`, up to `most` values a row) share a
+    row, and every value of each axis shares a row with every value of every other: random draws leave pairs out.
+    Greedy: a pair still missing seeds each row, then each axis takes what covers most of what is missing."""
+    missing = {frozenset({(a, v), (b, w)}) for a, b in itertools.combinations(axes, 2) for v in axes[a] for w in axes[b]}
+    missing |= {frozenset({(a, v), (a, w)}) for a in lists for v, w in itertools.combinations(axes[a], 2)}
+    rows = []
+    while missing:
+        chosen = set(min(missing, key=lambda pair: sorted(map(str, pair))))
+        for a in axes:
+            for _ in range((most if a in lists else 1) - sum(1 for b, _ in chosen if b == a)):
+                def gain(v):
+                    return sum(1 for pair in missing if (a, v) in pair and pair <= chosen | {(a, v)})
+                left = [v for v in axes[a] if (a, v) not in chosen]
+                best = max(left, key=gain, default=None)
+                if best is None or (any(b == a for b, _ in chosen) and gain(best) == 0):
+                    break
+                chosen.add((a, best))
+        missing = {pair for pair in missing if not pair <= chosen}
+        rows.append({a: [v for b, v in sorted(chosen, key=str) if b == a] for a in axes})
+    return rows
+
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+MASK_SETTINGS = {"none": [], "window": ["--window=8"], "doc_mask": ["--doc_mask=True"]}  # train's masks, as typed
+
+
+def pairs_of(script: str) -> tuple[dict, tuple]:
+    """A script's axes (its list settings and main choices, each value) and which of them are lists."""
+    words = lambda spec: list(spec.words)  # noqa: E731
+    if script == "train":
+        return dict(attn=words(train.LIMITS["attn"]), optimizer=words(train.LIMITS["optimizer"]), dtype=DTYPES,
+                    masks=list(MASK_SETTINGS), checkpoint_format=words(train.LIMITS["checkpoint_format"])), ()
+    if script == "sample --compare":  # "all" stands alone (the random draws type it): the names pair up
+        return dict(attn=words(sample.LIMITS["attn"]), compare=list(IMPLEMENTATIONS), dtype=DTYPES), ("compare",)
+    mode = script.split()[-1]
+    lists = {"train": ("attn", "mask", "loss", "padding"), "attention": ("attn", "mask"),
+             "generate": ("attn", "padding", "weights", "cache")}[mode]
+    axes = {k: [w for w in words(bench.LIMITS[k]) if w != "all"] for k in lists}
+    if "cache" in axes:
+        axes["cache"] = ["none", "cache"]  # compiled: ~10 s a row, its pairs are the whole suite's GPU and CPU tests
+    return {**axes, "dtype": DTYPES}, lists
+
+
+def argv_of(row: dict) -> list[str]:
+    return [arg for key, values in row.items() for arg in (
+        MASK_SETTINGS[values[0]] if key == "masks" else [f"--{key}={','.join(values)}"])]
+
+
+def enumerate_pairs(script: str, request) -> None:
+    """Every row of covering_rows for `script`, each through the property."""
+    fixture = request.getfixturevalue
+    axes, lists = pairs_of(script)
+    if script == "train":
+        main, watch = "train", fixture("char_documents")
+        base = lambda out: [*tiny_train(watch, out), "--attn_auto_budget=0.05"]  # noqa: E731
+    elif script == "sample --compare":
+        main, watch = "sample", fixture("checkpoint")
+        base = lambda out: [f"--out_dir={watch}", "--device=cpu", "--max_new_tokens=2",  # noqa: E731
+                            "--num_samples=1", "--attn_auto_budget=0.05", f"--json={out / 'compare.json'}"]
+    else:
+        main, watch = "bench", None
+        base = lambda out: [f"--mode={script.split()[-1]}", *BENCH_BASE, f"--out_dir={out}"]  # noqa: E731
+    for row in covering_rows(axes, lists):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            module = {"train": train, "sample": sample, "bench": bench}[main]
+            holds(module.main, base(out) + argv_of(row), True, out, watch or Path(tmp), say=lambda text: None)
+
+
 # -- the test: a handful per script in the fast tier, many in the slow one -------------------------------
 
 SCRIPTS = ["train", "sample --compare", "bench train", "bench attention", "bench generate", "export_hf",
@@ -283,7 +385,7 @@ def test_the_property_finds_a_crash_planted_in_a_combination(char_data_session, 
         return [{k: v for k, v in row.items() if k != "vocab" or row["status"] == "ok"} for row in real_rows(*args)]
     monkeypatch.setattr(bench, "auto_rows", rows_without_vocab)
     with pytest.raises(Exception, match="vocab"):
-        check_bench("train", SLOW)
+        check_bench("train", 30)
 
     def breaks_under_muon(self, batches):
         if len(self.optimizers) > 1:
@@ -291,4 +393,49 @@ def test_the_property_finds_a_crash_planted_in_a_combination(char_data_session, 
         return real_step(self, batches)
     monkeypatch.setattr(train.Trainer, "step", breaks_under_muon)
     with pytest.raises(Exception, match="planted"):
-        check_train(char_data_session, SLOW)
+        check_train(char_data_session, 30)
+
+
+PAIRED = ["train", "sample --compare", "bench train", "bench attention", "bench generate"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", PAIRED)
+def test_every_pair_of_values_a_user_can_type_ends_in_its_output_or_one_sentence(script, request):
+    enumerate_pairs(script, request)
+
+
+def test_the_rows_cover_every_pair_of_a_list_and_every_value_of_each_axis_with_every_other():
+    """The enumeration's own promise, checked apart from the greedy that makes it."""
+    for script in PAIRED:
+        axes, lists = pairs_of(script)
+        rows = covering_rows(axes, lists)
+        seen = {frozenset({(a, v), (b, w)}) for row in rows for a, b in itertools.combinations_with_replacement(row, 2)
+                for v in row[a] for w in row[b] if (a, v) != (b, w)}
+        needed = {frozenset({(a, v), (b, w)}) for a, b in itertools.combinations(axes, 2) for v in axes[a]
+                  for w in axes[b]} | {frozenset({(a, v), (a, w)}) for a in lists
+                                       for v, w in itertools.combinations(axes[a], 2)}
+        assert needed <= seen, script
+        assert all(len(row[a]) == 1 for row in rows for a in axes if a not in lists)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [s for s in PAIRED if pairs_of(s)[1]])
+def test_the_pairs_find_a_crash_planted_in_a_pair_they_were_not_told(script, request, monkeypatch):
+    """A crash planted in the script's main that fires only when one list setting names two values together,
+    the setting and the pair drawn at random (seeded): the enumeration finds it."""
+    axes, lists = pairs_of(script)
+    draw = random.Random(f"planted {script}")
+    key = draw.choice(lists)
+    pair = set(draw.sample(axes[key], 2))
+    module = {"sample": sample, "train": train}.get(script.split()[0], bench)
+    real = module.main
+
+    def planted(argv):
+        given = [a.split("=", 1)[1].split(",") for a in argv if a.startswith(f"--{key}=")]
+        if given and pair <= set(given[-1]):
+            raise RuntimeError(f"planted: --{key} with {sorted(pair)}")
+        return real(argv)
+    monkeypatch.setattr(module, "main", planted)
+    with pytest.raises(Exception, match="planted"):
+        enumerate_pairs(script, request)

@@ -4,6 +4,7 @@ import dataclasses
 import glob
 import io
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from core import runtime
+from core import errors, runtime
 from engine import metrics as train_metrics
 import train
 from core.configurator import configure
@@ -39,7 +40,68 @@ def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path
         train.main(TINY + [f"--data_dir={char_data}", "--gradient_accumulation_steps=3", f"--out_dir={tmp_path}"])
 
 
+@pytest.mark.slow  # two torchrun launches of two ranks
+@pytest.mark.parametrize("refusal, words", [
+    (["--gradient_accumulation_steps=1"], "error: gradient_accumulation_steps=1 is not divisible by the 2 ranks"),
+    (["--wandb_log=True"], "error: wandb_log=True, but wandb has no login here"),
+], ids=["every rank decides", "rank 0 decides"])
+def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0_the_root_cause(char_data, tmp_path, refusal, words):
+    """Whether every rank decides a refusal alike or rank 0 decides for all, one `error:` line is printed (rank 0's),
+    and torchrun's report names rank 0 as the root cause, not a rank that only stopped with it."""
+    from conftest import run_train
+    env = {"WANDB_API_KEY": "", "WANDB_MODE": "online", "HOME": str(tmp_path)}  # no login: wandb refuses
+    result = run_train(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", *refusal], nproc=2,
+                       env=env, check=False)
+    output = result.stdout + result.stderr
+    errors_said = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors_said) == 1 and errors_said[0].startswith(words), output[-3000:]
+    assert result.returncode != 0 and "Root Cause" in output, output[-3000:]
+    assert "rank      : 0 (local_rank: 0)" in output.split("Root Cause", 1)[1], output[-3000:]
+
+
 # -- resume ---------------------------------------------------------------------------------------------
+
+def test_every_resume_says_where_it_resumed_and_one_at_max_iters_says_there_is_nothing_to_train(char_data, tmp_path,
+                                                                                                capsys):
+    out = tmp_path / "run"
+    args = TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--eval_interval=3"]
+    assert train.main(args + ["--max_iters=3"]) == 0
+    capsys.readouterr()
+    assert train.main(args + ["--max_iters=2", "--init_from=resume"]) == 0
+    said = capsys.readouterr().out
+    assert "resumed from iter 3 of " in said
+    assert ("nothing to train: the checkpoint is already at iter 3 >= max_iters=2; to train further pass a larger "
+            "--max_iters= (and --lr_decay_iters= to match).") in said
+    assert train.main(args + ["--max_iters=6", "--init_from=resume"]) == 0
+    assert "resumed from iter 3 of " in capsys.readouterr().out and "nothing to train" not in said.split("resumed")[0]
+
+
+def test_train_time_continues_from_the_checkpoint_on_a_resume(char_data, tmp_path):
+    out = tmp_path / "run"
+    args = TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--eval_interval=3"]
+    train.main(args + ["--max_iters=3"])
+    before = metrics(out, "train_time_s")[3]
+    train.main(args + ["--max_iters=6", "--init_from=resume"])
+    assert before > 0 and metrics(out, "train_time_s")[6] > before
+
+
+def test_ctrl_c_names_the_checkpoint_kept_and_the_command_that_continues(char_data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run dir"
+    args = TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--eval_interval=2", "--max_iters=8"]
+    real_step, steps = train.Trainer.step, []
+
+    def interrupted_at_step_5(self, batches):
+        steps.append(1)
+        if len(steps) == 5:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+    monkeypatch.setattr(train.Trainer, "step", interrupted_at_step_5)
+    assert errors.exit_code(lambda: train.main(args)) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "interrupted"
+    assert err[-2] == (f"stopped at iter 4; the checkpoint kept in {out} is iter 4; continue with: python train.py "
+                       f"{shlex.join(args)} --init_from=resume")
+
 
 def test_resume_continues_bit_for_bit(char_data, tmp_path):
     straight, stopped = straight_and_resumed(
