@@ -51,12 +51,12 @@ attn = None               # comma-separated implementations, or "all" (None: all
 padding = None            # vocab padding to a multiple of 64 (50257 -> 50304): "off", "on" or "off,on" (None: off,on;
                           # generate: off)
 # model (None: sized for the device, see SIZES)
-n_layer = None
-n_head = None
-n_embd = None
+n_layer = None            # transformer blocks
+n_head = None             # attention heads per block
+n_embd = None             # the width; n_embd / n_head is the head size
 vocab_size = None         # tokens in the vocabulary; padding rounds it up to a multiple of 64
 dropout = 0.0             # > 0 shows the post's silent fallback: on CPU, sdpa's fused kernel refuses dropout
-bias = True
+bias = True               # biases in Linear and LayerNorm, as GPT-2
 loss = "chunked"          # train mode: "chunked" (model.ChunkedLMHeadLoss: never the whole logits), "whole" (the
                           # (B*T, V) logits and F.cross_entropy, nanoGPT's) or "chunked,whole": a row of each
 # masks (bench_masks.py): a row per attn x mask; causal alone by default
@@ -79,25 +79,26 @@ max_batch = False         # also find the largest batch that fits, per row: slow
 mem_budget_gb = 2.0       # CPU only: the bound on one step's peak tensor memory; CUDA's bound is the GPU itself
 max_batch_limit = 256     # the search stops here
 # attention-only mode: q, k, v of (attn_batch, attn_heads, T, hs) for T in attn_seq_lens, hs in attn_head_sizes
-attn_batch = None
-attn_heads = None
+attn_batch = None         # sequences per call
+attn_heads = None         # heads per sequence
 attn_seq_lens = None      # e.g. 512,1024,2048
 attn_head_sizes = None    # e.g. 64,128
 # generate mode: new_tokens greedy tokens after a prompt of prompt_len, gen_batch sequences at once
-prompt_len = 1
-new_tokens = None
-gen_batch = 1
+prompt_len = 1            # tokens of prompt before the timed ones (prefilled)
+new_tokens = None         # tokens generated per row, timed
+gen_batch = 1             # sequences generated together
 weights = None            # the weights' dtype per row: float32,bfloat16,int8 (int8 weight-only, torchao); None: sized
-                          # for the device (a CPU gets bf16 rows only where bf16 is native)
+                          # for the device (a CPU gets bf16 rows only where its matmuls run bf16 in hardware:
+                          # AMX, AVX512-BF16)
 cache = "none,cache,compiled"      # none (nanoGPT's generate), the static KV cache, and that compiled
 # system
 device = "auto"           # auto, cpu, cuda, cuda:N, mps
 dtype = "auto"            # auto, float32, bfloat16, float16: autocast in train mode, q/k/v's dtype in attention mode
 threads = 0               # CPU threads for PyTorch; 0 keeps its default (one per core). On a shared machine, 1
                           # stops threads waiting on a descheduled sibling at every op
-seed = 1337
+seed = 1337               # weights, data and prompts: the same seed gives the same rows
 # output
-out_dir = "bench_results"
+out_dir = "bench_results" # <mode>.json, <mode>.png (and traces) go here; earlier results are kept beside them
 profile = False           # also write a chrome trace (chrome://tracing, TensorBoard) of one step per row
 
 # the allowed range of every numeric setting (None: sized for the device)

@@ -74,7 +74,8 @@ chunked_loss = True               # the loss over row chunks: the (B*T, V) logit
 optimizer = "adamw"               # 'adamw' or 'muon'
 muon_lr = None                    # Muon's peak learning rate (None: learning_rate; its update is scaled to AdamW's RMS)
 muon_momentum = 0.95              # Muon's Nesterov momentum
-muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where bf16 is native, else fp32), float32, bfloat16
+muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where bf16 matmuls run in hardware: CUDA from
+                                  # Ampere, a CPU with AMX or AVX512-BF16; else fp32), float32, bfloat16
 learning_rate = 6e-4              # AdamW's peak learning rate
 max_iters = 600000                # optimizer steps in all (a resumed run stops here too)
 weight_decay = 1e-1               # AdamW's, on 2-D weights only (and Muon's)
@@ -90,7 +91,8 @@ early_decay_iters = 0             # > warmup_iters: the cosine first reaches ear
 early_decay_to = 0.3              # with early_decay_iters: the fraction of learning_rate reached there
 # system
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
-dtype = "auto"                    # auto: bf16 where native, fp16 on older GPUs, else fp32; or float32, bfloat16, float16
+dtype = "auto"                    # auto: bf16 where a bf16 step beats fp32 (CUDA from Ampere, a CPU with AMX), fp16
+                                  # on older GPUs, else fp32; or float32, bfloat16, float16
 compile = True                    # torch.compile the model (FSDP: each block)
 parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank) or 'fsdp' (FSDP2, sharded)
 seed = 1337                       # weights, data order and dropout (each rank its own dropout stream)

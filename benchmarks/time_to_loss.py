@@ -32,7 +32,7 @@ target = None                 # the validation loss to reach; None: the set's ow
 runs = None                   # rounds, each running every recipe once; None: 3, or 2 for gpu (~10 min on an H100)
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
 extra = ""                    # train.py settings added to every recipe, e.g. a scaled-down CPU run (docs/quickstart.md)
-out_dir = "bench_results"
+out_dir = "bench_results"     # time_to_loss.json goes here
 LIMITS = {"target": "(0, inf)", "runs": "[1, inf) int",
           "compare": one_of("quickstart", "doc_mask", "attn", "attn_masked", "gpu")}
 

@@ -178,8 +178,8 @@ class Runtime:
 
 def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: str = "auto",
                     distributed: bool = False) -> Runtime:
-    """The one place device, autocast dtype and Muon's dtype ('auto': bf16 where native) are decided; a cuda:N device
-    made current, TF32 on. `distributed`: under torchrun, join the process group first."""
+    """The one place device, autocast dtype and Muon's dtype are decided (bf16_native says where each picks bf16); a
+    cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first."""
     device = pick_device(device)
     rank, local_rank, world_size, device = init_distributed(device) if distributed else (0, 0, 1, device)
     if device.startswith("cuda"):

@@ -143,8 +143,9 @@ def test_train_help_reads_as_its_settings_do(capsys):
     assert "usage: python train.py [CONFIG_FILE ...] [--key=value ...]" in out.splitlines()
     bench_rows = {name: rest for _, name, rest in help_sections(run_help(bench, ["-h"], capsys))}
     assert bench_rows["weights"] == ("None the weights' dtype per row: float32,bfloat16,int8 (int8 weight-only, "
-                                     "torchao); None: sized for the device (a CPU gets bf16 rows only where bf16 is "
-                                     "native) [a comma list of float32, bfloat16, int8]")
+                                     "torchao); None: sized for the device (a CPU gets bf16 rows only where its "
+                                     "matmuls run bf16 in hardware: AMX, AVX512-BF16) [a comma list of float32, "
+                                     "bfloat16, int8]")
     assert "usage: python -m benchmarks.time_to_loss " in run_help(time_to_loss, ["-h"], capsys)
 
 
@@ -219,3 +220,10 @@ def test_openwebtext_on_records_without_text_prints_its_error_alone(records, sen
     assert (code, out, err) == (2, "", f"error: {corpus} {sentence}\n")  # no "Generating train split" bars
     assert datasets.is_progress_bar_enabled()  # and the bars are back on for whatever comes next
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_every_setting_has_a_comment_that_help_shows(name):
+    """bench.py --help had ten settings with no words (n_layer, bias, seed, out_dir, ...), time_to_loss one."""
+    module, _ = SCRIPTS[name]
+    assert [setting for _, setting, comment in source_settings(module) if not comment] == []
