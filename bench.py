@@ -94,8 +94,8 @@ cache = "none,cache,compiled"      # none (nanoGPT's generate), the static KV ca
 # system
 device = "auto"           # auto, cpu, cuda, cuda:N, mps
 dtype = "auto"            # auto, float32, bfloat16, float16: autocast in train mode, q/k/v's dtype in attention mode
-threads = 0               # CPU threads for PyTorch; 0 keeps its default (one per core). On a shared machine, 1
-                          # stops threads waiting on a descheduled sibling at every op
+threads = 0               # CPU threads for PyTorch; 0: one per core other processes leave free (OMP_NUM_THREADS
+                          # wins): a thread waiting on a core another process holds stalls every op
 seed = 1337               # weights, data and prompts: the same seed gives the same rows
 # output
 out_dir = "bench_results" # <mode>.json, <mode>.png (and traces) go here; earlier results are kept beside them
@@ -347,8 +347,10 @@ def settings(argv: list[str]) -> tuple[Settings, Runtime]:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg, rt = settings(argv)
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    if rt.device_type == "cpu":
+        _, said = runtime.start_threads(cfg.threads)
+        if said:
+            print(said, file=sys.stderr)
     out = Path(cfg.out_dir)
     files.check_writable_dir(out)  # before the sweep, not after it
     env = environment(rt, argv)

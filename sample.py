@@ -46,6 +46,7 @@ device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, 
 dtype = "auto"                    # the weights' dtype: auto (bf16 where supported, fp16 on older GPUs, else fp32), ...
 quantize = ""                     # "int8": int8 weight-only weights (torchao), a quarter of fp32's bytes per token
 compile = False                   # compile the prefill and the decode step: slow to start, faster per token
+threads = 0                       # CPU threads; 0: one per core other processes leave free (OMP_NUM_THREADS wins)
 # comparison
 compare = ""                      # "manual,sdpa,flash" or "all": compare the same weights through each of them
 json = ""                         # write every number (settings, tokens, timings, errors) to this JSON file
@@ -54,7 +55,7 @@ json = ""                         # write every number (settings, tokens, timing
 LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)",
           "top_k": "[1, inf) int or None",
           "seed": "[0, inf)", "attn": one_of("auto", *IMPLEMENTATIONS), "dtype": one_of("auto", *runtime.DTYPES),
-          "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)"}
+          "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)", "threads": "[0, inf) int"}
 
 
 
@@ -124,6 +125,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from benchmarks import compare  # the comparison: only when it is asked for
         compare.attention_names(cfg.compare)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
+    if rt.device_type == "cpu":
+        _, said = runtime.start_threads(cfg.threads)
+        if said:
+            print(said, file=sys.stderr)
     model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir)
     prompt = encode_prompt(tok, read_prompt(cfg.start))
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)

@@ -94,6 +94,8 @@ device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, 
 dtype = "auto"                    # auto: bf16 where a bf16 step beats fp32 (CUDA from Ampere, a CPU with AMX), fp16
                                   # on older GPUs, else fp32; or float32, bfloat16, float16
 compile = True                    # torch.compile the model (FSDP: each block)
+threads = 0                       # CPU threads; 0: one per core other processes leave free, looked at again at each
+                                  # log line (OMP_NUM_THREADS, if set, wins)
 parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank) or 'fsdp' (FSDP2, sharded)
 seed = 1337                       # weights, data order and dropout (each rank its own dropout stream)
 # -----------------------------------------------------------------------------
@@ -112,6 +114,7 @@ LIMITS = {
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
     "min_lr": "[0, inf)", "seed": "[0, inf)", "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
     "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "window": "[0, inf)", "attn_auto_budget": "(0, inf)",
+    "threads": "[0, inf) int",
 }
 
 
@@ -197,6 +200,7 @@ class Run:
     saver: object                        # checkpoint.SingleFileSaver or sharded.ShardedSaver
     iter_num: int = 0
     best_val_loss: float = math.inf
+    watch: Optional[runtime.CoreWatch] = None  # a CPU run's look at the other processes, again at each log line
     time_before: float = 0.0             # training seconds the resumed checkpoint had behind it
     saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
 
@@ -236,6 +240,9 @@ class Run:
                 metrics["mfu"] = self.trainer.model.model_flops_utilization(tokens_per_s / world, peak_flops,
                                                                             self.cfg.block_size)
         self.log.log({**metrics, **self.rt.memory_metrics()})
+        said = runtime.choose_threads(self.watch) if self.watch is not None else None
+        if said and self.rt.is_master:  # another process began or ended beside this run: the next line's speed shows
+            print(said, file=sys.stderr)
         return out_of_time > 0
 
 
@@ -370,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list[str]) -> None:
+    watch = None
+    if rt.device_type == "cpu" and not rt.is_distributed:  # torchrun sets OMP_NUM_THREADS itself
+        watch, said = runtime.start_threads(cfg.threads)
+        if said:
+            print(said, file=sys.stderr)
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
         from tools.sharded import ShardedSaver
@@ -408,8 +420,8 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, forward=model)
-    run = Run(cfg, rt, trainer, batches, data_dir, meta,
-                      MetricsLog(cfg, run_config, enabled=rt.is_master), saver)
+    run = Run(cfg, rt, trainer, batches, data_dir, meta, MetricsLog(cfg, run_config, enabled=rt.is_master), saver,
+              watch=watch)
     resumed_at = restore(run, checkpoint) if checkpoint is not None else None
     if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
         run.log.log({"iter": run.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})

@@ -56,6 +56,69 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+class CoreWatch:
+    """How many of this process's cores other processes kept busy since the last look: /proc/stat's busy time of
+    those cores, less this process's own CPU time. None where /proc/stat cannot be read (not Linux)."""
+
+    def __init__(self):
+        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            list(range(os.cpu_count() or 1))
+        self.last = self.now()
+
+    @staticmethod
+    def stat() -> str:
+        return Path("/proc/stat").read_text()
+
+    def now(self) -> Optional[tuple[float, float, float]]:
+        """(busy seconds of these cores, this process's CPU seconds, the clock)."""
+        busy = 0
+        try:
+            for line in self.stat().splitlines():
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in self.cores:
+                    values = [int(v) for v in fields[:8]]
+                    busy += sum(values) - values[3] - values[4]  # all but idle and iowait
+        except (OSError, ValueError, IndexError):
+            return None
+        return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+    def others(self) -> Optional[float]:
+        now = self.now()
+        last, self.last = self.last, now
+        if now is None or last is None or now[2] - last[2] < 0.05:
+            return None
+        return max(0.0, (now[0] - last[0] - (now[1] - last[1])) / (now[2] - last[2]))
+
+
+def start_threads(requested: int) -> tuple[Optional[CoreWatch], Optional[str]]:
+    """A CPU run's threads at its start (choose_threads, over a tenth of a second's look), and the watch that keeps
+    looking; no watch where the threads are the user's (`requested` > 0, or OMP_NUM_THREADS)."""
+    if requested > 0:
+        torch.set_num_threads(requested)
+        return None, None
+    if "OMP_NUM_THREADS" in os.environ:
+        return None, None
+    watch = CoreWatch()
+    time.sleep(0.1)  # what the other processes do meanwhile
+    return watch, choose_threads(watch)
+
+
+def choose_threads(watch: CoreWatch) -> Optional[str]:
+    """One PyTorch thread per core that other processes left free since the watch last looked: a thread waiting for a
+    core another process holds stalls every op (a step 3.7x slower beside one busy process on 2 cores, where a fair
+    share is 2x). The line saying a change, or None."""
+    others = watch.others()
+    if others is None:
+        return None
+    cores, have = len(watch.cores), torch.get_num_threads()
+    want = max(1, min(cores, cores - round(others)))
+    if want == have:
+        return None
+    torch.set_num_threads(want)
+    why = f"other processes keep {cores - want} core(s) busy" if want < cores else "the cores are free again"
+    return f"note: using {want} of {cores} CPU threads: {why} (--threads= or OMP_NUM_THREADS chooses)"
+
+
 def bf16_native(device_type: str, training: bool = False) -> bool:
     """bf16 matmuls run in hardware: CUDA from Ampere on, CPUs with AMX or AVX512-BF16 (AVX2 emulates them, ~20-35x
     slower than fp32). For training, AMX only: a bf16 step with AVX512-BF16 alone measured 1.5x *slower* than fp32

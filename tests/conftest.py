@@ -27,6 +27,11 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# The suite loads the cores itself: the scripts keep the threads they start with rather than follow the load
+# (runtime.start_threads), so that a run is the same run however busy the machine is; test_runtime.py tests that
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def own_cache_folder(tmp_path_factory):
     """Measured peaks (flops.peak_flops_cache) go to a folder of the test session's, in process and in every

@@ -271,3 +271,81 @@ def test_a_mig_slice_gets_no_whole_gpus_datasheet_peak_but_its_own_measured_one(
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 1g.10gb")
     monkeypatch.setattr(flops, "measured_matmul_flops", lambda rt: 118e12)  # what the slice's matmuls reach
     assert flops.peak_flops(runtime.Runtime("cuda:0", "bfloat16")) == 118e12
+
+
+class BusyBeside:
+    """A CoreWatch whose look at the other processes is given: how many cores they kept busy, look by look."""
+
+    def __init__(self, cores: int, busy: list):
+        self.cores, self.busy = list(range(cores)), list(busy)
+
+    def others(self):
+        return self.busy.pop(0)
+
+
+def test_a_cpu_run_uses_the_cores_other_processes_leave_and_says_so_once_per_change(monkeypatch):
+    """One busy process beside a 2-thread step made it 3.7x slower (threads waiting on a descheduled sibling): a run
+    takes one thread per free core, looks again at each log line, and says each change in one line."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        watch = BusyBeside(2, [1.0, 0.97, 0.0, 0.1, None])
+        assert runtime.choose_threads(watch) == ("note: using 1 of 2 CPU threads: other processes keep 1 core(s) "
+                                                 "busy (--threads= or OMP_NUM_THREADS chooses)")
+        assert torch.get_num_threads() == 1
+        assert runtime.choose_threads(watch) is None  # still busy: nothing to say
+        assert runtime.choose_threads(watch) == ("note: using 2 of 2 CPU threads: the cores are free again "
+                                                 "(--threads= or OMP_NUM_THREADS chooses)")
+        assert runtime.choose_threads(watch) is None and runtime.choose_threads(watch) is None  # unreadable: kept
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_users_threads_win_over_the_look(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert runtime.start_threads(0) == (None, None)  # OMP_NUM_THREADS: torch's own reading of it stands
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert runtime.start_threads(1) == (None, None) and torch.get_num_threads() == 1  # --threads=1
+        monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 0.0)
+        torch.set_num_threads(len(runtime.CoreWatch().cores))
+        watch, said = runtime.start_threads(0)  # nothing busy beside: every core, and nothing said
+        assert watch is not None and said is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_watch_counts_other_processes_busy_time_not_this_ones(monkeypatch):
+    """/proc/stat's busy time of this process's cores less this process's CPU time, over the clock between looks."""
+    hz = os.sysconf("SC_CLK_TCK")
+    readings = iter([(0, 0.0, 0.0), (2 * hz, 1.0, 1.0)])  # busy jiffies, this process's CPU seconds, the clock
+
+    class Fake(runtime.CoreWatch):
+        def now(self):
+            jiffies, cpu, clock = next(readings)
+            return jiffies / hz, cpu, clock
+    watch = Fake()
+    watch.cores = [0, 1]
+    assert watch.others() == 1.0  # both cores busy for a second, one of them by this process
+    real = runtime.CoreWatch()
+    stat = "cpu  9 9 9 9 9 0 0 0\n" + "".join(f"cpu{c} 10 0 5 100 2 0 0 0 0 0\n" for c in real.cores) + "cpu999 1 1\n"
+    monkeypatch.setattr(runtime.CoreWatch, "stat", staticmethod(lambda: stat))
+    assert real.now()[0] == len(real.cores) * 15 / hz  # user + system, not idle or iowait, of its own cores only
+
+
+def test_train_says_it_uses_fewer_threads_beside_a_busy_process(char_data, tmp_path, monkeypatch, capsys):
+    import train
+    from conftest import TINY
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 1.0)
+    try:
+        torch.set_num_threads(2)
+        assert train.main([*TINY, f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--max_iters=3"]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if "CPU threads" in line]
+        assert notes == ["note: using 1 of 2 CPU threads: other processes keep 1 core(s) busy (--threads= or "
+                         "OMP_NUM_THREADS chooses)"]
+    finally:
+        torch.set_num_threads(threads)
