@@ -43,7 +43,7 @@ def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path
 @pytest.mark.slow  # two torchrun launches of two ranks
 @pytest.mark.parametrize("refusal, words", [
     (["--gradient_accumulation_steps=1"], "error: gradient_accumulation_steps=1 is not divisible by the 2 ranks"),
-    (["--wandb_log=True"], "error: wandb_log=True, but wandb has no login here"),
+    (["--gradient_accumulation_steps=2", "--wandb_log=True"], "error: wandb_log=True, but wandb has no login here"),
 ], ids=["every rank decides", "rank 0 decides"])
 def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0_the_root_cause(char_data, tmp_path, refusal, words):
     """Whether every rank decides a refusal alike or rank 0 decides for all, one `error:` line is printed (rank 0's),
