@@ -26,7 +26,7 @@ from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, restore_r
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from engine.metrics import MetricsLog, StepEnd, StepTimer, check_wandb
+from engine.metrics import MetricsLog, StepEnd, StepTimer
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, IMPLEMENTATIONS, GPTConfig
 from core.runtime import Runtime
@@ -265,6 +265,7 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Option
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                         f"the {rt.world_size} ranks; make it a multiple of the world size.")
     if cfg.wandb_log:  # before anything is written: a run that cannot log leaves no empty out_dir behind
+        from tools.wandb_check import check_wandb
         runtime.on_master(check_wandb, rt.device)
     data_dir = dataset_dir(cfg.data_dir, cfg.dataset)  # missing data, likewise
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
@@ -387,6 +388,9 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         from tools.sharded import ShardedSaver
         saver = ShardedSaver(Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
     meta = files.read_meta(data_dir)
+    if meta is None and (data_dir / "meta.pkl").exists():  # a nanoGPT data folder: its character vocabulary
+        from tools.nanogpt import read_nanogpt_meta
+        meta = read_nanogpt_meta(data_dir / "meta.pkl")
 
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)

@@ -9,10 +9,8 @@ import contextlib
 import errno
 import json
 import os
-import pickle
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -28,7 +26,7 @@ GPT2_EOT_TOKEN = 50256  # <|endoftext|>: ends each document in GPT-2's data (and
 
 
 def read_meta(data_dir: Path) -> dict | None:
-    """A prepared folder's meta.json, else nanoGPT's meta.pkl, else None (GPT-2 BPE, as nanoGPT's BPE folders are)."""
+    """A prepared folder's meta.json, else None: GPT-2 BPE, or nanoGPT's meta.pkl beside (tools/nanogpt.py reads it)."""
     path = Path(data_dir) / "meta.json"
     if path.exists():
         try:
@@ -38,54 +36,7 @@ def read_meta(data_dir: Path) -> dict | None:
         if not isinstance(meta, dict) or "tokenizer" not in meta:
             raise UserError(f"{path} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
         return meta
-    if (Path(data_dir) / "meta.pkl").exists():
-        return read_nanogpt_meta(Path(data_dir) / "meta.pkl")
     return None
-
-
-def read_nanogpt_meta(path: Path) -> dict:
-    """nanoGPT's meta.pkl ({'vocab_size', 'itos', 'stoi'} of a character vocabulary) as this project's meta."""
-    meta = read_plain_pickle(path)
-    itos = meta.get("itos") if isinstance(meta, dict) else None
-    size = meta.get("vocab_size") if isinstance(meta, dict) else None
-    if not isinstance(itos, dict) or sorted(itos) != list(range(len(itos))) or size != len(itos) or not all(
-            isinstance(c, str) and len(c) == 1 for c in itos.values()):
-        raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
-                        f"characters); copy the one from the run's data folder.")
-    chars = [itos[i] for i in range(size)]
-    repeated = [c for c, count in Counter(chars).items() if count > 1]
-    if repeated:
-        raise UserError(f"{path} gives the character {repeated[0]!r} more than one id, and a character vocabulary "
-                        f"holds each character once; copy the meta.pkl from the run's data folder.")
-    return {"tokenizer": "char", "vocab_size": size, "chars": chars}
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Refuses every import request, so nothing in the file can run: only what pickle makes without a class."""
-
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"refers to {module}.{name}")
-
-
-def read_plain_pickle(path: Path):
-    """A pickle of plain dicts, lists, strings and ints, read without executing anything; else one sentence."""
-    try:
-        with open(path, "rb") as f:
-            value = _PlainUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
-        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
-                        f"nothing in it was run.") from None
-    if not _is_plain(value):
-        raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
-    return value
-
-
-def _is_plain(value) -> bool:
-    if isinstance(value, dict):
-        return all(_is_plain(k) and _is_plain(v) for k, v in value.items())
-    if isinstance(value, list):
-        return all(_is_plain(v) for v in value)
-    return isinstance(value, (str, int))
 
 
 def eot_token_of(meta: dict | None) -> int:

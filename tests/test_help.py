@@ -16,7 +16,6 @@ import export_hf
 import sample
 import train
 from benchmarks import time_to_loss
-from core import files
 from core.configurator import Choice
 from core.tokenizer import tokenizer_from_meta
 from conftest import REPO
@@ -195,8 +194,9 @@ def test_a_mistyped_choice_is_answered_with_the_word_it_is_close_to(tmp_path):
 def test_a_meta_pkl_with_a_repeated_character_is_reported_as_that_meta_pkl(tmp_path):
     with open(tmp_path / "meta.pkl", "wb") as f:  # as nanoGPT's prepare.py writes it, with 'a' twice
         pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "a"}, "stoi": {"a": 2, "b": 1}}, f)
+    from tools.nanogpt import read_nanogpt_meta
     with pytest.raises(UserError) as error:
-        files.read_meta(tmp_path)
+        read_nanogpt_meta(tmp_path / "meta.pkl")
     assert str(tmp_path / "meta.pkl") in str(error.value) and "meta.json" not in str(error.value)
     assert "'a'" in str(error.value)
     with pytest.raises(UserError, match=r"^the chars list in the meta of out/ckpt.pt must hold distinct single"):

@@ -11,7 +11,6 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 import sample
 import train

@@ -199,7 +199,7 @@ def test_wandb_without_a_login_is_one_sentence_before_anything_is_written(char_d
                                         r"once, log offline with WANDB_MODE=offline .*or pass --wandb_log=False\.$"):
         train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--wandb_log=True", f"--out_dir={out}"])
     assert not out.exists()
-    from engine.metrics import check_wandb
+    from tools.wandb_check import check_wandb
     for key, value in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)):
         with monkeypatch.context() as m:
             m.setenv(key, value)

@@ -6,11 +6,13 @@ state by parameter number, `model_args`, and the vocabulary in meta.pkl.
 
 import dataclasses
 import os
+import pickle
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
-from core.files import GPT2_VOCAB_SIZE, read_nanogpt_meta
+from core.files import GPT2_VOCAB_SIZE
 from core.errors import UserError
 from model import GPTConfig
 
@@ -107,3 +109,48 @@ def nanogpt_meta(folder: Path, config: dict, vocab_size: int, path: Path, data_d
     raise UserError(f"{path} is a nanoGPT model with a {vocab_size}-token vocabulary and no meta.pkl was found "
                     f"({', '.join(str(p) for p in candidates)}); copy its data folder's meta.pkl next to ckpt.pt "
                     f"(train.py also reads it from --data_dir).")
+
+
+def read_nanogpt_meta(path: Path) -> dict:
+    """nanoGPT's meta.pkl ({'vocab_size', 'itos', 'stoi'} of a character vocabulary) as this project's meta."""
+    meta = read_plain_pickle(path)
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if not isinstance(itos, dict) or sorted(itos) != list(range(len(itos))) or size != len(itos) or not all(
+            isinstance(c, str) and len(c) == 1 for c in itos.values()):
+        raise UserError(f"{path} is not a nanoGPT character meta.pkl (vocab_size and an itos of ids 0..n-1 to single "
+                        f"characters); copy the one from the run's data folder.")
+    chars = [itos[i] for i in range(size)]
+    repeated = [c for c, count in Counter(chars).items() if count > 1]
+    if repeated:
+        raise UserError(f"{path} gives the character {repeated[0]!r} more than one id, and a character vocabulary "
+                        f"holds each character once; copy the meta.pkl from the run's data folder.")
+    return {"tokenizer": "char", "vocab_size": size, "chars": chars}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Refuses every import request, so nothing in the file can run: only what pickle makes without a class."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refers to {module}.{name}")
+
+
+def read_plain_pickle(path: Path):
+    """A pickle of plain dicts, lists, strings and ints, read without executing anything; else one sentence."""
+    try:
+        with open(path, "rb") as f:
+            value = _PlainUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
+                        f"nothing in it was run.") from None
+    if not _is_plain(value):
+        raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
+    return value
+
+
+def _is_plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(_is_plain(k) and _is_plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, (str, int))

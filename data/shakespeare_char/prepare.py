@@ -19,7 +19,6 @@ if str(REPO_ROOT) not in sys.path:
 
 from data import textdata  # noqa: E402
 from core import errors  # noqa: E402
-from core import files  # noqa: E402
 from core import tokenizer  # noqa: E402
 from core.configurator import configure  # noqa: E402
 

@@ -1,0 +1,53 @@
+"""
+Joining torchrun's ranks (runtime.init_distributed opens it where RANK is set): torchrun's variables checked, the
+process group joined on a store of this restart's own.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from core.errors import UserError
+
+
+def join(device: str) -> tuple[int, int, int, str]:
+    """(rank, local_rank, world_size, device), the process group joined (NCCL on CUDA, gloo elsewhere), one GPU per
+    local rank."""
+    rank, local_rank, world_size = launch_variables(os.environ)
+    # torchrun's store outlives a restart (--max-restarts): keys of this attempt's own, or the restarted ranks read
+    # the dead ones' addresses and hang or fail to connect
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
+    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device(device))
+    else:
+        dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
+    return rank, local_rank, world_size, device
+
+
+def launch_variables(env) -> tuple[int, int, int]:
+    """torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a set torchrun would not leave is one
+    sentence."""
+    fix = ("launch with torchrun --nproc_per_node=N train.py ..., or unset RANK, LOCAL_RANK and WORLD_SIZE for one "
+           "process")
+    missing = [name for name in ("LOCAL_RANK", "WORLD_SIZE") if name not in env]
+    if missing:
+        raise UserError(f"RANK is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not, as "
+                        f"torchrun would set them; {fix}.")
+    try:
+        rank, local_rank, world_size = (int(env[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    except ValueError:
+        raise UserError(f"RANK, LOCAL_RANK and WORLD_SIZE must be whole numbers, got {env['RANK']!r}, "
+                        f"{env['LOCAL_RANK']!r}, {env['WORLD_SIZE']!r}; {fix}.") from None
+    if not (0 <= rank < world_size and 0 <= local_rank <= rank):
+        raise UserError(f"RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world_size} cannot be one of torchrun's "
+                        f"ranks; {fix}.")
+    gone = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if gone:
+        raise UserError(f"RANK and WORLD_SIZE={world_size} are set without {' and '.join(gone)}: the ranks have "
+                        f"nowhere to meet; {fix}.")
+    return rank, local_rank, world_size
