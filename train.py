@@ -9,7 +9,6 @@ Every setting below can be set in a config file or overridden with --key=value.
 """
 
 import dataclasses
-import inspect
 import math
 import shlex
 import sys
@@ -142,28 +141,11 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
 
 
 def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
-    """The model compiled and, under torchrun, wrapped: DDP (a whole replica per rank) or FSDP2 (each block a unit,
-    sharded over the ranks and gathered for its forward and backward)."""
+    """The model compiled and, under torchrun, wrapped (core/distributed.py: DDP, or FSDP2 sharding it in place)."""
     if not rt.is_distributed:
         return torch.compile(model) if cfg.compile else model
-    if cfg.parallel == "ddp":
-        return wrap_ddp(torch.compile(model) if cfg.compile else model, rt)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # only an FSDP run shards
-    mp = MixedPrecisionPolicy(param_dtype=rt.torch_dtype, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        if cfg.compile:
-            block.compile()  # per block: whole-model compile would trace through FSDP's hooks
-        fully_shard(block, mp_policy=mp)
-    return fully_shard(model, mp_policy=mp)  # in place: model's parameters are the shards now
-
-
-def wrap_ddp(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
-    """DDP without its broadcast of buffers before every forward: the only one (the padded-vocab bias) is derived
-    and alike on every rank (~13 MB at GPT-2 size). torch 2.13 renamed the switch."""
-    from torch.nn.parallel import DistributedDataParallel as DDP  # only a run of several ranks wraps its model
-    new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
-    no_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
-    return DDP(model, device_ids=[rt.local_rank] if rt.is_cuda else None, **no_sync)
+    from core.distributed import wrap  # only a run of several ranks wraps its model
+    return wrap(model, cfg.parallel, cfg.compile, rt)
 
 
 @torch.no_grad()

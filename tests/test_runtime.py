@@ -16,7 +16,7 @@ from engine import trainer
 from benchmarks import measure
 import bench
 from benchmarks import compare
-from core import runtime
+from core import distributed, runtime
 import sample
 import train
 from model import GPT, GPTConfig
@@ -214,7 +214,7 @@ def test_ddp_does_not_broadcast_the_derived_buffers_before_every_forward(tmp_pat
     try:
         model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
         assert torch.nn.parallel.DistributedDataParallel(model).will_sync_module_buffers()  # DDP's default
-        assert not train.wrap_ddp(model, runtime.Runtime("cpu", "float32")).will_sync_module_buffers()
+        assert not distributed.wrap_ddp(model, runtime.Runtime("cpu", "float32")).will_sync_module_buffers()
     finally:
         torch.distributed.destroy_process_group()
 
@@ -223,7 +223,7 @@ def test_gradient_accumulation_reduces_across_ranks_only_on_the_last_micro_step(
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = GPT(GPTConfig(block_size=16, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
-        ddp = train.wrap_ddp(model, runtime.Runtime("cpu", "float32"))
+        ddp = distributed.wrap_ddp(model, runtime.Runtime("cpu", "float32"))
         with trainer.gradient_sync(ddp, sync=False):
             assert not ddp.require_backward_grad_sync
         with trainer.gradient_sync(ddp, sync=True):
