@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 
 from core import files
 from core import runtime
@@ -130,9 +131,10 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
         if hf_dir.exists():
             hf_dir.rmdir()  # empty, checked above
         staging.rename(hf_dir)
-    except OSError as e:
-        raise UserError(f"could not write {hf_dir} ({e.strerror or e}); pass --hf_dir= a writable folder with "
-                        f"free space.") from None
+    except (OSError, SafetensorError) as e:  # safetensors writes in Rust: a full disk is its own error type
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:160]
+        raise UserError(f"could not write {hf_dir} ({reason}); pass --hf_dir= a writable folder with free space; "
+                        f"nothing was left there.") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return hf_dir

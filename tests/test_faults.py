@@ -293,3 +293,25 @@ def test_a_full_disk_at_metrics_jsonl_or_the_lock_file_is_one_sentence(char_data
                                         r"the run stops, its last checkpoint kept - free disk space"):
         train.main([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=2", *TINY])
     assert not list(out.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("fails", ["safetensors", "tokenizer"])
+def test_an_export_that_meets_a_full_disk_is_one_sentence_and_leaves_nothing(char_data, tmp_path, monkeypatch, fails):
+    """The weights are written by safetensors (Rust: its own error type, not OSError), the tokenizer by Python."""
+    from safetensors import SafetensorError
+    import transformers.modeling_utils as modeling
+    train.main([f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2", *TINY])
+
+    def full(*args, **kwargs):
+        if fails == "safetensors":
+            raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if fails == "safetensors":
+        monkeypatch.setattr(modeling, "safe_save_file", full)
+    else:
+        monkeypatch.setattr(export_hf, "hf_tokenizer", full)
+    hf_dir = tmp_path / "hf"
+    with pytest.raises(UserError, match=rf"^could not write {hf_dir} \(.*No space left on device.*\); pass --hf_dir= "
+                                        r"a writable folder with free space; nothing was left there\.$"):
+        export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={hf_dir}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
