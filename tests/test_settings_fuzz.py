@@ -375,9 +375,9 @@ def test_every_combination_of_a_scripts_settings_ends_in_its_output_or_one_sente
 
 
 @pytest.mark.slow
-def test_the_property_finds_a_crash_planted_in_a_combination(char_data_session, monkeypatch):
-    """It can fail: bench's auto row for a pick an --attn list left out, without its vocab column (the crash it
-    found first), and a training step that breaks under Muon alone."""
+def test_the_property_finds_a_crash_planted_in_a_combination(char_data_session, monkeypatch, request):
+    """It can fail: bench's auto row for a pick an --attn list left out, without its vocab column (the crash the
+    random draws found first), and a training step that breaks under Muon alone (the pairs find it)."""
     from benchmarks import bench_train
     real_rows, real_step = bench_train.auto_rows, train.Trainer.step
 
@@ -393,7 +393,7 @@ def test_the_property_finds_a_crash_planted_in_a_combination(char_data_session, 
         return real_step(self, batches)
     monkeypatch.setattr(train.Trainer, "step", breaks_under_muon)
     with pytest.raises(Exception, match="planted"):
-        check_train(char_data_session, 30)
+        enumerate_pairs("train", request)
 
 
 PAIRED = ["train", "sample --compare", "bench train", "bench attention", "bench generate"]
