@@ -29,7 +29,8 @@ def pytest_collection_finish(session):
 
 # The suite loads the cores itself: the scripts keep the threads they start with rather than follow the load
 # (runtime.start_threads), so that a run is the same run however busy the machine is; test_runtime.py tests that
-os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                              else os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True, scope="session")
