@@ -34,6 +34,9 @@ def attention_names(spec) -> list[str]:
     """'all', or a comma list such as 'manual,flash' (a list or tuple too), as implementation names, each once."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     names = list(IMPLEMENTATIONS) if [s.strip() for s in items] == ["all"] else [s.strip() for s in items if s.strip()]
+    if "all" in names:
+        raise UserError(f"'all' stands alone, and {','.join(names)} names others beside it; pass all, or a "
+                        f"comma-separated list of {', '.join(IMPLEMENTATIONS)}.")
     unknown = [n for n in names if n not in IMPLEMENTATIONS]
     if unknown or not names:
         close = comma_list_of(*IMPLEMENTATIONS).suggestion(names)  # "." or "; did you mean ...?"

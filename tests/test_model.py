@@ -374,6 +374,8 @@ def test_unknown_attn_lists_the_valid_names():
 
 def test_attention_lists_accept_all_or_comma_separated_names():
     assert attention_names("all") == list(IMPLEMENTATIONS)
+    with pytest.raises(UserError, match=r"^'all' stands alone, and all,sdpa names others beside it; pass all, or "):
+        attention_names("all,sdpa")
     assert attention_names("sdpa, manual,sdpa") == ["sdpa", "manual"]
     with pytest.raises(UserError, match="unknown attn 'fast'; use all or a comma-separated list of manual"):
         attention_names("manual,fast")
