@@ -587,7 +587,7 @@ class KVCache(nn.Module):
             pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
             self.doc_start.copy_(torch.where(idx == self.eot_token, pos, 0).amax(dim=1))  # (B,)
         if not torch.compiler.is_compiling():
-            self.length = idx.size(1)
+            self.length, self.keys = idx.size(1), slice(None)  # a new text: no decode step's keys yet
 
     def step(self, idx: torch.Tensor, input_pos: torch.Tensor, attn: str):
         """A decode step writes idx (B, 1) at input_pos (1,) and sees [max(document start, pos - window + 1), pos];

@@ -54,7 +54,7 @@ def launch_variables(env) -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
-def wrap(model: torch.nn.Module, parallel: str, compile: bool, rt: "Runtime") -> torch.nn.Module:  # noqa: F821
+def wrap(model: torch.nn.Module, parallel: str, compile: bool, rt) -> torch.nn.Module:  # rt: a runtime.Runtime
     """DDP (a whole replica per rank), or FSDP2 (each block a unit, sharded over the ranks and gathered for its
     forward and backward; in place: the model's parameters are the shards afterwards)."""
     if parallel == "ddp":
@@ -68,7 +68,7 @@ def wrap(model: torch.nn.Module, parallel: str, compile: bool, rt: "Runtime") ->
     return fully_shard(model, mp_policy=mp)
 
 
-def wrap_ddp(model: torch.nn.Module, rt: "Runtime") -> torch.nn.Module:  # noqa: F821 (runtime.Runtime)
+def wrap_ddp(model: torch.nn.Module, rt) -> torch.nn.Module:
     """DDP without its broadcast of buffers before every forward: the only one (the padded-vocab bias) is derived
     and alike on every rank (~13 MB at GPT-2 size). torch 2.13 renamed the switch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
