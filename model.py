@@ -40,7 +40,7 @@ def manual_attention(q, k, v, mask, dropout_p):
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, Tq, Tk)
     if mask is None:
         mask = causal_mask(q.size(-2), k.size(-2), q.device)
-    att = att.masked_fill(~mask, float("-inf"))
+    att = att.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else att + mask  # bool, or additive
     att = F.softmax(att, dim=-1)
     att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
     return att @ v
@@ -571,7 +571,8 @@ class KVCache(nn.Module):
             self.register_buffer(f"v{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.doc_mask else None  # (B,)
         self.register_buffer("doc_start", starts, persistent=False)
-        self.length, self.keys = 0, slice(None)  # on the host: positions written; those the decode step sees
+        self.length, self.keys = 0, slice(None)  # on the host: positions written; those the decode step reads
+        self.masked_decode: dict = {}  # attn -> whether its decode step takes a mask row (takes_mask)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return the keys and values the step sees."""
@@ -600,15 +601,46 @@ class KVCache(nn.Module):
             start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
             start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
             return span_mask(attn, start, end, self.block_size)
-        # eagerly the host knows the position: the step reads only the keys it sees, with no mask but documents'
+        # eagerly the host knows the position: the step reads the keys it sees, in a span rounded up to a multiple of
+        # DECODE_BLOCK with the rest masked, so attention meets a bounded set of shapes (cuDNN builds a plan per shape)
         end = self.length + 1
-        first = max(0, end - self.window) if self.window else 0
-        self.keys, self.length = slice(first, end), end
-        if self.doc_start is None:
+        first, lo, hi = decode_span(end, self.window, self.block_size)
+        self.length = end
+        if not self.takes_mask(attn):  # CUDA's flash takes no mask, and its kernel has no per-shape plan
+            self.keys = slice(first, end)
             return None
-        from tools.masks import span_mask  # documents: each row from its own start
-        ends = torch.full((1,), end - first, device=idx.device)  # (1,): a fill, not a copy from the host
-        return span_mask(attn, (self.doc_start - first).clamp(min=0), ends, end - first)
+        self.keys = slice(lo, hi)
+        starts = torch.full((1,), first - lo, device=idx.device)  # (1,): fills, not copies from the host
+        if self.doc_start is not None:  # documents: each row from its own start
+            starts = (self.doc_start - lo).clamp(min=first - lo)  # (B,)
+        from tools.masks import span_mask
+        return span_mask(attn, starts, torch.full((1,), end - lo, device=idx.device), hi - lo, self.dtype)
+
+    def takes_mask(self, attn: str) -> bool:
+        """Whether attn's decode step takes a mask row (asked once per attn)."""
+        if attn not in self.masked_decode:
+            from tools.kernels import decodes_with_mask
+            self.masked_decode[attn] = decodes_with_mask(attn, IMPLEMENTATIONS[attn], self.k0.device.type, self.dtype,
+                                                         self.k0.size(-1))
+        return self.masked_decode[attn]
+
+    def reset(self) -> None:
+        """A new text from position 0: nothing written, no document started (a one-token prompt is not prefilled)."""
+        self.length, self.keys = 0, slice(None)
+        if self.doc_start is not None:
+            self.doc_start.zero_()
+
+
+DECODE_BLOCK = 128  # an eager decode step's key span is a multiple of this (or the whole cache)
+
+
+def decode_span(end: int, window: int, block_size: int) -> tuple[int, int, int]:
+    """A decode step at position end - 1 sees keys [first, end) and reads cache positions [lo, hi) around them: a
+    multiple of DECODE_BLOCK (or the whole cache), so at most block_size / DECODE_BLOCK + 1 lengths in a generation."""
+    first = max(0, end - window) if window else 0
+    length = min(-(-(end - first) // DECODE_BLOCK) * DECODE_BLOCK, block_size)
+    lo = max(0, min(first, block_size - length))
+    return first, lo, lo + length
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
@@ -654,7 +686,7 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
         else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
             positions = torch.arange(context.size(1), device=idx.device)  # (T,)
             step = prefill if context.size(1) > 1 else decode
-            cache.length = 0
+            cache.reset()
             # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
             logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
             written = context.size(1)

@@ -83,6 +83,39 @@ def cpu_share(cpu_seconds: float, wall_seconds: float) -> float:
     return cpu_seconds / (wall_seconds * torch.get_num_threads())
 
 
+# -- memory bandwidth: the roofline of batch-1 decoding, which reads every weight once per token ------------------
+
+def memory_bandwidth(rt: Runtime, nbytes: int, repeats: int = 5) -> Optional[float]:
+    """Bytes/s this machine reads streaming over a buffer of about `nbytes` (a footprint the caches of the CPU or
+    GPU hold reads faster than one they do not): the best ever measured alone, kept beside the peak FLOP/s."""
+    size = 2 ** max(26, math.ceil(math.log2(max(nbytes, 1))))  # bytes: a power of two, 64 MiB at least
+    key = f"bandwidth, {rt.name}, {size >> 20} MiB, torch {torch.__version__}"
+    cache = peak_flops_cache()
+    known = files.read_cache(cache, is_flops, "a positive number")
+    measured = best_read_rate(rt, size, repeats)
+    if measured is not None and measured > known.get(key, 0.0):
+        known[key] = measured
+        files.write_cache(cache, known)
+    return known.get(key)
+
+
+def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:
+    """The best bytes/s of `repeats` rounds of reading `size` bytes, two ways (a sum, and the batch-1 matmul that
+    decoding does), among the rounds run alone; None if none was."""
+    rows = 4096
+    data = torch.ones(rows, size // 4 // rows, device=rt.device)  # fp32: (rows, size / rows / 4)
+    x = torch.ones(1, rows, device=rt.device)
+    rates = []
+    for read in (lambda: data.sum(), lambda: x @ data):
+        read()  # the first call pays for setup
+        for _ in range(repeats):
+            cpu = time.process_time()
+            _, seconds = runtime.time_call(read, rt)
+            if rt.is_cuda or cpu_share(time.process_time() - cpu, seconds) >= ALONE:
+                rates.append(size / seconds)
+    return max(rates, default=None)
+
+
 # -- vendors' datasheets ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

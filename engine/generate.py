@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from core import runtime
-from model import GPT, decode_tokens, last_logits
+from model import GPT, decode_span, decode_tokens, last_logits
 
 QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only
 
@@ -59,12 +59,30 @@ def draw_samples(decoder: Decoder, prompt: list[int], rt: runtime.Runtime, sampl
     untimed warm-up of `warmup` tokens first (compilation, per-shape CPU kernels)."""
     x = torch.tensor([prompt] * sampling.num_samples, dtype=torch.long, device=rt.device)  # (num_samples, T)
     generator = torch.Generator(rt.device).manual_seed(sampling.seed)
+    def warm() -> None:
+        decoder.generate(x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache)
+        spans = use_cache and not decoder.compiled  # a compiled step reads the whole cache: one shape
+        for n in span_warmups(decoder.model, len(prompt), sampling.max_new_tokens) if spans else ():
+            longer = x.repeat(1, -(-n // x.size(1)))[:, :n]  # (num_samples, n): the prompt over and over
+            decoder.generate(longer, 2, temperature=0.0)  # a prefill of n, then a decode step over n + 1 keys
     with rt.autocast():
-        _, warmup_s = runtime.time_call(lambda: decoder.generate(
-            x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache), rt)
+        _, warmup_s = runtime.time_call(warm, rt)
         y, seconds = runtime.time_call(lambda: decoder.generate(
             x, sampling.max_new_tokens, sampling.temperature, sampling.top_k, generator, use_cache), rt)
     return y[:, len(prompt):].tolist(), seconds, warmup_s  # y: (num_samples, T + new)
+
+
+def span_warmups(model: GPT, prompt_len: int, new_tokens: int) -> list[int]:
+    """Prompt lengths whose first decode step meets each key span (model.decode_span) that a generation of new_tokens
+    after prompt_len tokens will read, and block_size if it refills past it: on a GPU each span can be a kernel plan
+    built on first use (cuDNN's), which the timed run must not pay for."""
+    block_size, window = model.config.block_size, model.config.window
+    firsts = {}  # span length -> the first position that reads it
+    for written in range(min(prompt_len, block_size), min(prompt_len + new_tokens - 1, block_size)):
+        _, lo, hi = decode_span(written + 1, window, block_size)
+        firsts.setdefault(hi - lo, written)
+    refills = prompt_len + new_tokens - 1 > block_size
+    return sorted(set(firsts.values()) - {prompt_len}) + ([block_size] if refills else [])
 
 
 def full_warmup(model: GPT, sampling: Sampling) -> int:

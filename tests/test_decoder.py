@@ -32,6 +32,7 @@ class MockModel:
     def setup_cache(self, batch_size: int, dtype: torch.dtype) -> None:
         self.caches.append((batch_size, dtype))
         self.cache = SimpleNamespace(batch_size=batch_size, dtype=dtype, length=0)
+        self.cache.reset = lambda: setattr(self.cache, "length", 0)
 
 
 def greedy(model: MockModel, prompt: list[list[int]], new_tokens: int, use_cache: bool = True) -> list[list[int]]:

@@ -320,3 +320,100 @@ def test_a_vanishing_temperature_samples_the_likeliest_token_instead_of_overflow
     logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
     for temperature in (1e-300, 6.877919713494888e-109, 1e-3):
         assert sample_next(logits, temperature, None, torch.Generator().manual_seed(0)).item() == 1
+
+
+# -- eager decoding presents attention a bounded set of shapes ------------------------------------------------------
+
+def key_lengths(model: GPT) -> set:
+    """Wrap every layer's attention: the (query, key) lengths it receives."""
+    seen = set()
+    for block in model.transformer.h:
+        def record(q, k, v, mask, dropout_p, attend=block.attn.attend):
+            seen.add((q.size(-2), k.size(-2)))
+            return attend(q, k, v, mask, dropout_p)
+        block.attn.attend = record
+    return seen
+
+
+@pytest.mark.parametrize("masks", [{}, dict(window=200), dict(doc_mask=True, eot_token=0)],
+                         ids=["causal", "window", "documents"])
+def test_a_generation_past_block_size_shows_attention_a_bounded_set_of_key_lengths(masks):
+    """On a GPU a new key length can mean a new kernel plan (cuDNN builds one per shape): an eager decode step reads
+    its keys in spans rounded up to a multiple of 128, so block_size + 100 tokens show at most block_size / 128 + 2
+    key lengths, and the tokens are still the cache-free ones."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SMALL, "block_size": 300}, **masks)).eval()
+    x = prompts(B=2, T=5)
+    expected = Decoder(model).generate(x, 395, temperature=0.0, use_cache=False)
+    seen = key_lengths(model)
+    assert torch.equal(Decoder(model).generate(x, 395, temperature=0.0), expected)
+    lengths = {k for _, k in seen}
+    assert len(lengths) <= 300 // 128 + 2, sorted(lengths)
+    assert {k for q, k in seen if q == 1} <= {128, 256, 300}  # the decode steps' spans
+
+
+def test_a_kernel_without_masks_reads_the_exact_keys_at_every_step(monkeypatch):
+    """CUDA's flash takes no mask (and keeps no plan per shape): its decode steps read exactly the written keys."""
+    monkeypatch.setattr("tools.kernels.decodes_with_mask", lambda *args: False)
+    model = small_model("flash")
+    seen = key_lengths(model)
+    Decoder(model).generate(prompts(T=3), 8, temperature=0.0)
+    assert {k for q, k in seen if q == 1} == set(range(4, 11))
+
+
+def stale_document_case(compile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of a one-token prompt [5] through a cache that served [5, 0, 7, 8] (0: end-of-text) before, and
+    through a fresh cache."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, doc_mask=True, eot_token=0)).eval()
+    decoder = Decoder(model, compile=compile, tune=False)
+    logits = []
+    steps = decoder.decode
+
+    def keep(model, idx, input_pos):
+        out = steps(model, idx, input_pos)
+        logits.append(out)
+        return out
+    decoder.decode = keep
+    model.setup_cache(1, torch.float32)  # kept across generations: generate reuses a cache it did not make
+    decoder.generate(torch.tensor([[5, 0, 7, 8]]), 3, temperature=0.0)
+    logits.clear()
+    decoder.generate(torch.tensor([[5]]), 1, temperature=0.0)
+    reused = logits[0]
+    model.setup_cache(1, torch.float32)
+    logits.clear()
+    decoder.generate(torch.tensor([[5]]), 1, temperature=0.0)
+    return reused, logits[0]
+
+
+def test_a_one_token_prompt_over_a_reused_cache_starts_a_fresh_document():
+    reused, fresh = stale_document_case(compile=False)
+    assert torch.equal(reused, fresh)
+
+
+@pytest.mark.slow
+def test_a_compiled_one_token_prompt_over_a_reused_cache_starts_a_fresh_document():
+    torch._dynamo.reset()
+    reused, fresh = stale_document_case(compile=True)
+    assert torch.allclose(reused, fresh, atol=1e-5)
+
+
+@pytest.mark.parametrize("masks", [{}, dict(window=150)], ids=["causal", "window"])
+def test_sampling_warms_up_every_attention_shape_its_timed_tokens_meet(masks, monkeypatch):
+    """sample.py's speed line times no one-time kernel build: its untimed warm-up meets every (query, key) length."""
+    from engine.generate import draw_samples
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SMALL, "block_size": 300}, **masks)).eval()
+    rt = runtime.resolve_runtime("cpu", "float32")
+    seen = key_lengths(model)
+    phases = []
+
+    def timed(call, rt):  # runtime.time_call, noting which shapes each timed call met
+        seen.clear()
+        result = call()
+        phases.append(set(seen))
+        return result, 1.0
+    monkeypatch.setattr(runtime, "time_call", timed)
+    draw_samples(Decoder(model), [1, 2, 3, 4, 5], rt, Sampling(2, 420, 0.0, None, 0))
+    warmup, timed_run = phases
+    assert timed_run <= warmup and len(timed_run) > 3

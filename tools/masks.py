@@ -110,12 +110,16 @@ def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, de
     return VarlenPacking(cu_seqlens.to(device), max_len, window)
 
 
-def span_mask(attn: str, start: torch.Tensor, end: torch.Tensor, kv_len: int):
+def span_mask(attn: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dtype: Optional[torch.dtype] = None):
     """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in attn's form: flex a score
-    mod, the others a (1 or B, 1, 1, kv_len) bool row."""
+    mod, the others a (1 or B, 1, 1, kv_len) row, bool or (with `dtype`) additive: 0 seen, -inf not. An additive row
+    made once per step spares SDPA turning a bool one into it in every layer (three kernels a call on CUDA)."""
     if attn != "flex":
         kv = torch.arange(kv_len, device=end.device)
-        return ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]
+        seen = ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]
+        if dtype is None:
+            return seen
+        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
     first, length = start, end - start  # (1 or B,) each
     if not start.is_cuda and torch.compiler.is_compiling():
         # torch 2.13's CPU flex template reads only tensors inductor materialises: reductions over the row are
