@@ -22,9 +22,9 @@ from tools.decoding import weight_bytes
 from benchmarks.measure import audit as audit_kernel
 from benchmarks.measure import (compile_health, counted, kernel_context, out_of_memory, paired_speedup, profiled_run,
                                 summarize, time_round_robin)
-from model import IMPLEMENTATIONS, GPT, GPTConfig
+from model import IMPLEMENTATIONS, GPT, GPTConfig, decode_span
 from core.runtime import Runtime
-from core import runtime
+from core import flops, runtime
 
 CACHES = {"none": "no cache", "cache": "cache", "compiled": "compiled cache"}
 WEIGHTS = ("float32", "bfloat16", "int8")
@@ -115,7 +115,20 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
                  weight_bytes=weight_bytes(row.model), kv_cache_bytes=row.model.cache_bytes() if row.cache != "none"
                  else 0, kernel_audit="eager twin" if row.cache == "compiled" else "this run", **kernel_context(rt))
         d["mem/peak_gb"] = (d["weight_bytes"] + d["kv_cache_bytes"] + added) / 1e9
+        d["bytes_per_step"] = d["weight_bytes"] + kv_read_per_step(row, d["kv_cache_bytes"])
+        d["bandwidth_gb_s"] = (flops.memory_bandwidth(rt, d["bytes_per_step"]) or float("nan")) / 1e9
         bar.update()
+
+
+def kv_read_per_step(row: Row, kv_cache_bytes: int) -> float:
+    """Bytes of keys and values a decode step reads, on average over the row's steps: the whole cache when compiled
+    (one shape), else the span an eager step reads (model.decode_span); none without a cache."""
+    cfg = row.model.config
+    if row.cache != "compiled" and kv_cache_bytes:
+        ends = range(row.prompt.size(1) + 1, min(row.prompt.size(1) + row.new_tokens, cfg.block_size) + 1)
+        spans = [hi - lo for _, lo, hi in (decode_span(end, cfg.window, cfg.block_size) for end in ends)]
+        return kv_cache_bytes * sum(spans) / max(1, len(spans)) / cfg.block_size
+    return kv_cache_bytes
 
 
 def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
@@ -161,6 +174,9 @@ def add_timings(described: dict[str, dict], rows: dict[str, Row], ms: dict[str, 
                  ms_per_token=(total["median"] - prefill["median"]) / max(1, cfg.new_tokens - 1),
                  tokens_per_s=cfg.gen_batch * cfg.new_tokens / (total["median"] / 1e3),
                  compile_s=first[key] - total["median"] / 1e3 if row.cache == "compiled" else None)
+        if "bytes_per_step" in d:  # the roofline: every weight (and the keys seen) read once per decode step
+            d["gb_per_s"] = d["bytes_per_step"] / d["ms_per_token"] / 1e6 if d["ms_per_token"] > 0 else float("nan")
+            d["bandwidth_share"] = d["gb_per_s"] / d["bandwidth_gb_s"]
 
 
 def mark_against_baselines(described: dict[str, dict], cfg, pad: bool) -> None:

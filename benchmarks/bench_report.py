@@ -131,6 +131,9 @@ GENERATE_COLUMNS = {
     "tokens/s": lambda r: f"{r['tokens_per_s']:,.1f}",
     "prefill ms": lambda r: f"{r['prefill_ms']:.1f}",
     "ms/token": lambda r: f"{r['ms_per_token']:.2f}",
+    "GB/s": lambda r: f"{r['gb_per_s']:,.1f}" if "gb_per_s" in r else "-",
+    "% of bandwidth": lambda r: (f"{100 * r['bandwidth_share']:.0f}% of {r['bandwidth_gb_s']:,.0f}"
+                                 if "bandwidth_share" in r else "-"),
     "vs nanoGPT (sdpa, no cache)": lambda r: f"{r.get('speedup_vs_nanogpt', float('nan')):.1f}x",
     "= no cache": lambda r: {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_no_cache"]],
     "compile s": lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.0f}",
