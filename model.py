@@ -667,6 +667,11 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
                   prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
     model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
+    if idx.dim() != 2 or idx.size(1) == 0:
+        raise user_error(f"generation needs a prompt of at least one token per row, shape (B, T), got "
+                         f"{tuple(idx.shape)}; start from a token such as end-of-text.")
+    if top_k is not None and top_k < 1:
+        raise user_error(f"top_k must be None (every token) or a positive number of tokens, got {top_k}.")
     block_size, cache = model.config.block_size, None
     if use_cache:
         dtype = dtype or model.compute_dtype()

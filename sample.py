@@ -22,7 +22,7 @@ from engine.reader import load_checkpoint
 from core.configurator import configure, one_of
 from core.errors import UserError
 from engine.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
-                      tokens_per_s)
+                             tokens_per_s, weight_bytes)
 from model import GPT, IMPLEMENTATIONS
 from core.runtime import Runtime
 from core.tokenizer import Tokenizer, tokenizer_from_meta
@@ -169,11 +169,23 @@ def sample(model: GPT, attn: str, tok: Tokenizer, rt: Runtime, sampling: Samplin
     print_samples(tok, prompt, samples)
     rate = tokens_per_s(seconds, sampling)
     weights = f"{quantize} weights, " if quantize else ""
+    read = roofline(model, rt, rate / sampling.num_samples)
     print(f"attn={model.config.attn}: {rate:.1f} tokens/s ({sampling.num_samples} x {sampling.max_new_tokens} new "
-          f"tokens in one batch, {weights}KV cache{', compiled' if compile else ''})"
+          f"tokens in one batch, {weights}KV cache{', compiled' if compile else ''}), {read['line']}"
           + (f"; compiling took {warmup_s:.1f} s, untimed" if compile else ""))
     return dict(attn=model.config.attn, samples=samples, texts=[tok.decode(prompt + x) for x in samples],
-                tokens_per_s=rate, compile_s=warmup_s if compile else None)
+                tokens_per_s=rate, compile_s=warmup_s if compile else None, gb_per_s=read["gb_per_s"],
+                bandwidth_gb_s=read["bandwidth_gb_s"])
+
+
+def roofline(model: GPT, rt: Runtime, steps_per_s: float) -> dict:
+    """Batch-1 decoding reads every weight once a step: the GB/s the weights were read at, against the read
+    bandwidth measured on this machine at that footprint (kept beside the peak FLOP/s in flops.peak_flops_cache)."""
+    from core import flops
+    gb_per_s = weight_bytes(model) * steps_per_s / 1e9
+    bandwidth = (flops.memory_bandwidth(rt, weight_bytes(model)) or 0.0) / 1e9
+    share = f" ({100 * gb_per_s / bandwidth:.0f}% of the {bandwidth:.1f} GB/s measured here)" if bandwidth else ""
+    return dict(gb_per_s=gb_per_s, bandwidth_gb_s=bandwidth or None, line=f"weights read at {gb_per_s:.1f} GB/s{share}")
 
 
 def write_json(path: Path, report: dict) -> None:

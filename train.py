@@ -365,6 +365,10 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         watch, said = runtime.start_threads(cfg.threads)
         if said:
             print(said, file=sys.stderr)
+        if cfg.compile and watch is not None:  # dynamo guards on the thread count: a change would recompile the step
+            print(f"note: a compiled step keeps its {torch.get_num_threads()} CPU threads for the whole run "
+                  f"(--threads= or OMP_NUM_THREADS chooses)", file=sys.stderr)
+            watch = None
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
         from tools.sharded import ShardedSaver

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from tools.kernels import AttnCall, attention_problem
 from core.errors import UserError
 from engine.generate import Decoder, for_inference
-from tools.decoding import weight_bytes
+from engine.generate import weight_bytes
 from benchmarks.measure import audit as audit_kernel
 from benchmarks.measure import (compile_health, counted, kernel_context, out_of_memory, paired_speedup, profiled_run,
                                 summarize, time_round_robin)

@@ -23,7 +23,7 @@ from core.configurator import comma_list_of
 from core.dataset import TOKEN_BYTES, read_windows
 from core.errors import UserError
 from engine.generate import Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s
-from tools.decoding import weight_bytes
+from engine.generate import weight_bytes
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
 from core.tokenizer import CharTokenizer, Tokenizer

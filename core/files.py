@@ -35,6 +35,10 @@ def read_meta(data_dir: Path) -> dict | None:
             raise UserError(f"could not read {path} ({e}); rerun the dataset's prepare.py") from e
         if not isinstance(meta, dict) or "tokenizer" not in meta:
             raise UserError(f"{path} has no \"tokenizer\" entry; rerun the dataset's prepare.py")
+        size = meta.get("vocab_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise UserError(f"{path} has no positive whole \"vocab_size\" (it holds {size!r}); rerun the dataset's "
+                            f"prepare.py")
         return meta
     return None
 

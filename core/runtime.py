@@ -90,17 +90,28 @@ class CoreWatch:
         return max(0.0, (now[0] - last[0] - (now[1] - last[1])) / (now[2] - last[2]))
 
 
+MAX_THREADS_PER_CPU = 4  # --threads= beyond this many per CPU is refused
+
+
 def start_threads(requested: int) -> tuple[Optional[CoreWatch], Optional[str]]:
     """A CPU run's threads at its start (choose_threads, over a tenth of a second's look), and the watch that keeps
     looking; no watch where the threads are the user's (`requested` > 0, or OMP_NUM_THREADS)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if requested > MAX_THREADS_PER_CPU * cpus:  # OpenMP crashes (a segfault) long before such counts
+        raise UserError(f"--threads={requested} is more than the {cpus} CPU(s) this process may use can run; pass "
+                        f"at most {cpus} (0: one per core other processes leave free).")
     if requested > 0:
         torch.set_num_threads(requested)
         return None, None
-    if "OMP_NUM_THREADS" in os.environ:
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp is not None and omp.strip().isdigit() and int(omp) > 0:
         return None, None
+    ignored = (f"note: OMP_NUM_THREADS={omp!r} is not a positive whole number and is ignored: threads are chosen "
+               f"as without it (set it to 1 or more, or unset it)") if omp is not None else None
     watch = CoreWatch()
     time.sleep(0.1)  # what the other processes do meanwhile
-    return watch, choose_threads(watch)
+    said = "\n".join(line for line in (ignored, choose_threads(watch)) if line)
+    return watch, said or None
 
 
 def choose_threads(watch: CoreWatch) -> Optional[str]:

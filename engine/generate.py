@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
 from model import GPT, decode_span, decode_tokens, last_logits
@@ -169,3 +170,18 @@ def _mv_forward(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, m.weight, m.bias)
     y = torch.mv(m.weight, x.reshape(-1))  # (out,)
     return (y if m.bias is None else y + m.bias).view(*x.shape[:-1], -1)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a quantized tensor subclass counts its int8 data and scales."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: GPT) -> int:
+    """Parameters and buffers, each once (tied weights once), the KV cache (and doc_mask's starts) not included."""
+    tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if not name.startswith("cache.")}
+    return sum(tensor_bytes(t) for t in tensors.values())

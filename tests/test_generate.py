@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import runtime
 from engine.generate import Decoder, Sampling, for_inference
-from tools.decoding import quantize_int8, tensor_bytes, weight_bytes
+from tools.decoding import quantize_int8
+from engine.generate import tensor_bytes, weight_bytes
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from tools.kernels import decodes_with_mask
 from core.errors import UserError

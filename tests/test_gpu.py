@@ -22,7 +22,7 @@ import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
 from tools.kernels import AttnCall, attention_problem, decodes_with_mask
 from engine.generate import Decoder, for_inference
-from tools.decoding import weight_bytes
+from engine.generate import weight_bytes
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.errors import UserError
 

@@ -13,7 +13,6 @@ import warnings
 from typing import Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
 from core.errors import UserError
@@ -65,7 +64,7 @@ def _quietly(step: Step, freeze: bool = False) -> Step:
 
 
 # -----------------------------------------------------------------------------
-# int8 weights, and what weights weigh
+# int8 weights
 
 @contextlib.contextmanager
 def quiet_imports():
@@ -94,18 +93,3 @@ def quantize_int8(model: GPT) -> GPT:
     except ImportError:
         raise UserError("--quantize=int8 needs torchao; pip install torchao.") from None
     return model
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds; a quantized tensor subclass counts its int8 data and scales."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, name)) for name in names)
-    return t.numel() * t.element_size()
-
-
-def weight_bytes(model: GPT) -> int:
-    """Parameters and buffers, each once (tied weights once), the KV cache (and doc_mask's starts) not included."""
-    tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()]
-               if not name.startswith("cache.")}
-    return sum(tensor_bytes(t) for t in tensors.values())
