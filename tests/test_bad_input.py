@@ -341,3 +341,12 @@ def test_bench_and_sample_check_where_they_write_before_any_work(tmp_path):
     with pytest.raises(UserError, match="json .*file is a file, not a folder; pass --json= a path in a writable"):
         sample.main([f"--json={tmp_path / 'file' / 'report.json'}", f"--out_dir={tmp_path / 'no_checkpoint'}"])
     assert (tmp_path / "file").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("vocab_size", ["missing", "65", 0, True, 2.5])
+def test_a_meta_json_without_a_whole_vocab_size_is_one_sentence(tmp_path, vocab_size):
+    from core import files
+    (tmp_path / "meta.json").write_text(json.dumps(
+        {"tokenizer": "char", "chars": list("ab"), **({} if vocab_size == "missing" else {"vocab_size": vocab_size})}))
+    with pytest.raises(UserError, match=r"meta.json has no positive whole \"vocab_size\" .*rerun the dataset's"):
+        files.read_meta(tmp_path)

@@ -232,3 +232,14 @@ def test_a_compiled_runs_nanogpt_checkpoint_resumes_as_nanogpts_scripts_load_it(
     moments = [resumed.state[p]["exp_avg"] for p in resumed.param_groups[0]["params"]]
     assert all(m.abs().sum() > 0 for m in moments)  # AdamW's state came back with the parameters it belongs to
     torch.testing.assert_close(moments[0], optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg"])
+
+
+@pytest.mark.parametrize("call, sentence", [
+    (lambda m: m.generate(torch.zeros(1, 3, dtype=torch.long), 4, top_k=0), "top_k must be None .* got 0"),
+    (lambda m: m.generate(torch.zeros(2, 0, dtype=torch.long), 4), r"at least one token per row.*\(2, 0\)"),
+    (lambda m: m.generate(torch.zeros(3, dtype=torch.long), 4), r"shape \(B, T\), got \(3,\)"),
+])
+def test_generate_refuses_what_it_cannot_sample_from_in_one_sentence(call, sentence):
+    model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)).eval()
+    with pytest.raises(ValueError, match=sentence):
+        call(model)

@@ -349,3 +349,26 @@ def test_train_says_it_uses_fewer_threads_beside_a_busy_process(char_data, tmp_p
                          "OMP_NUM_THREADS chooses)"]
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("count", [100_000, 10 ** 9])
+def test_a_thread_count_no_machine_runs_is_one_sentence_not_a_crash(count):
+    # OpenMP segfaults when asked for 100,000 threads: the count is refused before torch sees it
+    threads = torch.get_num_threads()
+    with pytest.raises(UserError, match=rf"--threads={count} is more than the \d+ CPU\(s\).*pass at most \d+"):
+        runtime.start_threads(count)
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "-1", ""])
+def test_an_omp_num_threads_that_is_not_a_positive_count_is_named_and_ignored(monkeypatch, value):
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 0.0)
+        watch, said = runtime.start_threads(0)
+        assert watch is not None  # the threads are chosen as without it
+        assert said.splitlines()[0] == (f"note: OMP_NUM_THREADS={value!r} is not a positive whole number and is "
+                                        f"ignored: threads are chosen as without it (set it to 1 or more, or unset it)")
+    finally:
+        torch.set_num_threads(threads)
