@@ -1,5 +1,6 @@
 # The CPU quickstart: a small character-level GPT on the packaged Shakespeare plays, 3000 steps in ~4 minutes on
-# 2 cores with native bf16 (AVX512-BF16/AMX), ~8 on an AVX2-only CPU; val 1.89 after ~20-40 s (docs/quickstart.md).
+# 2 cores where bf16 is native (AVX512-BF16/AMX: only Muon's Newton-Schulz runs in bf16, the model trains in fp32),
+# ~8 on an AVX2-only CPU; val 1.89 after ~20-40 s (docs/quickstart.md).
 #   python train.py config/train_shakespeare_char_cpu.py
 #   python sample.py --out_dir=out-shakespeare-char-cpu
 # The data is prepared automatically the first time (data/shakespeare_char/prepare.py, offline).
@@ -12,6 +13,8 @@ log_interval = 50
 always_save_checkpoint = False
 
 dataset = "shakespeare_char"
+wandb_project = "shakespeare-char"  # with --wandb_log=True: this recipe's own names, not train.py's GPT-2 ones
+wandb_run_name = "cpu-quickstart"
 gradient_accumulation_steps = 1
 batch_size = 32         # Muon's step is a fixed cost (~20 ms on 2 cores): a bigger batch spreads it, and takes a higher lr
 block_size = 64

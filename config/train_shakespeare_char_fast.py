@@ -13,6 +13,8 @@ log_interval = 50
 always_save_checkpoint = False
 
 dataset = "shakespeare_char"
+wandb_project = "shakespeare-char"  # with --wandb_log=True: this recipe's own names, not train.py's GPT-2 ones
+wandb_run_name = "fast"
 gradient_accumulation_steps = 1
 batch_size = 64
 block_size = 256

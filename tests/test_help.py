@@ -228,3 +228,13 @@ def test_every_setting_has_a_comment_that_help_shows(name):
     """bench.py --help had ten settings with no words (n_layer, bias, seed, out_dir, ...), time_to_loss one."""
     module, _ = SCRIPTS[name]
     assert [setting for _, setting, comment in source_settings(module) if not comment] == []
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "config").glob("*.py")
+                                          if "dataset" in (REPO / "config" / p.name).read_text()))
+def test_a_recipe_for_another_dataset_logs_to_wandb_under_its_own_names(recipe):
+    """train.py's wandb defaults name GPT-2 on openwebtext: a recipe for other data names its own project and run."""
+    settings = {}
+    exec((REPO / "config" / recipe).read_text(), {}, settings)
+    if settings.get("dataset", "openwebtext") != "openwebtext":
+        assert settings.get("wandb_project", "owt") != "owt" and settings.get("wandb_run_name", "gpt2") != "gpt2"
