@@ -616,8 +616,7 @@ class KVCache(nn.Module):
         from tools.masks import span_mask
         return span_mask(attn, starts, torch.full((1,), end - lo, device=idx.device), hi - lo, self.dtype)
 
-    def takes_mask(self, attn: str) -> bool:
-        """Whether attn's decode step takes a mask row (asked once per attn)."""
+    def takes_mask(self, attn: str) -> bool:  # whether attn's decode step takes a mask row, asked once per attn
         if attn not in self.masked_decode:
             from tools.kernels import decodes_with_mask
             self.masked_decode[attn] = decodes_with_mask(attn, IMPLEMENTATIONS[attn], self.k0.device.type, self.dtype,
