@@ -88,7 +88,12 @@ def cpu_share(cpu_seconds: float, wall_seconds: float) -> float:
 def memory_bandwidth(rt: Runtime, nbytes: int, repeats: int = 5) -> Optional[float]:
     """Bytes/s this machine reads streaming over a buffer of about `nbytes` (a footprint the caches of the CPU or
     GPU hold reads faster than one they do not): the best ever measured alone, kept beside the peak FLOP/s."""
-    size = 2 ** max(26, math.ceil(math.log2(max(nbytes, 1))))  # bytes: a power of two, 64 MiB at least
+    return measured_bandwidth(rt, 2 ** max(26, math.ceil(math.log2(max(nbytes, 1)))), repeats)  # 64 MiB at least
+
+
+@functools.lru_cache(maxsize=None)
+def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
+    """memory_bandwidth at a power-of-two size, measured once per process (a sweep's rows share it)."""
     key = f"bandwidth, {rt.name}, {size >> 20} MiB, torch {torch.__version__}"
     cache = peak_flops_cache()
     known = files.read_cache(cache, is_flops, "a positive number")
