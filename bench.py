@@ -220,6 +220,7 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             calls[key] = functools.partial(trainer.step, a)
             audits[key] = functools.partial(trainer.eager_pass, a)
     peak = flops.peak_flops(rt)
+    print(flops.peak_line(rt, peak), file=sys.stderr)
     # disable=None: no bar where stderr is a file or a pipe (there a bar's redraws pile up into one long line)
     with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr, disable=None) as bar:
         measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),

@@ -96,11 +96,18 @@ def characters(chars: list[str]):
 
 def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k: Optional[int] = 200) -> Path:
     """Write the Hugging Face directory: into a temporary folder beside hf_dir, renamed into place when complete."""
-    with quiet_imports():  # transformers imports torchao: its CUDA-extension notes are noise here
-        from transformers import GenerationConfig, GPT2LMHeadModel
-        from transformers.utils import logging as hf_logging
+    try:
+        with quiet_imports():  # transformers imports torchao: its CUDA-extension notes are noise here
+            from transformers import GenerationConfig, GPT2LMHeadModel
+            from transformers.utils import logging as hf_logging
+    except Exception as e:  # missing, or installed but broken (a mismatched dependency raises anything)
+        raise UserError(f"exporting needs transformers, which cannot be imported here ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else 'no message'}); pip install -r "
+                        f"requirements.txt.") from None
     hf_logging.disable_progress_bar()  # "Writing model shards": one file, written in a moment
     hf_dir = Path(hf_dir)
+    if hf_dir.is_symlink():  # the folder it points to is the one replaced; the link stays
+        hf_dir = hf_dir.resolve()
     if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
         raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
                         f"is overwritten).")

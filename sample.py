@@ -120,7 +120,10 @@ def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     if cfg.json:  # find out now, not after a long comparison
-        files.check_writable_dir(Path(cfg.json).parent, "json")
+        files.check_writable_file(Path(cfg.json), "json")
+    if cfg.quantize:
+        from tools.decoding import int8_weights
+        int8_weights()
     if cfg.compare:  # its names checked before anything is loaded
         from benchmarks import compare  # the comparison: only when it is asked for
         compare.attention_names(cfg.compare)

@@ -10,6 +10,7 @@ Every setting below can be set in a config file or overridden with --key=value.
 
 import dataclasses
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -268,9 +269,11 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLoc
     if (saved or log.exists()) and not resuming and not overwrite:
         lock.release(failed=True)
         from engine.reader import describe_checkpoint  # only where another run left one
-        what = f"another run's checkpoint ({describe_checkpoint(ckpt)})" if saved else "another run's metrics.jsonl"
-        raise UserError(f"{out} already holds {what}; continue it with --init_from=resume, pass another --out_dir=, "
-                        f"or replace it with --overwrite=True.")
+        if not saved:  # a run stopped before its first checkpoint: there is nothing to resume
+            raise UserError(f"{out} already holds the metrics.jsonl of a run that saved no checkpoint; replace it "
+                            f"with --overwrite=True, or pass another --out_dir=.")
+        raise UserError(f"{out} already holds another run's checkpoint ({describe_checkpoint(ckpt)}); continue it "
+                        f"with --init_from=resume, pass another --out_dir=, or replace it with --overwrite=True.")
     if overwrite and not resuming:
         log.unlink(missing_ok=True)
     return lock
@@ -282,9 +285,8 @@ def train_loop(run: Run, resumed_at: int | None) -> None:
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
-    if peak_flops is None and rt.is_master:
-        print("mfu not shown: other processes used this machine's cores while its peak FLOP/s was measured, and no "
-              "earlier run measured it alone; the next run on an idle machine will (docs/bench.md)")
+    if rt.is_master:
+        print(flops.peak_line(rt, peak_flops))
     timer = StepTimer(rt)
     steps_run, out_of_time = 0, False
     pending, last = None, None  # a log point's StepEnd and lr, read after the next step is queued; the last step's
@@ -384,6 +386,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     if resuming:
         from engine.reader import load_checkpoint  # only a resume reads a checkpoint
         checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
+        vars(cfg).update(checkpoint.resumed_settings(cfg.as_dict(), globals(), meta, cfg.out_dir))
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
@@ -434,12 +437,19 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
 
 
 def resume_hint(cfg: Settings, run: Run, argv: list[str]) -> str:
-    """Where an interrupted run stands: the newest checkpoint kept, and the command that continues from it."""
+    """Where an interrupted run stands: the newest checkpoint kept, and the command that goes on from it (the same
+    launch: under torchrun, torchrun's)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.rt.world_size))
+    launch = f"torchrun --nproc_per_node={ranks}" if run.rt.is_distributed else "python"
+    if run.rt.is_distributed and ranks != run.rt.world_size:  # several nodes: their rendezvous options are not ours
+        launch = "torchrun <your torchrun options>"
+    kept = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))]
+    command = f"{launch} {shlex.join(['train.py', *kept])}"
     if run.saved_at is None:
-        return f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}"
-    command = ["python", "train.py", *(a for a in argv if not a.startswith(("--init_from=", "--overwrite=")))]
+        return (f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}; start again with: "
+                f"{command} --overwrite=True")
     return (f"stopped at iter {run.iter_num}; the checkpoint kept in {cfg.out_dir} is iter {run.saved_at}; "
-            f"continue with: {shlex.join(command)} --init_from=resume")
+            f"continue with: {command} --init_from=resume")
 
 
 if __name__ == "__main__":

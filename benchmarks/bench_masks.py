@@ -38,10 +38,9 @@ def document_ids(doc_data: str, doc_len: int, B: int, T: int, seed: int) -> torc
     if eot < 0:
         raise UserError(f"{folder} has no end-of-text token, so no documents; pass --doc_data= a BPE dataset "
                         f"(shakespeare, openwebtext) or --doc_len= a document length.")
-    data = np.memmap(folder / "train.bin", dtype=files.TOKEN_DTYPE, mode="r")
-    if len(data) <= T:
-        raise UserError(f"{folder / 'train.bin'} holds {len(data):,} tokens, fewer than seq_len={T}; use a shorter "
-                        f"seq_len or --doc_len=.")
+    if not (folder / "train.bin").is_file():
+        raise UserError(f"{folder} has no train.bin; pass --doc_data= a prepared dataset or --doc_len=.")
+    data = files.token_file(folder / "train.bin", at_least=T + 1)
     starts = torch.randint(len(data) - T, (B,), generator=torch.Generator().manual_seed(seed)).tolist()
     blocks = torch.from_numpy(np.stack([data[s:s + T].astype(np.int64) for s in starts]))  # (B, T)
     return masks.document_ids(blocks, eot)

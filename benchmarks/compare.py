@@ -20,7 +20,8 @@ import numpy as np
 from core import runtime
 from tools.kernels import AttnCall, attention_problem
 from core.configurator import comma_list_of
-from core.dataset import TOKEN_BYTES, read_windows
+from core.dataset import read_windows
+from core.files import token_file
 from core.errors import UserError
 from engine.generate import Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples, tokens_per_s
 from engine.generate import weight_bytes
@@ -320,7 +321,7 @@ def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, voc
     they came from; ids beyond the model's vocabulary are refused, as train.py refuses them."""
     if data is None:
         return x, "the built-in text (no val.bin: GPT-2 weights, or the training data is gone)"
-    tokens = (data / "val.bin").stat().st_size // TOKEN_BYTES
+    tokens = len(token_file(data / "val.bin", at_least=block_size + 1))
     n = max(1, min(max_tokens // block_size, (tokens - 1) // (block_size + 1)))
     starts = np.linspace(0, tokens - block_size - 1, n).astype(np.int64).tolist()
     windows = read_windows(data / "val.bin", starts, block_size)  # (N, T + 1)

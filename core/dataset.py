@@ -15,11 +15,10 @@ import numpy as np
 import torch
 
 from core.errors import UserError
-from core.files import TOKEN_BYTES, TOKEN_DTYPE
+from core.files import TOKEN_BYTES, TOKEN_DTYPE, token_file
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
-DATA_FILES = ("train.bin", "val.bin", "meta.json", "meta.pkl")
 
 
 def dataset_dir(data_dir: str, name: str) -> Path:
@@ -37,12 +36,12 @@ def dataset_dir(data_dir: str, name: str) -> Path:
 
 
 def prepare_if_missing(data_dir: Path, name: str) -> None:
-    """Prepare an embedded dataset into its own folder when that folder holds none of its files; existing data and a
-    data_dir are never written over."""
+    """Prepare an embedded dataset into its own folder when that folder holds neither split (a meta.json alone is
+    what preparing writes again); a split there and a data_dir are never written over."""
     missing = [f for f in ("train.bin", "val.bin") if not (data_dir / f).exists()]
     if not missing or data_dir != DATA / name:
         return
-    if name not in EMBEDDED_DATASETS or any((data_dir / f).exists() for f in DATA_FILES):
+    if name not in EMBEDDED_DATASETS or len(missing) < 2:
         raise UserError(f"dataset '{name}' is not prepared (data/{name}/{missing[0]} is missing); "
                         f"run: python data/{name}/prepare.py")
     elsewhere = (f"prepare it elsewhere with python data/{name}/prepare.py --out_dir=DIR and pass --data_dir=DIR")
@@ -72,12 +71,10 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
             raise UserError(f"{path} is missing; a dataset folder needs train.bin and val.bin "
                             f"(python data/<name>/prepare.py writes both).")
         size = path.stat().st_size
-        if size % TOKEN_BYTES:
-            raise UserError(f"{path} is {size:,} bytes, not a whole number of uint16 tokens; it is truncated or "
-                            f"not a token file - prepare the dataset again.")
-        if size // TOKEN_BYTES <= block_size:
+        if size % TOKEN_BYTES == 0 and size // TOKEN_BYTES <= block_size:
             raise UserError(f"{path} has {size // TOKEN_BYTES:,} tokens, fewer than block_size+1={block_size + 1}; "
                             f"use a smaller block_size or more data.")
+        token_file(path)  # whole uint16 tokens
         top = max_token_id(path)
         if top >= vocab_size:
             raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "

@@ -14,7 +14,12 @@ from typing import Callable, Iterator
 
 class UserError(ValueError):
     """Bad input from a user. The message says what was wrong and how to fix it; scripts print it alone, as one
-    `error: ...` line, with exit code 2."""
+    `error: ...` line, with exit code 2. `own`: a rank's own (its GPU, its node's files), which that rank prints under
+    torchrun even before the ranks have met."""
+
+    def __init__(self, message: str = "", own: bool = False):
+        super().__init__(message)
+        self.own = own
 
 
 class StoppedWithRank0(UserError):
@@ -30,8 +35,17 @@ class Terminated(KeyboardInterrupt):
     raises KeyboardInterrupt, so the same clean-up runs (temporary files removed, half-written checkpoints dropped)."""
 
 
-def _terminate(signum, frame):
-    raise Terminated()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_once(error: type[KeyboardInterrupt]):
+    """A handler that raises `error` and ignores every later Ctrl-C or SIGTERM, so the clean-up it starts (a temporary
+    file removed, the resume hint printed) is not itself interrupted into a traceback."""
+    def handler(signum, frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise error()
+    return handler
 
 
 @contextlib.contextmanager
@@ -42,24 +56,58 @@ def held_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # only the main thread may take signals
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, _stop_once(Terminated))
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def exit_code(main: Callable[[], int | None]) -> int:
+class Deferred:
+    """The Ctrl-C or SIGTERM that arrived inside deferred_signals, as the exception it would have raised."""
+    pending: KeyboardInterrupt | None = None
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[Deferred]:
+    """Ctrl-C and SIGTERM noted instead of raised, for code that calls back into Python from C (torch.save's zip
+    writer turns an exception raised in its write callback into 'unexpected pos'): the code polls `pending` where
+    it can stop cleanly, and whatever is still pending is raised on the way out."""
+    deferred = Deferred()
+    if threading.current_thread() is not threading.main_thread():
+        yield deferred
+        return
+
+    def note(signum, frame):
+        if deferred.pending is None:
+            deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
+    try:
+        yield deferred
+    finally:  # once stopped, as _stop_once: the clean-up runs uninterrupted (exit_code puts the handlers back)
+        for s, handler in previous.items():
+            signal.signal(s, handler if deferred.pending is None else signal.SIG_IGN)
+    if deferred.pending is not None:
+        raise deferred.pending
+
+
+def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
     stderr and 2, or 130 on Ctrl-C, 143 on a SIGTERM during a held write (128 + the signal, as a shell reports it;
-    elsewhere SIGTERM ends the process itself, which the shell reports as 143 too)."""
+    elsewhere SIGTERM ends the process itself, which the shell reports as 143 too). The first Ctrl-C stops main and
+    later ones wait for its clean-up; once it is over, an `exiting` process ends at the next one, without a word."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    if main_thread:
+        signal.signal(signal.SIGINT, _stop_once(KeyboardInterrupt))
     try:
         return main() or 0
     except UserError as e:
-        if isinstance(e, StoppedWithRank0) or os.environ.get("RANK", "0") != "0":  # every rank refuses alike
-            time.sleep(QUIET_RANK_PAUSE_S)  # rank 0 says it once, and is torchrun's root cause
+        line = refusal_line(e)
+        if line is None:
+            time.sleep(QUIET_RANK_PAUSE_S)  # the rank that says it ends first: torchrun's root cause
             return 2
-        print(f"error: {e}", file=sys.stderr)
+        print(line, file=sys.stderr)
         return 2
     except Terminated:
         print("stopped by SIGTERM", file=sys.stderr)
@@ -67,3 +115,25 @@ def exit_code(main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            for s, handler in previous.items():
+                signal.signal(s, signal.SIG_DFL if exiting or handler is None else handler)
+
+
+def refusal_line(e: UserError) -> str | None:
+    """The `error:` line this process prints, or None where another rank prints it. Under torchrun the ranks share one
+    console: a refusal they all raise is printed once (by rank 0 once the ranks have met, else by each node's local
+    rank 0), and one raised by a rank alone is printed by that rank, named."""
+    env = os.environ
+    if isinstance(e, StoppedWithRank0):
+        return None
+    if "TORCHELASTIC_RUN_ID" not in env:  # one process, or a launcher that gives each rank a console of its own
+        return f"error: {e}"
+    distributed = sys.modules.get("core.distributed")  # loaded only where the ranks meet
+    if distributed is not None and distributed.have_met():
+        alone = not distributed.said_by_rank0(str(e), QUIET_RANK_PAUSE_S)
+    else:
+        alone = e.own or env.get("LOCAL_RANK", "0") == "0"
+    rank = env.get("RANK", "0")
+    return None if not alone else f"error: {e}" if rank == "0" else f"error: rank {rank}: {e}"

@@ -43,6 +43,18 @@ def read_meta(data_dir: Path) -> dict | None:
     return None
 
 
+def token_file(path: Path, at_least: int = 1) -> np.memmap:
+    """A .bin file's token ids, read in place; a file that is not whole uint16 tokens, or holds fewer than
+    `at_least` of them, is one sentence."""
+    size = path.stat().st_size
+    if size % TOKEN_BYTES or size < at_least * TOKEN_BYTES:
+        what = "not a whole number of uint16 tokens" if size % TOKEN_BYTES else \
+            f"{size // TOKEN_BYTES:,} tokens, fewer than the {at_least:,} needed"
+        raise UserError(f"{path} is {size:,} bytes, {what}; it is truncated or not a token file - prepare the dataset "
+                        f"again{'' if size % TOKEN_BYTES else ', or ask for fewer tokens'}.")
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
 def eot_token_of(meta: dict | None) -> int:
     """The end-of-text id between a dataset's documents: meta.json's "eot_token", GPT-2's for GPT-2 BPE, else -1."""
     if meta is None:
@@ -78,17 +90,40 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                                 f"{advice}.") from None
             raise
         for name, path in tmp.items():
+            durable(path)  # the new bytes on disk before they replace the old: a node crash keeps one or the other
             os.replace(path, out_dir / name)
+        durable(out_dir)  # and the renames
+
+
+def durable(path: Path) -> None:
+    """fsync a written file, or a folder's entries; a filesystem that cannot (some FUSE mounts) is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 class _WholeWrites:
     """A file whose every write is whole or an OSError: torch.save's zip writer turns a write that raised into
-    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word."""
+    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word. A Ctrl-C or SIGTERM
+    noted meanwhile stops the next write the same way."""
 
-    def __init__(self, file):
-        self.file, self.error = file, None
+    def __init__(self, file, stop: errors.Deferred):
+        self.file, self.stop, self.error = file, stop, None
 
     def write(self, data) -> int:
+        if self.error is not None:  # the zip writer closing up after a failure: the file is removed anyway
+            return len(data)
+        if self.stop.pending is not None:
+            self.error = self.stop.pending
+            raise self.error
         try:
             written = self.file.write(data)
             if written is not None and written < len(data):
@@ -103,14 +138,23 @@ class _WholeWrites:
 
 
 def save_through(file, save: Callable) -> None:
-    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, wherever it came."""
-    whole = _WholeWrites(file)
-    try:
-        save(whole)
-    except RuntimeError:
-        if whole.error is not None:
-            raise whole.error from None
-        raise
+    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, wherever it came; a Ctrl-C
+    or SIGTERM meanwhile as KeyboardInterrupt or errors.Terminated once the writer has let go."""
+    with errors.deferred_signals() as stop:
+        whole = _WholeWrites(file, stop)
+        try:
+            save(whole)
+        except RuntimeError:
+            if whole.error is not None:
+                raise whole.error from None
+            raise
+
+
+def check_writable_file(path: Path, setting: str) -> None:
+    """A file a script writes at its end, checked before any work: a path that is no folder, in a writable one."""
+    if path.is_dir():
+        raise UserError(f"{setting} {path} is a folder; pass --{setting}= a file path, such as {path / 'out.json'}.")
+    check_writable_dir(path.parent, setting)
 
 
 def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
@@ -153,6 +197,9 @@ class OutDirLock:
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino:
                 break  # the file at the path, not one a finishing run took away while this opened it
             self.file.close()
+        said = node_local_locks(self.out)
+        if said:
+            print(f"note: {said}", file=sys.stderr)
         with contextlib.suppress(OSError):  # who holds it, for a refused run's sentence; a full disk: the lock holds
             self.file.seek(0)
             self.file.truncate()
@@ -166,6 +213,28 @@ class OutDirLock:
             self.file.close()  # closing the file drops the lock
         if failed and self.made_dir and self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()
+
+
+def node_local_locks(path: Path, mounts: Path = Path("/proc/mounts")) -> str | None:
+    """Why out_dir's lock may hold on this node only: NFS mounted `nolock` and Lustre mounted `localflock` grant
+    flock per client without an error, so a run on another node would get the same lock. None where not so (or not
+    known: no /proc/mounts)."""
+    try:
+        entries = [line.split() for line in mounts.read_text().splitlines()]
+    except OSError:
+        return None
+    where = str(Path(path).resolve())
+    # the mount holding `where` is the longest mount point it lies under; /proc/mounts escapes a space as \040
+    mounted = [e for e in entries
+               if len(e) >= 4 and (where + "/").startswith(e[1].replace("\\040", " ").rstrip("/") + "/")]
+    if not mounted:
+        return None
+    _, point, kind, options = max(mounted, key=lambda e: len(e[1]))[:4]
+    option = next((o for o in ("nolock", "localflock") if o in options.split(",")), None)
+    if option is None or not (kind.startswith("nfs") or kind == "lustre"):
+        return None
+    return (f"{path} is on {kind} mounted {option} ({point}): its lock holds on this node only, so start no other run "
+            f"on this out_dir from another node")
 
 
 def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dict:

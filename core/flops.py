@@ -35,6 +35,21 @@ def peak_flops(rt: Runtime) -> Optional[float]:
     return shared or None
 
 
+def peak_line(rt: Runtime, peak: Optional[float]) -> str:
+    """Where MFU's denominator came from, said once where MFU is shown: a datasheet, or a measurement and the file
+    that keeps it (a MIG slice's is an achieved rate, so its MFU compares with no whole GPU's)."""
+    if peak is None:
+        return (f"mfu not shown: other processes used this machine's cores while its peak FLOP/s was measured, and "
+                f"no earlier run measured it alone; the next run on an idle machine will, and keeps it in "
+                f"{peak_flops_cache()}")
+    if rt.is_cuda and datasheet_peak_flops(rt.name, rt.dtype):
+        return f"mfu against the datasheet peak of the {rt.name}, {peak / 1e12:.1f} TFLOP/s in {rt.dtype}"
+    mig = (", an achieved rate and no datasheet peak: this MFU compares with no whole GPU's"
+           if "MIG" in rt.name.upper().split() else "")
+    return (f"mfu against the best matmul rate measured on this machine alone, {peak / 1e12:.3g} TFLOP/s in "
+            f"{rt.dtype}{mig}; kept in {peak_flops_cache()} (delete it to measure again)")
+
+
 @functools.lru_cache(maxsize=None)
 def measured_matmul_flops(rt: Runtime, repeats: int = 5) -> Optional[float]:
     """The best large-matmul rate ever measured alone on this machine (this run's and peak_flops.json's); a round

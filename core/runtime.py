@@ -63,6 +63,7 @@ class CoreWatch:
     def __init__(self):
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             list(range(os.cpu_count() or 1))
+        self.physical = physical_cores(self.cores)
         self.last = self.now()
 
     @staticmethod
@@ -88,6 +89,16 @@ class CoreWatch:
         if now is None or last is None or now[2] - last[2] < 0.05:
             return None
         return max(0.0, (now[0] - last[0] - (now[1] - last[1])) / (now[2] - last[2]))
+
+
+def physical_cores(cpus: list[int], topology: Path = Path("/sys/devices/system/cpu")) -> int:
+    """How many physical cores these logical CPUs are (hyperthreads share one), as torch counts for its default
+    thread count; the CPUs themselves where the topology cannot be read."""
+    try:
+        return len({(topology / f"cpu{c}/topology/physical_package_id").read_text().strip() + "/" +
+                    (topology / f"cpu{c}/topology/core_id").read_text().strip() for c in cpus}) or len(cpus)
+    except OSError:
+        return len(cpus)
 
 
 MAX_THREADS_PER_CPU = 4  # --threads= beyond this many per CPU is refused
@@ -121,7 +132,8 @@ def choose_threads(watch: CoreWatch) -> Optional[str]:
     others = watch.others()
     if others is None:
         return None
-    cores, have = len(watch.cores), torch.get_num_threads()
+    # a thread per physical core, as torch's default: the scheduler spreads other work over cores before it doubles up
+    cores, have = watch.physical, torch.get_num_threads()
     want = max(1, min(cores, cores - round(others)))
     if want == have:
         return None
@@ -254,6 +266,11 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: st
                     distributed: bool = False) -> Runtime:
     """The one place device, autocast dtype and Muon's dtype are decided (bf16_native says where each picks bf16); a
     cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first."""
+    if distributed and "RANK" in os.environ:  # before CUDA starts, which reads CUDA_VISIBLE_DEVICES once
+        from core.distributed import one_mig_slice_per_rank
+        said = one_mig_slice_per_rank(os.environ)
+        if said:
+            print(said, file=sys.stderr)
     device = pick_device(device)
     rank, local_rank, world_size, device = init_distributed(device) if distributed else (0, 0, 1, device)
     if device.startswith("cuda"):
@@ -364,7 +381,7 @@ def round_robin(keys: list, rounds: int, time_one: Callable[[object], Optional[f
 def run_main(main) -> None:
     """Exit with errors.exit_code(main), the process group destroyed on every way out."""
     try:
-        code = errors.exit_code(main)
+        code = errors.exit_code(main, exiting=True)
     finally:
         destroy_distributed()
     sys.exit(code)

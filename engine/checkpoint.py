@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from core import files
 from core import runtime
+from core.errors import UserError
 from model import GPT, GPTConfig
 from core.runtime import Runtime
 
@@ -25,6 +26,15 @@ POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (
 TRAIN = "train"  # a sharded step's key for everything but the tensors of the model and optimizer
 # DCP says so at every save and load of a process without a process group, which is how one process works here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "bias", "pad_vocab", "gelu")  # what a resume takes from the weights
+TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
+
+
+def describe_tokens(meta: dict) -> str:
+    chars = meta.get("chars")
+    return f"{meta.get('tokenizer')}" + (f", {len(chars)} characters from {''.join(chars[:12])!r}" if chars else "")
 
 
 @dataclass
@@ -48,6 +58,23 @@ class Checkpoint:
         if self.shards is None:
             model.load_state_dict(self.model)
         return model
+
+    def resumed_settings(self, settings: dict, defaults: dict, meta: dict | None, where: str) -> dict:
+        """`settings` as a resume of this checkpoint runs them: the weights' shape, whatever the defaults said. A shape
+        setting chosen otherwise (not the script's default), or a dataset whose ids mean other text, is one sentence."""
+        for key in SHAPE_SETTINGS:
+            saved = self.model_config.get(key, settings[key])
+            if settings[key] != saved and settings[key] != defaults[key]:
+                raise UserError(f"{key}={settings[key]!r} differs from the checkpoint in {where} ({key}={saved!r}), "
+                                f"and a resumed run keeps the checkpoint's shape; drop --{key}= (or pass "
+                                f"--{key}={saved!r}), or start a new run in another --out_dir=.")
+        # vocabularies of other sizes are build_model's sentence; one of the same size may still mean other text
+        same_size = self.meta and meta and self.meta.get("vocab_size") == meta.get("vocab_size")
+        if same_size and [self.meta.get(k) for k in TOKENS] != [meta.get(k) for k in TOKENS]:
+            raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
+                            f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(self.meta)}); "
+                            f"resume on that dataset, or start a new run in another --out_dir=.")
+        return {**settings, **{key: self.model_config[key] for key in SHAPE_SETTINGS if key in self.model_config}}
 
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""

@@ -277,7 +277,7 @@ class BusyBeside:
     """A CoreWatch whose look at the other processes is given: how many cores they kept busy, look by look."""
 
     def __init__(self, cores: int, busy: list):
-        self.cores, self.busy = list(range(cores)), list(busy)
+        self.cores, self.physical, self.busy = list(range(cores)), cores, list(busy)
 
     def others(self):
         return self.busy.pop(0)
@@ -310,7 +310,7 @@ def test_the_users_threads_win_over_the_look(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS")
         assert runtime.start_threads(1) == (None, None) and torch.get_num_threads() == 1  # --threads=1
         monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 0.0)
-        torch.set_num_threads(len(runtime.CoreWatch().cores))
+        torch.set_num_threads(runtime.CoreWatch().physical)
         watch, said = runtime.start_threads(0)  # nothing busy beside: every core, and nothing said
         assert watch is not None and said is None
     finally:

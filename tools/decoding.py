@@ -83,13 +83,20 @@ def quiet_imports():
             lg.setLevel(level)
 
 
-def quantize_int8(model: GPT) -> GPT:
-    """int8 weight-only (torchao), one scale per output row, in place. lm_head gets its own int8 copy: the embedding it
-    was tied to is a lookup, whose bytes do not bound decoding."""
+def int8_weights():
+    """torchao's int8 weight-only (config, quantize_), or one sentence; called before any work that would need it."""
     try:
         with quiet_imports():
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
-            quantize_(model, Int8WeightOnlyConfig())
     except ImportError:
         raise UserError("--quantize=int8 needs torchao; pip install torchao.") from None
+    return Int8WeightOnlyConfig, quantize_
+
+
+def quantize_int8(model: GPT) -> GPT:
+    """int8 weight-only (torchao), one scale per output row, in place. lm_head gets its own int8 copy: the embedding it
+    was tied to is a lookup, whose bytes do not bound decoding."""
+    config, quantize_ = int8_weights()
+    with quiet_imports():
+        quantize_(model, config())
     return model

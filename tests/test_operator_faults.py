@@ -1,0 +1,344 @@
+"""Faults as a careful user and a cluster operator meet them: a signal at any byte of a save, a resume that would
+train another shape or other text, token files cut short, outputs named wrong, refusals under torchrun, and what a
+shared filesystem or a MIG slice does. Each ends in one `error:` line (exit 2) or a run that says in one `note:` what
+it did instead; nothing on disk is lost and every next command named works."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+import train
+from conftest import REPO, TINY
+from core import errors, files, runtime
+from core.errors import UserError
+from engine import checkpoint as checkpoint_module
+from engine.reader import load_checkpoint
+
+
+def tiny(char_data, out, *args) -> list[str]:
+    return TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--eval_interval=2", *args]
+
+
+# -- signals and saves ---------------------------------------------------------------------------------------
+
+def killed_at_write(monkeypatch, n: int, sig: int) -> list:
+    """ckpt.pt.tmp opened through a file that sends this process `sig` during its n-th write (-1: after the last,
+    while the file is flushed and renamed), as Ctrl-C or a scheduler's SIGTERM lands at any byte of a save."""
+    writes = []
+
+    class Interrupted:
+        def __init__(self, path, mode):
+            self.file = open(path, mode)
+
+        def write(self, data):
+            writes.append(len(data))
+            if len(writes) == n:
+                os.kill(os.getpid(), sig)
+            return self.file.write(data)
+
+        def flush(self):
+            self.file.flush()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+            if n == -1:
+                os.kill(os.getpid(), sig)
+    monkeypatch.setattr(checkpoint_module, "open", Interrupted, raising=False)
+    return writes
+
+
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "stopped by SIGTERM")], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("n", [1, 3, 12, -1], ids=["first-write", "header", "tensor-data", "after-the-last"])
+def test_a_signal_at_any_byte_of_a_save_keeps_the_old_checkpoint_and_says_one_line(char_data, tmp_path, monkeypatch,
+                                                                                  capfd, sig, code, said, n):
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    kept = (out / "ckpt.pt").read_bytes()
+    capfd.readouterr()
+    writes = killed_at_write(monkeypatch, n, sig)
+    assert errors.exit_code(lambda: train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume"))) == code
+    assert n == -1 or len(writes) >= n  # the signal came where it was meant to
+    assert (out / "ckpt.pt").read_bytes() == kept and not list(out.glob("*.tmp"))
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and "unexpected pos" not in "\n".join(err)
+    assert err[-2].startswith("stopped at iter 4; the checkpoint kept in") and err[-1] == said
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the test process's own, put back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_ctrl_c_during_the_clean_up_waits_for_it_and_one_at_exit_ends_the_process_without_a_word(tmp_path):
+    """The first Ctrl-C stops the work; one during its clean-up is not a second traceback; once main is over, one
+    during Python's exit (atexit callbacks: wandb, compile workers) ends the process, not an 'Exception ignored'."""
+    script = textwrap.dedent("""
+        import atexit, os, signal, sys, time
+        from core import runtime
+        def late():
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C while exiting
+            time.sleep(1)
+            print("atexit went on", flush=True)
+        atexit.register(late)
+        def main():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            finally:  # the clean-up, itself hit by another Ctrl-C
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+                print("cleaned up", flush=True)
+        runtime.run_main(main)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "cleaned up\n" and done.stderr == "interrupted\n"
+    assert done.returncode == -signal.SIGINT  # the shell's 130, said by the signal itself
+
+
+def test_ctrl_c_before_the_first_checkpoint_names_a_command_that_starts_again(char_data, tmp_path, monkeypatch,
+                                                                                capsys):
+    out = tmp_path / "run"
+    args = tiny(char_data, out, "--max_iters=4", "--eval_interval=4")
+    real_step = train.Trainer.step
+
+    def interrupted_at_step_2(self, batches, calls=[]):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+    monkeypatch.setattr(train.Trainer, "step", interrupted_at_step_2)
+    assert errors.exit_code(lambda: train.main(args)) == 130
+    hint = capsys.readouterr().err.strip().splitlines()[-2]
+    assert hint.startswith(f"stopped at iter 1; no checkpoint was saved in {out}; start again with: python train.py ")
+    with pytest.raises(UserError, match="a run that saved no checkpoint; replace it with --overwrite=True"):
+        train.main(args)  # the same command: refused, naming the way on, which works
+    monkeypatch.undo()
+    assert train.main(args + ["--overwrite=True"]) == 0 and load_checkpoint(out / "ckpt.pt").iter_num == 4
+
+
+def test_under_torchrun_the_resume_hint_is_a_torchrun_command(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    run = SimpleNamespace(rt=SimpleNamespace(is_distributed=True, world_size=2), saved_at=4, iter_num=5)
+    hint = train.resume_hint(SimpleNamespace(out_dir="out"), run, ["config/x.py", "--init_from=scratch"])
+    assert hint.endswith("continue with: torchrun --nproc_per_node=2 train.py config/x.py --init_from=resume")
+    run.rt.world_size = 16  # two nodes of 8: their rendezvous options are the user's
+    assert "continue with: torchrun <your torchrun options> train.py config/x.py" in train.resume_hint(
+        SimpleNamespace(out_dir="out"), run, ["config/x.py"])
+
+
+def test_the_new_checkpoint_reaches_the_disk_before_it_replaces_the_old(tmp_path, monkeypatch):
+    order = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(files.os, "fsync", lambda fd: order.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(files.os, "replace", lambda a, b: order.append(("replace", str(a))) or real_replace(a, b))
+    with files.staged_outputs(tmp_path, ["ckpt.pt"]) as tmp:
+        tmp["ckpt.pt"].write_bytes(b"weights")
+    assert order == [("fsync", str(tmp_path / "ckpt.pt.tmp")), ("replace", str(tmp_path / "ckpt.pt.tmp")),
+                     ("fsync", str(tmp_path))]  # the file's bytes, then the rename itself
+
+
+# -- a resume that would train another shape, or other text ---------------------------------------------------
+
+def test_a_resume_refuses_a_shape_typed_otherwise_and_saves_the_shape_it_trains(char_data, tmp_path):
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0  # TINY: 2 layers, width 32
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for typed, saved in (("--n_layer=3", "n_layer=2"), ("--n_embd=64", "n_embd=32"), ("--bias=False", "bias=True")):
+        with pytest.raises(UserError, match=rf"^{typed[2:]} differs from the checkpoint in {out} \({saved}\), and a "
+                                            rf"resumed run keeps the checkpoint's shape; drop --"):
+            train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume", typed))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # a setting left at train.py's default is not a choice: the checkpoint's shape trains, and is what is saved
+    args = [a for a in tiny(char_data, out, "--max_iters=4", "--init_from=resume") if not a.startswith("--n_layer")]
+    assert train.main(args) == 0
+    resumed = load_checkpoint(out / "ckpt.pt")
+    assert resumed.model_config["n_layer"] == resumed.settings["n_layer"] == 2 != train.n_layer
+
+
+def test_a_resume_on_a_dataset_whose_ids_mean_other_characters_is_refused(char_data, tmp_path):
+    out, other = tmp_path / "run", tmp_path / "other"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    shutil.copytree(char_data, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["chars"] = meta["chars"][::-1]  # the same size, re-mapped
+    (other / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"this dataset's meta.json maps its ids to other text than the dataset the "
+                                        r"checkpoint in .* was trained on \(char, \d+ characters from '.*' against"):
+        train.main(tiny(other, out, "--max_iters=4", "--init_from=resume"))
+
+
+# -- token files, and outputs named wrong ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [4097, 0, 10], ids=["odd-bytes", "empty", "fewer-than-a-window"])
+def test_token_files_cut_short_are_one_sentence_wherever_they_are_read(char_data, tmp_path, size):
+    from benchmarks import bench_masks
+    data, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(char_data, data)
+    assert train.main(tiny(data, out, "--max_iters=2")) == 0
+    for split in ("train", "val"):
+        (data / f"{split}.bin").write_bytes(b"\x01" * size)
+    sentence = r"\.bin is [\d,]+ bytes, .*; it is truncated or not a token file - prepare the dataset again"
+    with pytest.raises(UserError, match=sentence):  # sample.py --compare's held-out text
+        sample.main([f"--out_dir={out}", "--compare=manual", "--num_samples=1", "--max_new_tokens=4",
+                     "--device=cpu", "--dtype=float32"])
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "eot_token": 0}))
+    with pytest.raises(UserError, match=sentence):  # bench.py --doc_data's documents
+        bench_masks.document_ids(str(data), 0, 2, 32, seed=0)
+    with pytest.raises(UserError, match=sentence if size % 2 else r"fewer than block_size\+1=33"):  # train.py's
+        train.main(tiny(data, tmp_path / "again", "--max_iters=2"))
+
+
+def test_sample_refuses_a_json_folder_and_int8_without_torchao_before_any_sampling(trained_char_run, tmp_path,
+                                                                                  monkeypatch, capsys):
+    monkeypatch.setattr(sample, "load_model", lambda *a: pytest.fail("loaded a model before refusing"))
+    with pytest.raises(UserError, match=rf"^json {tmp_path} is a folder; pass --json= a file path, such as "):
+        sample.main([f"--out_dir={trained_char_run}", f"--json={tmp_path}", "--device=cpu"])
+    monkeypatch.setitem(sys.modules, "torchao", None)  # not installed
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    with pytest.raises(UserError, match=r"^--quantize=int8 needs torchao; pip install torchao\.$"):
+        sample.main([f"--out_dir={trained_char_run}", "--compare=manual,sdpa", "--quantize=int8", "--device=cpu",
+                     f"--json={tmp_path / 'report.json'}"])
+    assert capsys.readouterr().out == "" and not (tmp_path / "report.json").exists()
+
+
+def test_export_hf_says_a_broken_transformers_in_one_line_and_exports_through_a_symlink(trained_char_run, tmp_path):
+    import export_hf
+    broken = tmp_path / "site" / "transformers"
+    broken.mkdir(parents=True)  # installed, but its import fails as a mismatched dependency makes it fail
+    (broken / "__init__.py").write_text("raise AttributeError(\"module 'numpy' has no attribute 'float_'\")\n")
+    target, link = tmp_path / "target", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target)
+    done = subprocess.run([sys.executable, "export_hf.py", f"--out_dir={trained_char_run}", f"--hf_dir={link}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{broken.parent}{os.pathsep}{REPO}"})
+    assert done.returncode == 2 and done.stderr == (
+        "error: exporting needs transformers, which cannot be imported here (AttributeError: module 'numpy' has no "
+        "attribute 'float_'); pip install -r requirements.txt.\n")
+    assert export_hf.main([f"--out_dir={trained_char_run}", f"--hf_dir={link}"]) == 0  # into the folder it names
+    assert link.is_symlink() and (link / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+# -- clusters ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, own, printed", [
+    ({}, False, "error: the same on every rank"),  # one process
+    ({"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, False, "error: the same on every rank"),  # a console each
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0"}, False, "error: the same on every rank"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1"}, False, None),  # rank 0 says it
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "9", "LOCAL_RANK": "1"}, True, "error: rank 9: the same on every rank"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "8", "LOCAL_RANK": "0"}, False, "error: rank 8: the same on every rank"),
+], ids=["one-process", "rank-without-torchrun", "rank-0", "rank-1", "own", "second-node"])
+def test_before_the_ranks_meet_a_refusal_is_printed_once_per_console_and_a_ranks_own_by_it(monkeypatch, env, own,
+                                                                                           printed):
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delitem(sys.modules, "core.distributed", raising=False)
+    assert errors.refusal_line(UserError("the same on every rank", own=own)) == printed
+
+
+RANK_LOCAL = textwrap.dedent("""
+    import os, sys, torch.distributed as dist
+    from core import errors, runtime
+    def main():
+        rt = runtime.resolve_runtime("cpu", "float32", distributed=True)
+        if sys.argv[1] == "rank-1-only" and rt.rank == 1:
+            raise errors.UserError("data/x/train.bin is missing on this node")
+        if sys.argv[1] == "every-rank":
+            raise errors.UserError("the same on every rank")
+        dist.barrier()  # rank 0 waits here for a rank that never comes
+    runtime.run_main(main)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, said", [("rank-1-only", "error: rank 1: data/x/train.bin is missing on this node"),
+                                        ("every-rank", "error: the same on every rank")])
+def test_under_torchrun_a_refusal_is_printed_once_by_the_rank_whose_it_is_and_the_run_ends_in_seconds(tmp_path,
+                                                                                                      case, said):
+    script = tmp_path / "probe.py"
+    script.write_text(RANK_LOCAL)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), case], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0 and time.perf_counter() - started < 60
+    errors_said = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
+    assert errors_said == [said]
+
+
+def test_local_ranks_beyond_the_gpus_refuse_each_in_their_own_name(monkeypatch):
+    from core import distributed
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    env = dict(RANK="3", LOCAL_RANK="3", WORLD_SIZE="4", MASTER_ADDR="localhost", MASTER_PORT="1")
+    monkeypatch.setattr(os, "environ", env)
+    with pytest.raises(UserError, match=r"^LOCAL_RANK=3 has no GPU of its own: this node shows 2; pass torchrun "
+                                        r"--nproc_per_node= at most that many\.$") as refused:
+        distributed.join("cuda:0")
+    assert refused.value.own
+
+
+def test_several_mig_slices_are_narrowed_to_one_per_rank_and_their_mfu_is_labelled():
+    from core import distributed, flops
+    slices = "MIG-aaaa,MIG-bbbb,MIG-cccc"
+    env = {"CUDA_VISIBLE_DEVICES": slices, "LOCAL_RANK": "0"}
+    assert distributed.one_mig_slice_per_rank(env).startswith("note: CUDA_VISIBLE_DEVICES names 3 MIG slices")
+    assert env["CUDA_VISIBLE_DEVICES"] == slices  # local rank 0's is already first
+    env = {"CUDA_VISIBLE_DEVICES": slices, "LOCAL_RANK": "2"}
+    assert distributed.one_mig_slice_per_rank(env) is None and env["CUDA_VISIBLE_DEVICES"].startswith("MIG-cccc,")
+    with pytest.raises(UserError, match="LOCAL_RANK=3 has no MIG slice of its own"):
+        distributed.one_mig_slice_per_rank({"CUDA_VISIBLE_DEVICES": slices, "LOCAL_RANK": "3"})
+    for plain in ("0,1", "MIG-aaaa", ""):  # GPUs, or one slice: left as they are
+        assert distributed.one_mig_slice_per_rank({"CUDA_VISIBLE_DEVICES": plain, "LOCAL_RANK": "1"}) is None
+    mig = SimpleNamespace(is_cuda=True, name="NVIDIA H100 80GB HBM3 MIG 1g.10gb", dtype="bfloat16")
+    assert "an achieved rate and no datasheet peak" in flops.peak_line(mig, 118e12)
+    whole = SimpleNamespace(is_cuda=True, name="NVIDIA H100 80GB HBM3", dtype="bfloat16")
+    assert flops.peak_line(whole, 989.4e12) == ("mfu against the datasheet peak of the NVIDIA H100 80GB HBM3, "
+                                               "989.4 TFLOP/s in bfloat16")
+
+
+@pytest.mark.parametrize("mount, said", [
+    ("srv:/x /shared nfs4 rw,relatime,nolock 0 0", "is on nfs4 mounted nolock (/shared): its lock holds on this node"),
+    ("fs@o2ib:/l /shared lustre rw,localflock 0 0", "is on lustre mounted localflock (/shared)"),
+    ("srv:/x /shared nfs4 rw,relatime 0 0", None),  # NFSv4 locks through the server
+    ("srv:/x /shared/other nfs4 rw,nolock 0 0", None),  # another mount
+])
+def test_a_lock_that_holds_on_one_node_only_is_said(tmp_path, mount, said):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\n{mount}\n")
+    line = files.node_local_locks(Path("/shared/runs/out"), mounts)
+    assert (line is None) if said is None else (said in line and "start no other run on this out_dir" in line)
+
+
+def test_threads_follow_physical_cores_as_torchs_default_does(tmp_path):
+    for cpu, (package, core) in enumerate([(0, 0), (0, 1), (0, 0), (0, 1)]):  # 2 cores, 2 hyperthreads each
+        (tmp_path / f"cpu{cpu}/topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}/topology/physical_package_id").write_text(f"{package}\n")
+        (tmp_path / f"cpu{cpu}/topology/core_id").write_text(f"{core}\n")
+    assert runtime.physical_cores([0, 1, 2, 3], tmp_path) == 2
+    assert runtime.physical_cores([0, 2], tmp_path) == 1  # one core's two threads
+    assert runtime.physical_cores([0, 1, 7], tmp_path) == 3  # unreadable: the CPUs themselves
+    threads = torch.get_num_threads()
+    try:
+        watch = SimpleNamespace(physical=2, cores=[0, 1, 2, 3], others=lambda: 1.0)
+        torch.set_num_threads(2)
+        assert runtime.choose_threads(watch).startswith("note: using 1 of 2 CPU threads")
+    finally:
+        torch.set_num_threads(threads)
