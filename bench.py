@@ -184,7 +184,7 @@ def compiled(fn, cfg: Settings):
 def eager_reference(attn: str, problem: Optional[str], cfg: Settings, rt: Runtime) -> bool:
     """True for a flex row that runs (no `problem`) PyTorch's unfused eager reference: not compiled, and not on
     CUDA (where model.flex_causal_attention always compiles it)."""
-    return attn == "flex" and problem is None and not cfg.compile and not rt.is_cuda
+    return problem is None and not cfg.compile and rt.device_type in IMPLEMENTATIONS[attn].eager_reference.split()
 
 
 # -- train mode ------------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             # every case compiles afresh, each attn apart, with a full recompile budget: one compiled callable over
             # every head size, length, pass and mask would pass its limit and run the later rows eagerly
             compiled_flex.cache_clear()
-            functions = {a: compiled(IMPLEMENTATIONS[a], cfg) for a in cfg.attn}
+            functions = {a: compiled(IMPLEMENTATIONS[a].fn, cfg) for a in cfg.attn}
             for a in cfg.attn:
                 problem = attention_problem(a, AttnCall(rt.device_type, rt.torch_dtype, hs, needs_grad=backward,
                                                         dropout_p=cfg.dropout, seq_len=T, masked=mask != "causal"),

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -62,28 +62,16 @@ def sdpa_attention(q, k, v, mask, dropout_p):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
-def flash_attention(q, k, v, mask, dropout_p):
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return sdpa_attention(q, k, v, mask, dropout_p)
-
-
-def efficient_attention(q, k, v, mask, dropout_p):
-    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-        return sdpa_attention(q, k, v, mask, dropout_p)
-
-
-def cudnn_attention(q, k, v, mask, dropout_p):
-    # cuDNN refuses a key length of 1, which the first step of cache-free generation from a one-token prompt asks
-    # for; the one key visible then takes all the weight, so its value is the exact answer
-    if k.size(-2) == 1 and mask is None and dropout_p == 0.0:
-        return v  # (B, nh, 1, hs)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return sdpa_attention(q, k, v, mask, dropout_p)
-
-
-def math_attention(q, k, v, mask, dropout_p):
-    with sdpa_kernel(SDPBackend.MATH):
-        return sdpa_attention(q, k, v, mask, dropout_p)
+def forced(backend: SDPBackend):
+    """SDPA with one backend forced (flash, efficient, cudnn, math): PyTorch's error where that kernel refuses."""
+    def attention(q, k, v, mask, dropout_p):
+        # cuDNN refuses a key length of 1, which the first step of cache-free generation from a one-token prompt
+        # asks for; the one key visible then takes all the weight, so its value is the exact answer
+        if backend == SDPBackend.CUDNN_ATTENTION and k.size(-2) == 1 and mask is None and dropout_p == 0.0:
+            return v  # (B, nh, 1, hs)
+        with sdpa_kernel(backend):
+            return sdpa_attention(q, k, v, mask, dropout_p)
+    return attention
 
 
 FLEX_REGION = "attention.flex_attention"  # the profiler region every eager-called flex runs in (bench's audit)
@@ -143,16 +131,45 @@ def varlen_attention(q, k, v, mask, dropout_p):
     return y.reshape(B, Tq, nh, hs).transpose(1, 2)
 
 
-IMPLEMENTATIONS = {
-    "manual": manual_attention,        # the design card's three first
-    "sdpa_mask": sdpa_mask_attention,
-    "sdpa": sdpa_attention,
-    "flash": flash_attention,          # SDPA with one backend forced
-    "efficient": efficient_attention,
-    "cudnn": cudnn_attention,
-    "math": math_attention,
-    "flex": flex_causal_attention,
-    "varlen": varlen_attention,
+@dataclass(frozen=True)
+class Attention:
+    """An implementation, and what the rest of the house asks of it (tools/kernels.py, tools/masks.py, bench)."""
+    fn: Callable               # (q, k, v, mask, dropout_p) -> y, as above
+    title: str                 # what a refusal calls it
+    kernels: str               # the kernels bench's audit may see it run, '+' between (benchmarks/measure.py)
+    ops: tuple = ()            # profiler ops of a kernel of its own, which the audit labels with `kernels`
+    mask: str = "dense"        # documents and windows as: "dense" (bool), "block" (flex's), "packed" (varlen's)
+    devices: str = "cpu cuda mps"  # where it runs; where it takes attention dropout; where it has a backward
+    dropout: str = "cpu cuda mps"
+    grad: str = "cpu cuda mps"
+    backend: Optional[SDPBackend] = None  # the SDPA kernel it forces
+    picks: bool = False        # SDPA picks the kernel (on Hopper it may pick cuDNN)
+    skips: bool = False        # computes none of what causal attention leaves out
+    decode: str = ""           # the implementation its decode steps run through, when another
+    eager_reference: str = ""  # devices where an eager call runs PyTorch's unfused reference (flex off CUDA)
+
+    def __call__(self, q, k, v, mask, dropout_p):
+        return self.fn(q, k, v, mask, dropout_p)
+
+
+def sdpa_forcing(backend: SDPBackend, title: str, kernel: str, **record) -> Attention:
+    return Attention(forced(backend), title, kernel, backend=backend, **record)
+
+
+IMPLEMENTATIONS = {  # the design card's three first, then SDPA with one backend forced, then flex and varlen
+    "manual": Attention(manual_attention, "the masked softmax", "none"),
+    "sdpa_mask": Attention(sdpa_mask_attention, "SDPA with a mask", "flash+efficient+cudnn+math", picks=True),
+    "sdpa": Attention(sdpa_attention, "SDPA", "flash+efficient+cudnn", picks=True, skips=True),
+    "flash": sdpa_forcing(SDPBackend.FLASH_ATTENTION, "the flash kernel", "flash", dropout="cuda", skips=True),
+    "efficient": sdpa_forcing(SDPBackend.EFFICIENT_ATTENTION, "the memory-efficient kernel", "efficient",
+                              devices="cuda", skips=True),
+    "cudnn": sdpa_forcing(SDPBackend.CUDNN_ATTENTION, "the cuDNN kernel", "cudnn", devices="cuda", skips=True),
+    "math": sdpa_forcing(SDPBackend.MATH, "the math kernel", "math"),
+    "flex": Attention(flex_causal_attention, "FlexAttention", "flex", ops=("FlexAttentionAutogradOp", FLEX_REGION),
+                      mask="block", dropout="", grad="cuda", eager_reference="cpu mps"),
+    "varlen": Attention(varlen_attention, "varlen_attn", "varlen",
+                        ops=("torch_attn::_varlen_attn",), mask="packed", devices="cuda", dropout="", skips=True,
+                        decode="sdpa"),
 }
 
 
@@ -233,7 +250,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
-        self.attend = IMPLEMENTATIONS[config.attn]  # chosen once (GPT.set_attention), called as is
+        self.attend = IMPLEMENTATIONS[config.attn].fn  # chosen once (GPT.set_attention), called as is
 
     def forward(self, x: torch.Tensor, mask=None, cache: Optional["KVCache"] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -372,7 +389,7 @@ class GPT(nn.Module):
         if not self.config.masked:
             return None
         from tools.masks import doc_window_mask  # documents and windows: only a run that asks for them
-        return doc_window_mask(self.config, idx)
+        return doc_window_mask(self.config, IMPLEMENTATIONS[self.config.attn].mask, idx)
 
     def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
                         problem: Optional[str] = None) -> None:
@@ -419,7 +436,7 @@ class GPT(nn.Module):
             self.config = previous
             raise
         for block in self.transformer.h:
-            block.attn.attend = IMPLEMENTATIONS[attn]
+            block.attn.attend = IMPLEMENTATIONS[attn].fn
         return self
 
     def crop_block_size(self, block_size: int) -> None:  # e.g. to fine-tune GPT-2 (1024) at a shorter block_size
@@ -600,7 +617,7 @@ class KVCache(nn.Module):
             end = input_pos + 1  # (1,)
             start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
             start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
-            return span_mask(attn, start, end, self.block_size)
+            return span_mask(IMPLEMENTATIONS[attn].mask, start, end, self.block_size)
         # eagerly the host knows the position: the step reads the keys it sees, in a span rounded up to a multiple of
         # DECODE_BLOCK with the rest masked, so attention meets a bounded set of shapes (cuDNN builds a plan per shape)
         end = self.length + 1
@@ -614,7 +631,8 @@ class KVCache(nn.Module):
         if self.doc_start is not None:  # documents: each row from its own start
             starts = (self.doc_start - lo).clamp(min=first - lo)  # (B,)
         from tools.masks import span_mask
-        return span_mask(attn, starts, torch.full((1,), end - lo, device=idx.device), hi - lo, self.dtype)
+        return span_mask(IMPLEMENTATIONS[attn].mask, starts, torch.full((1,), end - lo, device=idx.device), hi - lo,
+                         self.dtype)
 
     def takes_mask(self, attn: str) -> bool:  # whether attn's decode step takes a mask row, asked once per attn
         if attn not in self.masked_decode:

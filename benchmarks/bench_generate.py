@@ -109,7 +109,8 @@ def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) ->
         ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
         d = described[key]
         # eager flex off CUDA is PyTorch's unfused reference, run as such; compiled or on CUDA it is a fallback
-        d["eager_reference"] = d["attn"] == "flex" and not rt.is_cuda and row.cache != "compiled"
+        d["eager_reference"] = (rt.device_type in IMPLEMENTATIONS[d["attn"]].eager_reference.split()
+                                and row.cache != "compiled")
         d.update(audit_kernel(ops, ran_ops, d["attn"], rt.device_type, d["eager_reference"],
                               d.get("recompile_limit_hits", 0), generation=True),
                  weight_bytes=weight_bytes(row.model), kv_cache_bytes=row.model.cache_bytes() if row.cache != "none"

@@ -14,10 +14,9 @@ from core import files
 from tools import masks
 from core.dataset import dataset_dir, prepare_if_missing
 from core.errors import UserError
+from model import IMPLEMENTATIONS
 
 MASKS = ("causal", "doc", "window", "doc+window")
-# kernels that skip what causality (and, for varlen, the document packing) rules out, at tile granularity
-SKIPPING = {"flash", "efficient", "cudnn", "sdpa", "varlen"}
 
 
 def mask_settings(mask: str, window: int) -> tuple[bool, int]:
@@ -60,9 +59,10 @@ def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int, devi
     mask: all; flex: its BlockMask's blocks, counted on `device`; the skipping kernels about what is visible)."""
     causal = docs is None and window == 0
     visible = mask_fraction(masks.dense_mask(docs, window, T, "cpu"))
-    if attn == "flex":
+    impl = IMPLEMENTATIONS[attn]
+    if impl.mask == "block":  # flex: the blocks its BlockMask keeps
         computed = block_fraction(masks.block_mask(None if docs is None else docs.to(device), window, T, device))
-    elif attn == "varlen" or (attn in SKIPPING and causal):
+    elif impl.mask == "packed" or (impl.skips and causal):
         computed = visible
     else:
         computed = 1.0
@@ -73,7 +73,8 @@ def row_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: in
     """What an attention-mode row passes its implementation: None for causal, else the mask in its form."""
     if docs is None and window == 0:
         return None
-    return masks.mask_form(attn, None if docs is None else docs.to(device), window, B, T, device)
+    return masks.mask_form(IMPLEMENTATIONS[attn].mask, None if docs is None else docs.to(device), window, B, T,
+                           device)
 
 
 def boundaries_per_block(docs: torch.Tensor) -> float:

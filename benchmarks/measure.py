@@ -21,11 +21,12 @@ from torch import profiler
 from torch.autograd import DeviceType
 
 from core import runtime
-from model import FLEX_REGION
+from model import IMPLEMENTATIONS
 from core.runtime import Runtime
 
-# The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and flex's autograd op.
-# Compiled code is audited through an eager twin (bench.py): inductor decomposes math and generates flex's kernel.
+# The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and the ops of the
+# implementations with kernels of their own (model.Attention.ops: flex's autograd op and profiler region, varlen's
+# custom op). Compiled code is audited through an eager twin (bench.py): inductor decomposes math and generates flex's.
 KERNEL_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
     "aten::_scaled_dot_product_flash_attention": "flash",
@@ -33,11 +34,9 @@ KERNEL_OPS = {
     "aten::_scaled_dot_product_cudnn_attention": "cudnn",
     "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_attention_math_for_mps": "math",
-    "FlexAttentionAutogradOp": "flex",
-    "torch_attn::_varlen_attn": "varlen",  # torch.nn.attention.varlen's custom op (flash or cuDNN inside)
-    FLEX_REGION: "flex",  # every flex call, compiled ones too (CUDA always compiles flex)
+    **{op: impl.kernels for impl in IMPLEMENTATIONS.values() for op in impl.ops},
 }
-FUSED = {"flash", "efficient", "cudnn"}
+CPU_KERNELS = {"none", "flash", "math", "flex"}  # SDPA has no efficient or cuDNN kernel off CUDA
 T = TypeVar("T")
 
 
@@ -65,19 +64,15 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def expected_kernels(attn: str, device_type: str, generation: bool = False) -> set[str]:
-    """The kernels an honest run of `attn` may show in the audit; anything else is a silent fallback. A generation
-    row's decode steps pass a mask over the cache; varlen's go through SDPA (nothing to pack for one query)."""
-    if attn == "manual":
-        return {"none"}  # no SDPA op at all: bmm, masked_fill, softmax
-    if attn == "sdpa_mask":
-        return FUSED | {"math"}  # the generic row: the mask leaves the choice to PyTorch
-    if attn == "sdpa":  # PyTorch picks by priority; on CPU the only fused kernel is flash
-        return FUSED if device_type == "cuda" else {"flash"}
-    if attn == "varlen" and generation:
-        return {"varlen"} | expected_kernels("sdpa", device_type)
-    if attn == "flex":
-        return {"flex"}
-    return {attn}  # efficient, cudnn, math, varlen: forced
+    """The kernels an honest run of `attn` may show in the audit (its record's, model.Attention.kernels); anything
+    else is a silent fallback. A generation row's decode steps may run through another (varlen's through SDPA)."""
+    impl = IMPLEMENTATIONS[attn]
+    kernels = set(impl.kernels.split("+"))
+    if device_type != "cuda":
+        kernels = kernels & CPU_KERNELS or kernels
+    if generation and impl.decode:
+        kernels |= expected_kernels(impl.decode, device_type)
+    return kernels
 
 
 def ran_as_expected(kernel: str, expected: set[str]) -> bool:

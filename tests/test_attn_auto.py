@@ -1,5 +1,6 @@
 """attn='auto' (tools/attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
 per workload and kept; no test asserts a speed (the timer is a stand-in where the pick matters)."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def test_the_fastest_implementation_that_runs_is_picked_and_the_refused_are_list
 
 def test_a_numerically_wrong_implementation_is_dropped_however_fast(monkeypatch):
     wrong = lambda q, k, v, mask, dropout_p: v * 1.01  # noqa: E731 - the shape of attention, not its values
-    candidates = {**IMPLEMENTATIONS, "flash": wrong}
+    candidates = {**IMPLEMENTATIONS, "flash": dataclasses.replace(IMPLEMENTATIONS["flash"], fn=wrong)}
     decision = attn_auto.measure(workload(training=False), CPU, candidates, budget_s=1.0,
                                  timer=fake_timer({**FAKE_MS, "flex": 9.0}))
     rows = {r["attn"]: r for r in decision.rows}

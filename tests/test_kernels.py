@@ -47,7 +47,7 @@ def test_set_attention_checks_the_mode_the_model_is_in_and_refuses_before_any_ke
     the first step's kernel (with C++'s "Triggered internally at" warnings); in eval mode it runs."""
     model = GPT(GPTConfig(**TINY_MODEL, dropout=0.1))
     with pytest.raises(UserError, match=r"^attn='flash' cannot run for training on cpu in float32 with dropout=0.1 "
-                                        r"and head size 4: the CPU flash kernel does not support dropout; use one of"):
+                                        r"and head size 4: the flash kernel has no attention dropout on CPU; use one of"):
         model.set_attention("flash")
     assert model.config.attn == "sdpa"  # unchanged
     assert model.eval().set_attention("flash").config.attn == "flash"  # inference: no dropout
@@ -91,14 +91,15 @@ def test_kernel_context_records_what_cuda_reports(monkeypatch):
 def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_may_pick_cudnn(monkeypatch, capsys):
     hazard = kernels.cudnn_mask_hazard
     h100, new_cudnn, old_cudnn = (9, 0), 91600, 91000
-    assert "NaN gradients" in hazard("cudnn", True, True, 192, h100, old_cudnn)  # 192 = 128 + 64
-    assert hazard("cudnn", True, True, 256, h100, new_cudnn) is None  # a multiple of 128
-    assert hazard("cudnn", False, True, 192, h100, new_cudnn) is None  # no backward
-    assert hazard("cudnn", True, False, 192, h100, new_cudnn) is None  # causal: no explicit mask
-    assert "NaN gradients" in hazard("sdpa_mask", True, False, 64, h100, new_cudnn)  # its mask is explicit
-    assert hazard("sdpa", True, True, 192, h100, old_cudnn) is None  # SDPA prefers cuDNN only past 9.15
-    assert hazard("sdpa", True, True, 192, (8, 0), new_cudnn) is None  # nor on an A100
-    assert hazard("flash", True, True, 192, h100, new_cudnn) is None
+    cudnn, sdpa_mask, sdpa, flash = (IMPLEMENTATIONS[a] for a in ("cudnn", "sdpa_mask", "sdpa", "flash"))
+    assert "NaN gradients" in hazard(cudnn, True, True, 192, h100, old_cudnn)  # 192 = 128 + 64
+    assert hazard(cudnn, True, True, 256, h100, new_cudnn) is None  # a multiple of 128
+    assert hazard(cudnn, False, True, 192, h100, new_cudnn) is None  # no backward
+    assert hazard(cudnn, True, False, 192, h100, new_cudnn) is None  # causal: no explicit mask
+    assert "NaN gradients" in hazard(sdpa_mask, True, False, 64, h100, new_cudnn)  # its mask is explicit
+    assert hazard(sdpa, True, True, 192, h100, old_cudnn) is None  # SDPA prefers cuDNN only past 9.15
+    assert hazard(sdpa, True, True, 192, (8, 0), new_cudnn) is None  # nor on an A100
+    assert hazard(flash, True, True, 192, h100, new_cudnn) is None
 
     monkeypatch.setattr(kernels, "cuda_facts", lambda: (h100, new_cudnn))
     monkeypatch.setattr(kernels, "attention_problem", lambda *args, **kw: None)  # the probe: runs

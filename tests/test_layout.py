@@ -4,7 +4,9 @@ import the read, and the read opens them only inside a function, at the setting 
 import counts, module-level or inside a function (a lazy import is still an arrow a reader follows), and none runs
 in a cycle."""
 import ast
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +102,51 @@ def test_a_setting_opens_its_own_tool_and_nothing_else(char_data, tmp_path, sett
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert ast.literal_eval(run.stdout.strip().splitlines()[-1]) == (opens or ["tools.kernels"])
+
+
+# -- one record per attention implementation ---------------------------------------------------------------
+
+WITH_ONE_MORE = """
+import runpy, sys
+import model
+# a new implementation, as a developer would add it to model.IMPLEMENTATIONS: its function and its record
+model.IMPLEMENTATIONS["mine"] = model.Attention(lambda q, k, v, mask, p: model.manual_attention(q, k, v, mask, p),
+                                                "the test's own", "none")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_new_implementation_runs_in_train_sample_and_bench_from_its_record_alone(char_data, tmp_path):
+    """What adding an implementation takes: its entry in model.py, nothing else. Train, sample and bench's attention
+    rows with their kernel audit all run it (the audit expects what its record says: no SDPA op)."""
+    from conftest import TINY
+    out = tmp_path / "run"
+
+    def run(*argv) -> str:
+        done = subprocess.run([sys.executable, "-c", WITH_ONE_MORE, *argv], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+    assert "attn=mine" in run("train.py", *TINY, f"--data_dir={char_data}", f"--out_dir={out}", "--attn=mine",
+                              "--max_iters=2", "--eval_interval=2")
+    assert "attn=mine:" in run("sample.py", f"--out_dir={out}", "--attn=mine", "--num_samples=1",
+                               "--max_new_tokens=4", "--device=cpu", "--dtype=float32")
+    run("bench.py", "--mode=attention", "--attn=mine,manual", "--attn_batch=1", "--attn_heads=2",
+        "--attn_seq_lens=64", "--attn_head_sizes=16", "--iters=1", "--warmup=1", "--dtype=float32", "--threads=1",
+        "--device=cpu", f"--out_dir={tmp_path / 'bench'}")
+    rows = json.loads((tmp_path / "bench" / "attention.json").read_text())["rows"]
+    mine = [r for r in rows if r["attn"] == "mine"]
+    assert mine and all(r["status"] == "ok" and r["kernel"] == "none" and r["kernel_ok"] for r in mine)
+
+
+def test_no_file_but_model_py_names_an_implementation_in_a_string_test():
+    """Knowledge about an implementation lives in its record (model.Attention): an `attn == "flex"` elsewhere would
+    be a second home. Kernel labels (benchmarks/measure.py) and chosen baselines are names, not tests."""
+    from model import IMPLEMENTATIONS
+    names = "|".join(IMPLEMENTATIONS)
+    test = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in project_modules().values()
+             if path.name != "model.py" for n, line in enumerate(path.read_text().splitlines(), 1)
+             if test.search(line) and "attn" in line]
+    assert found == []

@@ -2,6 +2,7 @@
 computes, a document sees nothing of another, a token nothing beyond the window, flex skips exactly the empty
 blocks, and decoding over the KV cache gives the cache-free tokens."""
 
+import dataclasses
 import copy
 
 import pytest
@@ -162,7 +163,7 @@ def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_
     q = torch.randn(2, 2, 1, 16, generator=g)  # (B, nh, 1, hs): one query per row
     k, v = torch.randn(2, 2, 2, 48, 16, generator=g)  # (B, nh, block, hs) each: the whole cache
     for starts in ([3, 17], [5, 5], [0]):
-        span = masks.span_mask(attn, torch.tensor(starts), torch.tensor([30]), 48)  # keys [start, 30) of each row
+        span = masks.span_mask(IMPLEMENTATIONS[attn].mask, torch.tensor(starts), torch.tensor([30]), 48)  # keys [start, 30) of each row
         expected = torch.stack([
             ((q[b].double() @ k[b, :, s:30].double().transpose(-2, -1)) / 4.0).softmax(-1) @ v[b, :, s:30].double()
             for b, s in enumerate(starts * 2 if len(starts) == 1 else starts)])  # (B, nh, 1, hs)
@@ -201,7 +202,7 @@ def test_compiled_decoding_with_documents_and_a_window_gives_the_cache_free_toke
 def test_an_implementation_that_cannot_take_the_mask_is_refused_naming_what_can():
     with pytest.raises(UserError, match=r"attn='varlen' cannot run for training on cpu in float32 with "
                                         r"dropout=0.0, a document or window mask and head size 16: varlen_attn is "
-                                        r"CUDA-only .*; use one of manual, sdpa_mask, sdpa, flash, math\."):
+                                        r"CUDA-only; use one of manual, sdpa_mask, sdpa, flash, math\."):
         tiny_model("varlen", doc_mask=True)(documents(), documents())
 
 
@@ -219,9 +220,10 @@ def test_a_flash_like_kernel_without_a_mask_is_refused_for_masked_training(monke
             raise RuntimeError("No available kernel. Aborting execution.")
         return model.sdpa_attention(q, k, v, None, dropout_p)
     training = kernels.AttnCall("cpu", torch.float32, 16, needs_grad=True)
-    assert kernels.attention_problem("flash", training, no_mask_flash) is None
+    flash = dataclasses.replace(IMPLEMENTATIONS["flash"], fn=no_mask_flash)
+    assert kernels.attention_problem("flash", training, flash) is None
     call = kernels.AttnCall("cpu", torch.float32, 16, needs_grad=True, masked=True)
-    assert kernels.attention_problem("flash", call, no_mask_flash).startswith("PyTorch has no kernel for it")
+    assert kernels.attention_problem("flash", call, flash).startswith("PyTorch has no kernel for it")
 
 
 def fake_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, -1)):
@@ -248,7 +250,7 @@ def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys
     """What CUDA would meet for every forward without gradients: the probe's one-query call against T keys."""
     monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", fake_varlen_attn)
     varlen = IMPLEMENTATIONS["varlen"]
-    assert kernels.probe("varlen", varlen, kernels.AttnCall("cpu", torch.float32, 16, seq_len=32)) is None
+    assert kernels.probe(varlen, kernels.AttnCall("cpu", torch.float32, 16, seq_len=32)) is None
     q, k, v = torch.randn(3, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1))  # (B, nh, T, hs) each
     one = varlen(q[:, :, -1:], k, v, None, 0.0)  # the last query over all 20 keys
     assert torch.allclose(one, model.manual_attention(q[:, :, -1:], k, v, None, 0.0), atol=1e-6)
@@ -264,7 +266,7 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
     idx = documents()
     q, k, v = torch.randn(3, 2, 2, 48, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each
     docs = masks.document_ids(idx, EOT) if settings.get("doc_mask") else None
-    packing = masks.mask_form("varlen", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
+    packing = masks.mask_form("packed", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
     expected = model.manual_attention(q, k, v, reference_mask(idx, bool(docs is not None),
                                                               settings.get("window", 0)), 0.0)
     assert torch.allclose(model.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)

@@ -1,5 +1,6 @@
 """model.py: every attention implementation computes the same GPT-2, padding is invisible, generation is exact."""
 
+import dataclasses
 import copy
 
 import pytest
@@ -278,7 +279,7 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
                                                        cache[1][:, :, :T].float(), None, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
                 for position in range(5, 40, 3):  # decode steps over the whole cache, a span each
-                    span = masks.span_mask("flex", torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]), 64)
+                    span = masks.span_mask("block", torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]), 64)
                     mask = torch.arange(64)[None, None, None, :] <= position  # (1, 1, 1, block): the same, densely
                     q = torch.randn(1, 2, 1, 16, generator=generator).to(dtype)
                     y = flex(q, cache[0], cache[1], span, 0.0)
@@ -310,7 +311,7 @@ def test_flex_training_on_cpu_says_no_backward():
 
 
 def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
-    with pytest.raises(UserError, match="does not support dropout"):
+    with pytest.raises(UserError, match="has no attention dropout on CPU"):
         check_attention("flash", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1), IMPLEMENTATIONS)
     call = AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1)
     assert attention_problem("sdpa", call, IMPLEMENTATIONS["sdpa"]) is None  # math
@@ -320,7 +321,8 @@ def probe_with(monkeypatch, attn: str, fn) -> str:
     """attention_problem for `attn` with its function replaced by `fn`."""
     attention_problem.cache_clear()
     try:
-        return attention_problem(attn, AttnCall("cpu", torch.float32, 8, needs_grad=True), fn)
+        return attention_problem(attn, AttnCall("cpu", torch.float32, 8, needs_grad=True),
+                                 dataclasses.replace(IMPLEMENTATIONS[attn], fn=fn))
     finally:
         attention_problem.cache_clear()
 

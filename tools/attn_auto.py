@@ -97,15 +97,15 @@ def inputs(w: Workload, device: str, seed: int = 0) -> dict:
     return dict(q=q, k=k, v=v, docs=docs)
 
 
-def attention_call(fn: Callable, attn: str, w: Workload, data: dict) -> Callable[[], torch.Tensor]:
-    """One timed call of `fn` (attn's, maybe compiled): forward and backward for training; for sampling a prefill of
+def attention_call(fn: Callable, form: str, w: Workload, data: dict) -> Callable[[], torch.Tensor]:
+    """One timed call of `fn` (an implementation's, maybe compiled; `form`: its mask's): forward and backward for training; for sampling a prefill of
     the prompt and a decode step over its written keys, as eager decoding reads them. Returns the prefill's or the
     forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
     mask = None
     if w.documents or w.window:
         from tools.masks import mask_form  # a masked run's
-        mask = mask_form(attn, docs, w.window, w.batch_size, w.seq_len, q.device)
+        mask = mask_form(form, docs, w.window, w.batch_size, w.seq_len, q.device)
     if w.training:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         return attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
@@ -152,7 +152,7 @@ def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float, ti
         problem = attention_problem(attn, call, fn)
         rows[attn] = dict(attn=attn, status="refused" if problem else "ok", ms=None, ratio=None, reason=problem)
         if problem is None:
-            calls[attn] = attention_call(compiled(fn), attn, w, data)
+            calls[attn] = attention_call(compiled(fn.fn), fn.mask, w, data)
     spent = {}
     for attn, call in list(calls.items()):  # warm-up (compiles) and the numerics check, untimed by the rounds
         try:

@@ -15,18 +15,21 @@ from typing import Callable, Optional
 
 import torch
 
+from torch.nn.attention import SDPBackend
+
 from core.errors import UserError
 
 # The headers SDPA warns before each kernel's reasons ("Flash attention kernel not used because:"), by the attn
 # that forces that kernel. CUDA checks them in the order efficient, flash, cuDNN whatever is forced, so a forced
 # flash also explains that the efficient kernel "has been runtime disabled": only the forced kernel's lines count.
-KERNEL_HEADERS = {"flash": "Flash attention", "efficient": "Memory efficient", "cudnn": "CuDNN attention"}
+KERNEL_HEADERS = {SDPBackend.FLASH_ATTENTION: "Flash attention", SDPBackend.EFFICIENT_ATTENTION: "Memory efficient",
+                  SDPBackend.CUDNN_ATTENTION: "CuDNN attention"}
 _TRIGGERED = re.compile(r"\s*\(Triggered internally at .*\)\s*$")  # what a warning from C++ carries at its end
 
 
-def refusal_reason(messages: list[str], attn: str) -> Optional[str]:
-    """The first reason SDPA's warnings give for refusing the kernel `attn` forces (any kernel's for the others),
-    without the C++ source location; None if they give none."""
+def refusal_reason(messages: list[str], backend: Optional[SDPBackend]) -> Optional[str]:
+    """The first reason SDPA's warnings give for refusing the `backend` forced (any kernel's where none is), without
+    the C++ source location; None if they give none."""
     sections: dict[Optional[str], list[str]] = {}
     current = None
     for message in messages:
@@ -38,23 +41,23 @@ def refusal_reason(messages: list[str], attn: str) -> Optional[str]:
                 current = kernel
             elif line:
                 sections.setdefault(current, []).append(line)
-    if attn in KERNEL_HEADERS:
-        return next(iter(sections.get(attn, [])), None)
+    if backend in KERNEL_HEADERS:
+        return next(iter(sections.get(backend, [])), None)
     reasons = [line for lines in sections.values() for line in lines if "has been runtime disabled" not in line]
     return next(iter(reasons), None)
 
 
-def cudnn_mask_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int, capability: tuple[int, int],
+def cudnn_mask_hazard(impl, needs_grad: bool, masked: bool, seq_len: int, capability: tuple[int, int],
                       cudnn_version: int) -> Optional[str]:
     """A known cuDNN bug (torch 2.13): its backward with an explicit mask gives NaN gradients when the length is 64
     past a multiple of 128 and a row's logsumexp is very negative. A forced `cudnn` row meets it; `sdpa` and
     `sdpa_mask` meet it where SDPA picks cuDNN for a masked call (torch 2.13 prefers cuDNN newer than 9.15 on
     compute capability 9.x and 10.x, and its checks look at the mask's shape only). The sentence, or None."""
-    explicit_mask = masked or attn == "sdpa_mask"
+    explicit_mask = masked or (impl.picks and not impl.skips)  # SDPA handed a causal mask (sdpa_mask)
     if not (needs_grad and explicit_mask and seq_len % 128 == 64):
         return None
-    picks_cudnn = attn == "cudnn" or (attn in ("sdpa", "sdpa_mask") and capability[0] in (9, 10)
-                                      and cudnn_version > 91500)
+    picks_cudnn = impl.backend == SDPBackend.CUDNN_ATTENTION or (impl.picks and capability[0] in (9, 10)
+                                                                 and cudnn_version > 91500)
     if not picks_cudnn:
         return None
     return (f"cuDNN's backward with an explicit mask can give NaN gradients at a length of 64 past a multiple of 128 "
@@ -91,26 +94,23 @@ class AttnCall:
                 f"{self.head_size}")
 
 
-@functools.cache  # asked once per process: (attn, its function, call)
-def attention_problem(attn: str, call: AttnCall, fn: Callable) -> Optional[str]:
-    """None if `attn` (whose function is `fn`) runs `call` here, else why not."""
-    return _rules(attn, call) or probe(attn, fn, call)
+@functools.cache  # asked once per process: (attn, its record, call)
+def attention_problem(attn: str, call: AttnCall, impl) -> Optional[str]:
+    """None if `attn` (its model.Attention record `impl`) runs `call` here, else why not."""
+    return _rules(impl, call) or probe(impl, call)
 
 
-def _rules(attn: str, call: AttnCall) -> Optional[str]:
-    cpu, cuda = call.device_type == "cpu", call.device_type == "cuda"
-    if attn in ("efficient", "cudnn") and not cuda:
-        return f"the {'memory-efficient' if attn == 'efficient' else 'cuDNN'} kernel is CUDA-only"
-    if attn == "varlen" and not cuda:
-        return "varlen_attn is CUDA-only (FlashAttention's variable-length kernel)"
-    if attn in ("flex", "varlen") and call.dropout_p > 0:
-        return f"{'varlen_attn' if attn == 'varlen' else 'FlexAttention'} has no attention dropout"
-    if attn == "flex" and cpu and call.needs_grad:
-        return "FlexAttention has no backward pass on CPU"
-    if attn == "flash" and cpu and call.dropout_p > 0:
-        return "the CPU flash kernel does not support dropout"
-    if attn == "cudnn" and cuda:
-        return cudnn_mask_hazard(attn, call.needs_grad, call.masked, call.seq_len, *cuda_facts())
+def _rules(impl, call: AttnCall) -> Optional[str]:
+    """What PyTorch states, as the record says it (model.IMPLEMENTATIONS)."""
+    device = call.device_type
+    if device not in impl.devices.split():
+        return f"{impl.title} is {impl.devices.upper().replace(' ', '/')}-only"
+    if call.dropout_p > 0 and device not in impl.dropout.split():
+        return f"{impl.title} has no attention dropout{' on ' + device.upper() if impl.dropout else ''}"
+    if call.needs_grad and device not in impl.grad.split():
+        return f"{impl.title} has no backward pass on {device.upper()}"
+    if impl.backend == SDPBackend.CUDNN_ATTENTION:
+        return cudnn_mask_hazard(impl, call.needs_grad, call.masked, call.seq_len, *cuda_facts())
     return None
 
 
@@ -131,7 +131,7 @@ def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return run
 
 
-def probe(attn: str, fn: Callable, call: AttnCall) -> Optional[str]:
+def probe(impl, call: AttnCall) -> Optional[str]:
     """Run `fn` on what the model passes it (kernels' limits differ between layouts): q, k, v as strided views of one
     projection (with backward when training), and for inference a one-query decode step over the written keys, or
     (decode_step="whole_cache") over a longer cache behind a mask row."""
@@ -148,29 +148,29 @@ def probe(attn: str, fn: Callable, call: AttnCall) -> Optional[str]:
                 warnings.simplefilter("always")
                 if call.decode_step == "whole_cache":  # the last 8 positions unwritten
                     from tools.masks import span_mask
-                    written = span_mask(attn, torch.zeros(1, dtype=torch.long, device=device),
+                    written = span_mask(impl.mask, torch.zeros(1, dtype=torch.long, device=device),
                                         torch.full((1,), T, device=device), T + 8)
-                    fn(q[:, :, -1:], cache[:1], cache[1:], written, 0.0)
+                    impl(q[:, :, -1:], cache[:1], cache[1:], written, 0.0)
                     return None
                 mask = None
                 if call.masked:
                     from tools.masks import mask_form  # only a masked model's check
                     docs = (torch.arange(T, device=device) >= T // 2).long()[None]  # (1, T): two documents
-                    mask = mask_form(attn, docs, T // 4, 1, T, device)
-                attention_pass(fn, q, k, v, mask, call.dropout_p, call.needs_grad)()
+                    mask = mask_form(impl.mask, docs, T // 4, 1, T, device)
+                attention_pass(impl, q, k, v, mask, call.dropout_p, call.needs_grad)()
                 if not call.needs_grad and call.decode_step:
-                    fn(q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
+                    impl(q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
         except (RuntimeError, NotImplementedError) as e:
-            reason = refusal_reason([str(w.message) for w in caught], attn) or str(e).splitlines()[0]
+            reason = refusal_reason([str(w.message) for w in caught], impl.backend) or str(e).splitlines()[0]
             return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
     return None
 
 
-def decodes_with_mask(attn: str, fn: Callable, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
+def decodes_with_mask(attn: str, impl, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `attn` takes a mask row for a decode step over the whole cache, as a compiled decode step (one shape at
     every position) needs. CUDA's flash takes none."""
     call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="whole_cache")
-    return attention_problem(attn, call, fn) is None
+    return attention_problem(attn, call, impl) is None
 
 
 def check_attention(attn: str, call: AttnCall, implementations: dict, problem: Optional[str] = None) -> None:
@@ -178,15 +178,15 @@ def check_attention(attn: str, call: AttnCall, implementations: dict, problem: O
     knows the `problem` (a kernel that refused a real call)."""
     problem = problem or attention_problem(attn, call, implementations[attn])
     if problem is None:
-        if call.device_type == "cuda" and attn in ("sdpa", "sdpa_mask"):  # SDPA may pick cuDNN: it runs, warned
-            _warn_cudnn_hazard(attn, call.needs_grad, call.masked, call.seq_len)
+        if call.device_type == "cuda" and implementations[attn].picks:  # SDPA may pick cuDNN: it runs, warned
+            _warn_cudnn_hazard(attn, implementations[attn], call.needs_grad, call.masked, call.seq_len)
         return
     runnable = [a for a, fn in implementations.items() if a != attn and attention_problem(a, call, fn) is None]
     raise UserError(f"attn='{attn}' cannot run {call.describe()}: {problem}; use one of {', '.join(runnable)}.")
 
 
 @functools.cache  # once per process and setting
-def _warn_cudnn_hazard(attn: str, needs_grad: bool, masked: bool, seq_len: int) -> None:
-    hazard = cudnn_mask_hazard(attn, needs_grad, masked, seq_len, *cuda_facts())
+def _warn_cudnn_hazard(attn: str, impl, needs_grad: bool, masked: bool, seq_len: int) -> None:
+    hazard = cudnn_mask_hazard(impl, needs_grad, masked, seq_len, *cuda_facts())
     if hazard is not None:
         print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)

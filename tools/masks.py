@@ -19,18 +19,19 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
-def doc_window_mask(config, idx: torch.Tensor):
-    """The mask a model with doc_mask and/or window (a GPTConfig) takes for training or a prefill of idx (B, T)."""
+def doc_window_mask(config, form: str, idx: torch.Tensor):
+    """The mask a model with doc_mask and/or window (a GPTConfig) takes for training or a prefill of idx (B, T), in
+    its implementation's `form` (model.Attention.mask)."""
     docs = document_ids(idx, config.eot_token) if config.doc_mask else None  # (B, T)
-    return mask_form(config.attn, docs, config.window, idx.size(0), idx.size(1), idx.device)
+    return mask_form(form, docs, config.window, idx.size(0), idx.size(1), idx.device)
 
 
-def mask_form(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
-    """The mask `attn` takes for documents (docs (B, T), or None) and/or a window: a BlockMask for flex, varlen's
-    packing, a dense mask for the others."""
-    if attn == "flex":
+def mask_form(form: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
+    """The mask for documents (docs (B, T), or None) and/or a window in an implementation's form: "block", a
+    BlockMask (flex); "packed", varlen's packing; "dense", a dense mask."""
+    if form == "block":
         return block_mask(docs, window, T, device)
-    if attn == "varlen":
+    if form == "packed":
         return varlen_packing(docs, window, B, T, device)
     return dense_mask(docs, window, T, device)
 
@@ -110,11 +111,11 @@ def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, de
     return VarlenPacking(cu_seqlens.to(device), max_len, window)
 
 
-def span_mask(attn: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dtype: Optional[torch.dtype] = None):
-    """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in attn's form: flex a score
-    mod, the others a (1 or B, 1, 1, kv_len) row, bool or (with `dtype`) additive: 0 seen, -inf not. An additive row
+def span_mask(form: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dtype: Optional[torch.dtype] = None):
+    """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in a form: "block" (flex) a
+    score mod, the others a (1 or B, 1, 1, kv_len) row, bool or (with `dtype`) additive: 0 seen, -inf not. An additive row
     made once per step spares SDPA turning a bool one into it in every layer (three kernels a call on CUDA)."""
-    if attn != "flex":
+    if form != "block":
         kv = torch.arange(kv_len, device=end.device)
         seen = ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]
         if dtype is None:
@@ -123,7 +124,7 @@ def span_mask(attn: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dt
     first, length = start, end - start  # (1 or B,) each
     if not start.is_cuda and torch.compiler.is_compiling():
         # torch 2.13's CPU flex template reads only tensors inductor materialises: reductions over the row are
-        rows = span_mask("manual", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
+        rows = span_mask("dense", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
         first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
     per_row = first.size(0) > 1
 
