@@ -71,7 +71,8 @@ seq_len = None            # tokens per sequence, also the model's block_size
 warmup = 2                # untimed steps per row first: allocator, lazy optimizer state, compilation
 iters = None              # timed steps per row, taken round-robin across rows
 compile = False           # torch.compile each model (compilation happens in the warm-up, untimed)
-auto = True               # train mode: an 'auto' row per padding and mask, what attn=auto picks (attn_auto.py)
+auto = True               # train mode: an 'auto' row per padding and mask naming what attn=auto picks (attn_auto.py);
+                          # its timing is that pick's own row's, not a second measurement
 attn_auto_budget = 10.0   # seconds attn=auto may spend measuring a workload (a cached decision takes none)
 attn_auto_refresh = False # measure again even when an earlier run decided the same workload
 # max batch size search (train mode)

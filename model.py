@@ -28,7 +28,8 @@ def user_error(message: str) -> Exception:  # a setting to fix: the scripts prin
 # attention: one function per implementation, one signature for all
 #   q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), mask, dropout_p -> (B, nh, Tq, hs)
 # mask None is causal, aligned to the end (query i sees keys 0 .. i + Tk - Tq); with documents or a window it is
-# their mask in the implementation's form (tools/masks.py); for a decode step, the row of its visible keys.
+# their mask in the implementation's form (Attention.mask, tools/masks.py); for a decode step, a row over the keys
+# it reads (bool or additive), or for flex a score mod.
 
 def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     """(q_len, kv_len) bool, True where query i may see key j: j <= i + kv_len - q_len."""
@@ -86,7 +87,8 @@ def compiled_flex(use: str):
 
 
 def compile_flex_here(q: torch.Tensor) -> bool:
-    """On CUDA always; on a CPU only inside a compiled model (seconds per shape, and CPU flex is inference-only)."""
+    """Whether an eager flex call compiles flex: on CUDA (eager flex there is a slow reference); on a CPU it runs
+    eagerly, and a compiled model traces flex itself. Tests patch it to compile on a CPU."""
     return q.is_cuda
 
 
@@ -349,7 +351,7 @@ class GPT(nn.Module):
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         cache = None if input_pos is None else self.cache
-        if not torch.compiler.is_compiling():  # compiled code was checked before it was traced
+        if not torch.compiler.is_compiling():  # a trace cannot run the probe: set_attention checked what it traces
             self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T)
         pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
         mask = self._attention_mask(idx, cache, input_pos)  # one for every layer

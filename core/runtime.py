@@ -1,6 +1,6 @@
 """
-Where and how a script runs: the Runtime (device, dtype, autocast, grad scaler, memory, the ranks), compiling,
-process groups, the one clock, and a script's exit.
+Where and how a script runs: the Runtime (device, dtype, autocast, grad scaler, memory, the ranks), its CPU threads,
+compiling, joining the ranks (core/distributed.py once RANK is set), collectives, the clock, and a script's exit.
 """
 
 import functools
@@ -360,7 +360,7 @@ def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
 
 def round_robin(keys: list, rounds: int, time_one: Callable[[object], Optional[float]],
                 after_round: Optional[Callable[[dict], None]] = None) -> dict[object, list[float]]:
-    """The one round-robin timer: each round times every key once, starting one further along each time, so drift hits
+    """Round-robin timing (bench's rows, attn=auto's candidates): each round times every key once, starting one further along each time, so drift hits
     them alike. `time_one(key)` returns seconds, or None to drop the key."""
     times, dropped = {key: [] for key in keys}, set()
     for i in range(rounds):

@@ -1,6 +1,7 @@
 """
-Reading checkpoints: the one path for every reader and format (ckpt.pt, a sharded step read through DCP, nanoGPT's
-ckpt.pt).
+Reading a checkpoint of this project or nanoGPT's: the one path sample, export and a resume take, for every format
+(ckpt.pt, a sharded step read through DCP, nanoGPT's ckpt.pt). A sharded resume's tensors are read in place later,
+by tools/sharded.py; Hugging Face's files are core/hf.py's.
 
     model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
 """

@@ -44,7 +44,7 @@ def cosine(fraction: float, start: float, end: float) -> float:
 
 
 def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
-    """AdamW, or Muon and AdamW (a resume keeps its checkpoint's); each group's peak rate is kept as `initial_lr`,
+    """AdamW, or Muon and AdamW (a resume must name its checkpoint's, else one sentence); each group's peak rate is kept as `initial_lr`,
     which the schedule scales."""
     saved = checkpoint.settings.get("optimizer", "adamw") if checkpoint is not None else cfg.optimizer
     if saved != cfg.optimizer:

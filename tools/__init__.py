@@ -1,3 +1,4 @@
-"""The tools: features a setting or a script opts into, each reached from the read through one door (the setting
-that asks for it imports it). They import the read (model.py, core/, engine/) and never the scripts; those that
-model.py itself opens (kernels, masks, attn_auto) are handed model.IMPLEMENTATIONS rather than import it."""
+"""The tools: features a setting or a script opts into, each imported inside the functions that read its setting
+(a tool may have several such places). They import the read (model.py, core/, engine/) and never the scripts; those
+model.py itself opens (kernels, masks, attn_auto) are handed model.IMPLEMENTATIONS or a record of it rather than
+import it, and tools/kernels.py is opened by every run, which checks its implementation there."""

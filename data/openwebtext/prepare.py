@@ -31,7 +31,7 @@ from tqdm import tqdm
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
 if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))  # so `import tokenizer` works however this script is started
+    sys.path.insert(0, str(REPO_ROOT))  # so `from core import ...` works however this script is started
 
 from core import errors  # noqa: E402
 from core import files  # noqa: E402
