@@ -349,12 +349,9 @@ def settings(argv: list[str]) -> tuple[Settings, Runtime]:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg, rt = settings(argv)
-    if rt.device_type == "cpu":
-        _, said = runtime.start_threads(cfg.threads)
-        if said:
-            print(said, file=sys.stderr)
     out = Path(cfg.out_dir)
     files.check_writable_dir(out)  # before the sweep, not after it
+    runtime.cpu_threads(rt, cfg.threads)
     env = environment(rt, argv)
     path = out / f"{cfg.mode}.json"
 

@@ -128,12 +128,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from benchmarks import compare  # the comparison: only when it is asked for
         compare.attention_names(cfg.compare)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
-    if rt.device_type == "cpu":
-        _, said = runtime.start_threads(cfg.threads)
-        if said:
-            print(said, file=sys.stderr)
     model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir)
     prompt = encode_prompt(tok, read_prompt(cfg.start))
+    runtime.cpu_threads(rt, cfg.threads)  # after every refusal: a note, then an error, would be two lines for one
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
               "source": source, "prompt_tokens": len(prompt)}

@@ -362,15 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list[str]) -> None:
-    watch = None
-    if rt.device_type == "cpu" and not rt.is_distributed:  # torchrun sets OMP_NUM_THREADS itself
-        watch, said = runtime.start_threads(cfg.threads)
-        if said:
-            print(said, file=sys.stderr)
-        if cfg.compile and watch is not None:  # dynamo guards on the thread count: a change would recompile the step
-            print(f"note: a compiled step keeps its {torch.get_num_threads()} CPU threads for the whole run "
-                  f"(--threads= or OMP_NUM_THREADS chooses)", file=sys.stderr)
-            watch = None
+    watch = runtime.cpu_threads(rt, cfg.threads, fixed=cfg.compile)
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
         from tools.sharded import ShardedSaver
@@ -387,13 +379,14 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         from engine.reader import load_checkpoint  # only a resume reads a checkpoint
         checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
         vars(cfg).update(checkpoint.resumed_settings(cfg.as_dict(), globals(), meta, cfg.out_dir))
+    saved_decision = vars(cfg).pop("attn_auto_saved", None)  # attn=auto's, read with the rest of the checkpoint
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     # checked where it runs, in the dtype it computes in: now, not after compiling
     if cfg.attn == "auto":  # measured on this run's shapes, rank 0 deciding for all; kept with the settings
         from tools.attn_auto import choose_for_training
-        cfg.attn_auto = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, checkpoint)
+        cfg.attn_auto = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, saved_decision)
     attn = cfg.attn_auto["attn_auto/pick"] if cfg.attn == "auto" else raw_model.config.attn
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
@@ -406,7 +399,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         return
 
     # optimizer, and where a resumed run stood
-    optimizers = make_optimizers(raw_model, cfg, rt, checkpoint)
+    optimizers = make_optimizers(raw_model, cfg, rt)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
                   "resolved_muon_dtype": rt.orthogonalize if cfg.optimizer == "muon" else None,

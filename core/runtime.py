@@ -125,6 +125,22 @@ def start_threads(requested: int) -> tuple[Optional[CoreWatch], Optional[str]]:
     return watch, said or None
 
 
+def cpu_threads(rt: "Runtime", requested: int, fixed: bool = False) -> Optional[CoreWatch]:
+    """A script's thread start-up, its notes printed: the watch that looks again at each log line, or None (not a
+    CPU; under torchrun, which sets OMP_NUM_THREADS; the user's count; or `fixed`: a compiled step, since dynamo guards
+    on the thread count and a change would recompile it)."""
+    if rt.device_type != "cpu" or rt.is_distributed:
+        return None
+    watch, said = start_threads(requested)
+    if said:
+        print(said, file=sys.stderr)
+    if fixed and watch is not None:
+        print(f"note: a compiled step keeps its {torch.get_num_threads()} CPU threads for the whole run "
+              f"(--threads= or OMP_NUM_THREADS chooses)", file=sys.stderr)
+        return None
+    return watch
+
+
 def choose_threads(watch: CoreWatch) -> Optional[str]:
     """One PyTorch thread per core that other processes left free since the watch last looked: a thread waiting for a
     core another process holds stalls every op (a step 3.7x slower beside one busy process on 2 cores, where a fair

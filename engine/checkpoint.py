@@ -60,8 +60,13 @@ class Checkpoint:
         return model
 
     def resumed_settings(self, settings: dict, defaults: dict, meta: dict | None, where: str) -> dict:
-        """`settings` as a resume of this checkpoint runs them: the weights' shape, whatever the defaults said. A shape
-        setting chosen otherwise (not the script's default), or a dataset whose ids mean other text, is one sentence."""
+        """`settings` as a resume of this checkpoint runs them, the one read of what it says beside its tensors: the
+        weights' shape whatever the defaults said, and attn=auto's decision (`attn_auto_saved`). A shape setting
+        chosen otherwise (not the script's default), another optimizer, or a dataset whose ids mean other text, is one
+        sentence."""
+        saved = self.settings.get("optimizer", "adamw")
+        if saved != settings["optimizer"]:
+            raise UserError(f"the checkpoint's optimizer state is {saved}'s; resume with --optimizer={saved}.")
         for key in SHAPE_SETTINGS:
             saved = self.model_config.get(key, settings[key])
             if settings[key] != saved and settings[key] != defaults[key]:
@@ -74,7 +79,8 @@ class Checkpoint:
             raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
                             f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(self.meta)}); "
                             f"resume on that dataset, or start a new run in another --out_dir=.")
-        return {**settings, **{key: self.model_config[key] for key in SHAPE_SETTINGS if key in self.model_config}}
+        return {**settings, **{key: self.model_config[key] for key in SHAPE_SETTINGS if key in self.model_config},
+                "attn_auto_saved": self.settings.get("attn_auto")}
 
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""

@@ -1,7 +1,7 @@
 """
 The training step for train.py and bench.py alike, its optimizers (AdamW, or Muon and AdamW) and their schedule.
 
-    trainer = Trainer(model, make_optimizers(model, cfg, rt, None), rt.grad_scaler(), rt, grad_clip=1.0)
+    trainer = Trainer(model, make_optimizers(model, cfg, rt), rt.grad_scaler(), rt, grad_clip=1.0)
     loss = trainer.step([(x, y), (x2, y2)])   # one optimizer step over two micro-batches; the loss stays on device
 """
 
@@ -14,9 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from core.configurator import Settings
-from core.errors import UserError
 from core.runtime import Runtime
-from engine.checkpoint import Checkpoint
 from model import GPT
 
 
@@ -43,12 +41,9 @@ def cosine(fraction: float, start: float, end: float) -> float:
     return end + 0.5 * (1.0 + math.cos(math.pi * fraction)) * (start - end)
 
 
-def make_optimizers(model: GPT, cfg: Settings, rt: Runtime, checkpoint: Checkpoint | None) -> list:
-    """AdamW, or Muon and AdamW (a resume must name its checkpoint's, else one sentence); each group's peak rate is kept as `initial_lr`,
-    which the schedule scales."""
-    saved = checkpoint.settings.get("optimizer", "adamw") if checkpoint is not None else cfg.optimizer
-    if saved != cfg.optimizer:
-        raise UserError(f"the checkpoint's optimizer state is {saved}'s; resume with --optimizer={saved}.")
+def make_optimizers(model: GPT, cfg: Settings, rt: Runtime) -> list:
+    """AdamW, or Muon and AdamW (a resume's: its checkpoint's, checked in Checkpoint.resumed_settings); each group's
+    peak rate is kept as `initial_lr`, which the schedule scales."""
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "adamw":
         optimizers = [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device_type)]

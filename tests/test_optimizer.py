@@ -42,7 +42,7 @@ def test_muon_trains_a_tiny_model_to_a_lower_loss(char_data, tmp_path):
 def test_muon_follows_the_schedule_with_its_own_peak():
     model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=32))
     cfg = train.configure(vars(train), ["--optimizer=muon", "--learning_rate=1e-3", "--muon_lr=0.02"], train.LIMITS)
-    optimizers = train.make_optimizers(model, cfg, runtime.Runtime("cpu", "float32"), None)
+    optimizers = train.make_optimizers(model, cfg, runtime.Runtime("cpu", "float32"))
     train.set_learning_rates(optimizers, 0.5)
     muon, adamw = optimizers
     assert muon.param_groups[0]["lr"] == pytest.approx(0.01)
@@ -148,7 +148,7 @@ def test_muon_iterates_in_bf16_only_where_bf16_is_native(monkeypatch, device_typ
     assert runtime.resolve_runtime(device_type, "float32", "bfloat16").orthogonalize == "bfloat16"  # a setting wins
     cfg = train.configure(vars(train), ["--optimizer=muon"], train.LIMITS)
     muon, _ = train.make_optimizers(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)), cfg,
-                                    rt, None)
+                                    rt)
     assert muon.orthogonalize_dtype == rt.orthogonalize_dtype
 
 

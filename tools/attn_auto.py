@@ -232,12 +232,12 @@ def choose_across_ranks(w: Workload, rt: Runtime, implementations: dict, budget_
     return decision
 
 
-def choose_for_training(model, implementations: dict, cfg, rt: Runtime, checkpoint=None) -> dict:
+def choose_for_training(model, implementations: dict, cfg, rt: Runtime, saved: Optional[dict] = None) -> dict:
     """attn='auto' for train.py: this run's workload decided on rank 0, said in one line, and returned as the table with
     the workload; a resume whose checkpoint decided the same workload runs the same implementation unmeasured."""
     w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
                     compiled=cfg.compile)
-    saved = (checkpoint.settings.get("attn_auto") if checkpoint is not None else None) or {}
+    saved = saved or {}  # a resume's decision (Checkpoint.resumed_settings)
     if saved.get("attn_auto/workload") == w.key() and saved.get("attn_auto/pick") in implementations:
         if rt.is_master:
             print(f"attn=auto: {saved['attn_auto/pick']}, as the checkpoint decided for {w.describe()}")
