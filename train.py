@@ -26,7 +26,7 @@ from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, restore_r
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from engine.metrics import MetricsLog, StepEnd, StepTimer
+from engine.metrics import MetricsLog, Progress, StepEnd, StepTimer
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, IMPLEMENTATIONS, GPTConfig
 from core.runtime import Runtime
@@ -150,18 +150,22 @@ def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime) -> dict:
+def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool = False) -> dict:
     """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), averaged over
-    ranks: {"train/eval_loss": ..., "val/loss": ...}, or val alone when eval_train is off."""
+    ranks: {"train/eval_loss": ..., "val/loss": ...}, or val alone when eval_train is off. The `first` evaluation
+    says what it does before it starts, and any says how long it takes when that is long (a CPU's first can take
+    half an hour)."""
     model.eval()
-    out = {}
-    for split in ("train", "val") if cfg.eval_train else ("val",):
+    out, splits = {}, ("train", "val") if cfg.eval_train else ("val",)
+    progress = Progress(f"evaluating {' and '.join(splits)}", cfg.eval_iters * len(splits), rt.is_master, first)
+    for split in splits:
         batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank)
         total = torch.zeros((), device=rt.device)
         for x, y in batches.micro_batches(split, cfg.eval_iters):  # this rank's own batches, seeded by rank
             with rt.autocast():
                 _, loss = model(*rt.to_device(x, y))
             total += loss.float()
+            progress.tick(total)
         out["val/loss" if split == "val" else "train/eval_loss"] = runtime.mean_across_ranks(
             total.item() / cfg.eval_iters, rt.device)  # one read per split
     model.train()
@@ -189,7 +193,8 @@ class Run:
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
-        losses = estimate_loss(self.trainer.forward, self.cfg, self.data_dir, self.rt)
+        losses = estimate_loss(self.trainer.forward, self.cfg, self.data_dir, self.rt, first=self.saved_at is None
+                               and self.iter_num == 0)
         train_time_s += self.time_before  # this run's, continuing the resumed one's
         self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
         val_loss = losses["val/loss"]
@@ -227,6 +232,15 @@ class Run:
         if said and self.rt.is_master:  # another process began or ended beside this run: the next line's speed shows
             print(said, file=sys.stderr)
         return out_of_time > 0
+
+
+def banner(cfg: Settings, rt: Runtime, model: GPT) -> str:
+    """The run's first line: the model, attention, precision, device, and how the ranks split the work."""
+    muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
+    ranks = f"{rt.world_size} ranks under {'DDP' if cfg.parallel == 'ddp' else 'FSDP2'}" if rt.is_distributed else \
+        "world size 1"
+    return (f"{model.get_num_params() / 1e6:.2f}M parameters, attn={model.config.attn}, {rt.dtype} on {rt.name}"
+            f"{muon}, {ranks}, {tokens_per_iter(cfg):,} tokens per iteration")
 
 
 def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
@@ -310,6 +324,9 @@ def train_loop(run: Run, resumed_at: int | None) -> None:
             if done:
                 break
             # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
+            if cfg.compile and steps_run == 0 and rt.is_master:
+                print("compiling the training step: the first step takes a minute or more, left out of ms_per_iter",
+                      flush=True)
             if not (cfg.compile and steps_run == 0) and not timer.running:
                 timer.start(run.iter_num)
             loss = run.trainer.step(run.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
@@ -393,7 +410,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
         log = MetricsLog(cfg, cfg.as_dict(), enabled=rt.is_master, to_file=False)
-        losses = estimate_loss(model, cfg, data_dir, rt)
+        losses = estimate_loss(model, cfg, data_dir, rt, first=True)
         log.log({"iter": checkpoint.iter_num if checkpoint else 0, **losses})
         log.close()
         return
@@ -413,9 +430,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         run.log.log({"iter": run.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})
     del checkpoint  # free its copy of the weights and optimizer state before training
     if rt.is_master:
-        muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
-        print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, attn={raw_model.config.attn}, {rt.dtype} on "
-              f"{rt.name}{muon}, world size {rt.world_size}, {tokens_per_iter(cfg):,} tokens per iteration")
+        print(banner(cfg, rt, raw_model))
         if resumed_at is not None:
             print(f"resumed from iter {resumed_at} of {cfg.out_dir} ({run.time_before:.0f} s of training behind it)")
         if resumed_at is not None and resumed_at >= cfg.max_iters:

@@ -100,8 +100,9 @@ def fits(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_size: int
 
 
 def auto_rows(rows: dict, trainers: dict[tuple, SharedTrainer], cfg: Settings, rt: Runtime) -> list[dict]:
-    """One row per (padding, mask, loss) with a measured row: the pick's measurements, labelled auto, with `auto_pick`,
-    `fastest`, `pick_vs_fastest` (the pick's time over the fastest's, paired) and `within_noise`."""
+    """One row per (padding, mask, loss) with a measured row: the pick's measurements, not timed again, labelled auto,
+    with `auto_pick`, `same_as` (the row whose timing it repeats), `fastest`, `pick_vs_fastest` (the pick's time over
+    the fastest's, paired) and `within_noise`."""
     out = []
     for (pad, mask, loss), trainer in trainers.items():
         ran = {r["attn"]: r for r in rows.values()
@@ -119,7 +120,8 @@ def auto_rows(rows: dict, trainers: dict[tuple, SharedTrainer], cfg: Settings, r
             continue
         pick = ran[decision.pick]
         overlap = pick["ms_p25"] <= fastest["ms_p75"] and fastest["ms_p25"] <= pick["ms_p75"]
-        out.append({**pick, "attn": "auto", "auto_pick": decision.pick, "auto_line": decision.line(),
+        out.append({**pick, "attn": "auto", "auto_pick": decision.pick, "same_as": decision.pick,
+                    "auto_line": decision.line(),
                     "fastest": fastest["attn"], "pick_vs_fastest": 1 / paired_speedup(fastest, pick),
                     "within_noise": decision.pick == fastest["attn"] or overlap})
     return out

@@ -16,6 +16,30 @@ from core.errors import UserError
 from core.runtime import Runtime
 
 
+class Progress:
+    """A long stretch between log lines said while it runs: what it is at once (`announce`), and once two items have
+    run (the first may compile), about how long the rest takes when that is over `after_s`. Waits for the device on
+    those two items only."""
+    AFTER_S = 20.0
+
+    def __init__(self, what: str, total: int, enabled: bool, announce: bool):
+        self.what, self.total, self.enabled, self.done = what, total, enabled, 0
+        if enabled and announce:
+            print(f"{what}: {total} batches ...", flush=True)
+        self.last = time.perf_counter()
+
+    def tick(self, value: torch.Tensor) -> None:
+        self.done += 1
+        if not self.enabled or self.done > 2:
+            return
+        value.item()  # the item's own time: what the device queued for it is done
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        if self.done == 2 and seconds * (self.total - 2) > self.AFTER_S:
+            print(f"{self.what}: about {seconds * (self.total - 2):.0f} s more at {seconds:.2f} s a batch "
+                  f"(--eval_iters= sets how many)", flush=True)
+
+
 class MetricsLog:
     """Console, out_dir/metrics.jsonl, and wandb when enabled. Only the master rank writes."""
 

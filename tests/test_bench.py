@@ -272,10 +272,11 @@ def test_the_auto_row_shows_what_attn_auto_picks_beside_the_fastest_row_of_the_s
     auto = rows_by(result, "attn")[("auto",)]
     ran = {row["attn"]: row for row in result["rows"] if row["status"] == "ok" and row["attn"] != "auto"}
     assert auto["auto_pick"] in ran and auto["fastest"] == min(ran, key=lambda a: ran[a]["ms_per_iter"])
-    assert auto["ms_per_iter"] == ran[auto["auto_pick"]]["ms_per_iter"]  # the pick's own row, measured here
+    assert auto["ms_per_iter"] == ran[auto["auto_pick"]]["ms_per_iter"]  # the pick's own row, measured here...
+    assert auto["same_as"] == auto["auto_pick"]  # ...and said to be that row's, not a second measurement
     assert isinstance(auto["within_noise"], bool) and auto["pick_vs_fastest"] > 0
     assert auto["auto_line"].startswith("attn=auto: ") and ", training; " in auto["auto_line"]
-    assert f"auto -> {auto['auto_pick']}" in capsys.readouterr().out  # the table's row
+    assert f"auto -> {auto['auto_pick']} (its row's timing)" in capsys.readouterr().out  # the table's row
 
 
 @pytest.mark.parametrize("attn, loss", [("sdpa_mask", "chunked"), ("manual", "chunked,whole")])

@@ -181,7 +181,7 @@ def decoding_cases():
             yield pytest.param(attn, mask, marks=pytest.mark.slow) if attn == "flex" else (attn, mask)
 
 
-@pytest.mark.parametrize("attn, mask", decoding_cases())
+@pytest.mark.parametrize("attn, mask", list(decoding_cases()))
 def test_cached_decoding_with_documents_and_a_window_gives_the_cache_free_tokens(attn, mask):
     runs = decoded(tiny_model(attn, **MASKS[mask]).eval())
     for cached, plain in runs:

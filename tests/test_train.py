@@ -4,6 +4,7 @@ import dataclasses
 import glob
 import io
 import json
+import re
 import shlex
 import sys
 import time
@@ -19,6 +20,7 @@ import train
 from core.configurator import configure
 from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
 from core.errors import UserError
+from model import GPT, GPTConfig
 
 # -- distributed --------------------------------------------------------------------------------------
 
@@ -344,9 +346,9 @@ def test_every_line_times_exactly_the_steps_it_counts(char_data, tmp_path, monke
         clock.now += 1.0
         return real_step(self, batches)
 
-    def estimate(*args):
+    def estimate(*args, **kwargs):
         clock.now += 50.0
-        return real_estimate(*args)
+        return real_estimate(*args, **kwargs)
     monkeypatch.setattr(train.Trainer, "step", step)
     monkeypatch.setattr(train, "estimate_loss", estimate)
     args = TINY + [f"--data_dir={char_data}", f"--log_interval={log_interval}", f"--eval_interval={eval_interval}",
@@ -540,3 +542,32 @@ def test_an_early_decay_reaches_its_level_at_early_decay_iters_then_decays_on_to
     assert lr[25] == pytest.approx((1e-2 + 3e-3) / 2) and lr[40] == pytest.approx(3e-3)  # the first cosine
     assert lr[70] == pytest.approx((3e-3 + 1e-3) / 2) and lr[100] == pytest.approx(1e-3)  # the second
     assert all(a >= b for a, b in zip(lr[10:101], lr[11:101]))  # never rises again
+
+
+def test_the_first_evaluation_says_what_it_does_at_once_and_how_long_it_takes_when_long(char_data, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """A CPU's first evaluation of a real config runs for many minutes before the first log line: it is announced
+    before its first batch, and once two batches have run the rest is estimated (any wait over Progress.AFTER_S)."""
+    from engine.metrics import Progress
+    monkeypatch.setattr(Progress, "AFTER_S", 0.0)  # every estimate counts as long here
+    train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_interval=2",
+                       "--eval_iters=3"])
+    out = capsys.readouterr().out.splitlines()
+    first = out.index("evaluating train and val: 6 batches ...")
+    assert re.fullmatch(r"evaluating train and val: about \d+ s more at [\d.]+ s a batch \(--eval_iters= sets how "
+                        r"many\)", out[first + 1])
+    assert out[first + 2].startswith("iter 0  train/eval_loss")
+    assert sum(line.endswith("batches ...") for line in out) == 1  # the later evaluation is not announced again
+
+
+def test_the_banner_says_how_the_ranks_split_the_work(char_data):
+    from types import SimpleNamespace
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=11))
+    rt = SimpleNamespace(world_size=2, is_distributed=True, dtype="float32", name="CPU", orthogonalize="float32")
+    cfg = SimpleNamespace(optimizer="adamw", parallel="fsdp", gradient_accumulation_steps=2, batch_size=4,
+                          block_size=8)
+    assert ", 2 ranks under FSDP2, 64 tokens per iteration" in train.banner(cfg, rt, model)
+    cfg.parallel = "ddp"
+    assert ", 2 ranks under DDP, " in train.banner(cfg, rt, model)
+    rt.world_size, rt.is_distributed = 1, False
+    assert ", world size 1, " in train.banner(cfg, rt, model)
