@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from core import flops
 from core import files
 from core import runtime
-from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, restore_rng, rng_state, sharded_folder
+from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, restore_rng, rng_state
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
@@ -268,29 +268,9 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Option
     runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     lock = None  # rank 0's hold on out_dir, for the run's life; evaluation writes nothing and takes none
     if not cfg.eval_only:
+        from engine.reader import claim_out_dir  # what out_dir holds, read before anything is written
         lock = runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite), rt.device)
     return cfg, rt, resuming, data_dir, lock
-
-
-def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLock:
-    """out_dir, locked for this run (one run at a time) and writable; a new run takes no other run's out_dir unless
-    --overwrite=True (the old metrics.jsonl goes now, the old checkpoint at the first save)."""
-    made = not out.exists()
-    files.check_writable_dir(out)
-    lock = files.OutDirLock(out, made_dir=made)
-    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
-    saved = ckpt.exists() or sharded_folder(ckpt) is not None
-    if (saved or log.exists()) and not resuming and not overwrite:
-        lock.release(failed=True)
-        from engine.reader import describe_checkpoint  # only where another run left one
-        if not saved:  # a run stopped before its first checkpoint: there is nothing to resume
-            raise UserError(f"{out} already holds the metrics.jsonl of a run that saved no checkpoint; replace it "
-                            f"with --overwrite=True, or pass another --out_dir=.")
-        raise UserError(f"{out} already holds another run's checkpoint ({describe_checkpoint(ckpt)}); continue it "
-                        f"with --init_from=resume, pass another --out_dir=, or replace it with --overwrite=True.")
-    if overwrite and not resuming:
-        log.unlink(missing_ok=True)
-    return lock
 
 
 def train_loop(run: Run, resumed_at: int | None) -> None:

@@ -1,7 +1,8 @@
 """
 Reading a checkpoint of this project or nanoGPT's: the one path sample, export and a resume take, for every format
 (ckpt.pt, a sharded step read through DCP, nanoGPT's ckpt.pt). A sharded resume's tensors are read in place later,
-by tools/sharded.py; Hugging Face's files are core/hf.py's.
+by tools/sharded.py; Hugging Face's files are core/hf.py's. And what an out_dir holds, which a new run claims only when
+it holds no other run's.
 
     model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from core import files
 from core.errors import UserError
 from engine.checkpoint import POINTER, Checkpoint, sharded_folder
 
@@ -76,3 +78,23 @@ def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     from tools.sharded import read_step
     return read_step(shards, parts)
+
+
+def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLock:
+    """out_dir, locked for this run (one run at a time) and writable; a new run takes no other run's out_dir unless
+    --overwrite=True (the old metrics.jsonl goes now, the old checkpoint at the first save)."""
+    made = not out.exists()
+    files.check_writable_dir(out)
+    lock = files.OutDirLock(out, made_dir=made)
+    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
+    saved = ckpt.exists() or sharded_folder(ckpt) is not None
+    if (saved or log.exists()) and not resuming and not overwrite:
+        lock.release(failed=True)
+        if not saved:  # a run stopped before its first checkpoint: there is nothing to resume
+            raise UserError(f"{out} already holds the metrics.jsonl of a run that saved no checkpoint; replace it "
+                            f"with --overwrite=True, or pass another --out_dir=.")
+        raise UserError(f"{out} already holds another run's checkpoint ({describe_checkpoint(ckpt)}); continue it "
+                        f"with --init_from=resume, pass another --out_dir=, or replace it with --overwrite=True.")
+    if overwrite and not resuming:
+        log.unlink(missing_ok=True)
+    return lock
