@@ -216,8 +216,8 @@ def run_compare(model: GPT, tok: Tokenizer, comparison: Comparison, names: list[
     """Every runnable implementation in turn, its samples printed as they come; returns all the numbers."""
     ids = numerics_ids(tok, comparison.prompt, model.config.block_size)
     comparison.x = torch.tensor([ids], dtype=torch.long, device=comparison.rt.device)  # (1, T)
-    comparison.held_out = held_out_windows(data, comparison.x, model.config.block_size, model.config.vocab_size,
-                                    max_tokens=4096)  # the same for each
+    # the same windows for each implementation and each set of weights
+    comparison.held_out = held_out_windows(data, comparison.x, model.config.block_size, model.config.vocab_size)
     ref_device = "cpu" if comparison.rt.device_type == "mps" else comparison.rt.device  # MPS has no float64
     ref_model = with_attn(model, "manual").double().to(ref_device)
     comparison.ref_logits = forced_logits(ref_model, comparison.x.to(ref_device),
@@ -226,7 +226,7 @@ def run_compare(model: GPT, tok: Tokenizer, comparison: Comparison, names: list[
     layer = model.config.n_layer // 2
     qkv = layer_qkv(model, comparison.x, layer)
     report = {"order": names, "skipped": skipped, "implementations": {}, "numerics_tokens": len(ids),
-              "held_out": comparison.held_out[1],
+              "held_out": comparison.held_out[1], "block_size": model.config.block_size,
               "reduced_dtype": comparison.reduced,
               "appendix_a": {"layer": layer, "head_size": model.config.head_size,
                              **{dt: appendix_a(qkv, dt) for dt in ("float32", comparison.reduced)}}}
@@ -278,6 +278,11 @@ def print_comparison(comparison: Comparison, report: dict) -> None:
         "tok/s no cache": lambda r: f"{r['tokens_per_s_no_cache']:.1f}",
         "held-out loss": lambda r: f"{r['held_out_loss']:.4f}",
         "cache = no cache": lambda r: "yes" if r["cache_equals_no_cache"] else "NO"}))
+    block, tokens = report["block_size"], len(comparison.prompt) + sampling.max_new_tokens
+    if tokens > block:  # why "tok/s cache" can trail "no cache" in this table
+        print(f"(the cache holds block_size={block} positions and a sample reaches {tokens}: past the block every new "
+              f"token fills the cache again from the last {block}, a prefill as dear as a step without a cache, so "
+              f"here the cache gains little or loses; fewer new tokens, or bench.py --mode=generate, show its gain)")
     print(f"\n== teacher-forced logits on {report['numerics_tokens']} tokens vs float64 manual "
           f"(scaled = max|dlogit| / max(1, max|ref logit|); KL(ref||impl) in nats/token, mean over positions)")
     errors = {f"{short[dt]} {col}": (dt, key) for dt in dts
@@ -316,7 +321,7 @@ def tokens_cell(name: str, gens: dict, first: str) -> str:
 # weights: fp32, reduced precision, int8
 
 def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, vocab_size: int,
-                     max_tokens: int = 16384) -> tuple:
+                     max_tokens: int = 4096) -> tuple:
     """Windows (N, T + 1) of held-out text, from the training data's val.bin or else the numerics text, and where
     they came from; ids beyond the model's vocabulary are refused, as train.py refuses them."""
     if data is None:
@@ -346,7 +351,7 @@ def held_out_loss(model: GPT, windows: torch.Tensor) -> tuple[float, torch.Tenso
 def weights_study(model: GPT, comparison: Comparison, quantize: str, data: Optional[Path]) -> dict:
     """fp32, reduced-precision and int8 weights side by side: memory, greedy tokens/s, held-out loss, and agreement
     with fp32's greedy tokens."""
-    windows, source = held_out_windows(data, comparison.x, model.config.block_size, model.config.vocab_size)
+    windows, source = comparison.held_out  # the generation table's: one held-out loss for one set of weights
     greedy = dataclasses.replace(comparison.sampling, num_samples=1, temperature=0.0)
     rows, ref = {}, None
     for label, dtype, q in (("float32", "float32", ""), (comparison.reduced, comparison.reduced, ""),

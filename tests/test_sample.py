@@ -332,8 +332,13 @@ def test_int8_sampling_draws_the_fp32_greedy_tokens_of_a_trained_model(trained_c
 def test_compare_with_int8_weighs_memory_speed_held_out_loss_and_agreement(trained_ckpt, char_data, tmp_path, capsys):
     out = run_sample(capsys, f"--out_dir={trained_ckpt}", "--compare=sdpa", "--quantize=int8", "--dtype=float32",
                      "--num_samples=1", "--max_new_tokens=30", "--start=To be", f"--json={tmp_path / 'c.json'}")
-    study = json.loads((tmp_path / "c.json").read_text())["weights"]
+    report = json.loads((tmp_path / "c.json").read_text())
+    study = report["weights"]
     assert str(char_data / "val.bin") in study["held_out"] and "== weights: held-out loss" in out
+    # one held-out loss for one set of weights: the generation table's fp32 sdpa and the study's fp32 row agree
+    assert study["held_out"] == report["held_out"]
+    assert study["rows"]["float32"]["loss"] == pytest.approx(report["implementations"]["sdpa"]["held_out_loss"],
+                                                             abs=1e-5)
     rows = study["rows"]
     assert list(rows) == ["float32", "bfloat16", "int8"]
     fp32, bf16, int8 = rows["float32"], rows["bfloat16"], rows["int8"]
@@ -351,3 +356,13 @@ def test_compare_with_int8_weighs_memory_speed_held_out_loss_and_agreement(train
 def test_an_unknown_quantization_is_one_sentence(char_ckpt):
     with pytest.raises(UserError, match="quantize must be one of '', 'int8', got 'int4'"):
         sample.main([f"--out_dir={char_ckpt}", "--quantize=int4"])
+
+
+def test_compares_speed_rows_say_why_the_cache_can_trail_no_cache_where_it_is_printed(trained_ckpt, capsys):
+    """Past block_size every token refills the cache: the table says so under itself, not only docs/sample.md."""
+    long = run_sample(capsys, f"--out_dir={trained_ckpt}", "--compare=manual", "--num_samples=1",
+                      "--max_new_tokens=40", "--device=cpu", "--dtype=float32")  # block 32: past it
+    assert "(the cache holds block_size=32 positions and a sample reaches 4" in long
+    short = run_sample(capsys, f"--out_dir={trained_ckpt}", "--compare=manual", "--num_samples=1",
+                       "--max_new_tokens=8", "--device=cpu", "--dtype=float32")
+    assert "the cache holds block_size" not in short
