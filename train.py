@@ -68,7 +68,7 @@ attn_auto_refresh = False         # attn='auto': measure again even when an earl
 pad_vocab = False                 # pad the vocabulary to a multiple of 64 (50257 -> 50304)
 doc_mask = False                  # attend within a document only (the dataset's end-of-text token opens the next)
 window = 0                        # attend to at most the last `window` tokens (sliding window); 0: the whole block
-gelu = "tanh"                     # GPT-2's tanh GELU, or 'none' for the exact one
+gelu = "tanh"                     # GPT-2's tanh GELU, or 'none': the exact (erf) one, PyTorch's approximate='none'
 chunked_loss = True               # the loss over row chunks: the (B*T, V) logits never whole (nanoGPT's same loss)
 # optimizer: AdamW for everything, or Muon for the blocks' weight matrices and AdamW for the rest
 optimizer = "adamw"               # 'adamw' or 'muon'
@@ -157,7 +157,9 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
     half an hour)."""
     model.eval()
     out, splits = {}, ("train", "val") if cfg.eval_train else ("val",)
-    progress = Progress(f"evaluating {' and '.join(splits)}", cfg.eval_iters * len(splits), rt.is_master, first)
+    total = cfg.eval_iters * len(splits)  # announced where it may be long: compiling, or many batches
+    progress = Progress(f"evaluating {' and '.join(splits)}", total, rt.is_master,
+                        announce=first and (cfg.compile or total >= 100))
     for split in splits:
         batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank)
         total = torch.zeros((), device=rt.device)

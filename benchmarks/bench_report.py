@@ -162,6 +162,28 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
     plt.close(fig)
 
 
+def speedup_chart(ax, rows: list[dict], cfg: Settings, series: dict, title: str) -> str:
+    """Bars of speedup_vs_manual per implementation and series: lengths whose times differ 100-fold side by side,
+    each readable (a linear ms axis hid the short ones; a log axis distorted the ratios)."""
+    bars = {label: {r["attn"]: r for r in rows if r["status"] == "ok" and all(r[k] == v for k, v in match.items())}
+            for label, match in series.items()}
+    groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
+    ax.figure.set_size_inches(7.0, 1.2 + 0.28 * max(1, len(groups) * len(bars)))
+    height = 0.8 / len(bars)
+    for i, (label, by_attn) in enumerate(bars.items()):
+        found = [by_attn.get(a) for a in groups]
+        speedups = [r.get("speedup_vs_manual") or np.nan if r else np.nan for r in found]
+        ys = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * height
+        drawn = ax.barh(ys, speedups, height, label=label)
+        ax.bar_label(drawn, labels=["" if x != x else f"{x:.2f}x" for x in speedups], padding=3, fontsize=7)
+    ax.set_yticks(np.arange(len(groups)), groups)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="grey", linewidth=0.8)  # manual itself
+    ax.set_xlabel("speedup over manual (median ms of manual / median ms)")
+    ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.2)
+    return title
+
+
 def ms_label(ms: float) -> str:
     """A bar's milliseconds as people write them: 3,130 and 41.7 and 0.512, never 3.13e+03; '' for a gap."""
     return "" if ms != ms else f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
@@ -186,6 +208,9 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
         hs = cfg.attn_head_sizes[0]
         series = {f"T={T}": {"seq_len": T, "head_size": hs, "backward": True} for T in cfg.attn_seq_lens}
         title = f"attention forward+backward, hs={hs} (lower is better)"
+        if len(cfg.attn_seq_lens) > 1 and "manual" in cfg.attn:  # lengths 100x apart: each against its own manual
+            return speedup_chart(ax, rows, cfg, series, f"attention forward+backward, hs={hs}: speedup over manual at "
+                                 f"each length (higher is better; ms in the table)")
     ok = [r for r in rows if r["status"] == "ok"]
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}

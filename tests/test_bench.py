@@ -632,3 +632,25 @@ def test_a_speedup_over_an_unreliable_baseline_reads_unreliable(tmp_path, capsys
     sdpa["speedup_vs_manual"] = None  # as train_sweep sets it against such a baseline
     table = format_table([manual, sdpa], TRAIN_COLUMNS)
     assert "unreliable" in table.splitlines()[3] and "or its baseline's does" in table
+
+
+def test_an_attention_chart_over_lengths_100x_apart_draws_speedups_per_length_not_ms():
+    """T=256 bars of ~2 ms beside T=4096 bars of ~400 ms vanish on a linear ms axis: each length is drawn against
+    its own manual row, so every bar is readable and a ratio reads as the ratio."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    from benchmarks import bench_report
+    cfg = SimpleNamespace(mode="attention", mask=["causal"], attn=["manual", "sdpa"], attn_head_sizes=[32],
+                          attn_seq_lens=[256, 4096])
+    rows = [dict(attn=a, status="ok", seq_len=T, head_size=32, backward=True, ms_per_iter=ms, ms_p25=ms, ms_p75=ms,
+                 speedup_vs_manual=speedup)
+            for a, T, ms, speedup in (("manual", 256, 2.8, 1.0), ("sdpa", 256, 1.8, 1.56), ("manual", 4096, 433.0, 1.0),
+                                      ("sdpa", 4096, 120.0, 3.61))]
+    fig, ax = plt.subplots()
+    title = bench_report.ms_chart(ax, rows, cfg)
+    assert "speedup over manual at each length" in title
+    widths = sorted(round(bar.get_width(), 2) for bar in ax.patches)
+    assert widths == [1.0, 1.0, 1.56, 3.61]  # no bar is in ms
+    plt.close(fig)

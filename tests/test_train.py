@@ -551,9 +551,9 @@ def test_the_first_evaluation_says_what_it_does_at_once_and_how_long_it_takes_wh
     from engine.metrics import Progress
     monkeypatch.setattr(Progress, "AFTER_S", 0.0)  # every estimate counts as long here
     train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_interval=2",
-                       "--eval_iters=3"])
+                       "--eval_iters=50"])
     out = capsys.readouterr().out.splitlines()
-    first = out.index("evaluating train and val: 6 batches ...")
+    first = out.index("evaluating train and val: 100 batches ...")
     assert re.fullmatch(r"evaluating train and val: about \d+ s more at [\d.]+ s a batch \(--eval_iters= sets how "
                         r"many\)", out[first + 1])
     assert out[first + 2].startswith("iter 0  train/eval_loss")
