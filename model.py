@@ -28,7 +28,7 @@ def user_error(message: str) -> Exception:  # a setting to fix: the scripts prin
 # attention: one function per implementation, one signature for all
 #   q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), mask, dropout_p -> (B, nh, Tq, hs)
 # mask None is causal, aligned to the end (query i sees keys 0 .. i + Tk - Tq); with documents or a window it is
-# their mask in the implementation's form (Attention.mask, tools/masks.py); for a decode step, a row over the keys
+# their mask in the implementation's form (Attention.mask, attention/masks.py); for a decode step, a row over the keys
 # it reads (bool or additive), or for flex a score mod.
 
 def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -135,7 +135,7 @@ def varlen_attention(q, k, v, mask, dropout_p):
 
 @dataclass(frozen=True)
 class Attention:
-    """An implementation, and what the rest of the house asks of it (tools/kernels.py, tools/masks.py, bench)."""
+    """An implementation, and what the rest of the house asks of it (attention/kernels.py, attention/masks.py, bench)."""
     fn: Callable               # (q, k, v, mask, dropout_p) -> y, as above
     title: str                 # what a refusal calls it
     kernels: str               # the kernels bench's audit may see it run, '+' between (benchmarks/measure.py)
@@ -390,7 +390,7 @@ class GPT(nn.Module):
             cache.prefill(idx)
         if not self.config.masked:
             return None
-        from tools.masks import doc_window_mask  # documents and windows: only a run that asks for them
+        from attention.masks import doc_window_mask  # documents and windows: only a run that asks for them
         return doc_window_mask(self.config, IMPLEMENTATIONS[self.config.attn].mask, idx)
 
     def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
@@ -400,7 +400,7 @@ class GPT(nn.Module):
         key = (self.config.attn, device_type, dtype, training, seq_len if training else 0)
         if key in self.checked and problem is None:
             return
-        from tools.kernels import AttnCall, check_attention  # the one decision, and the refusal's sentence
+        from attention.kernels import AttnCall, check_attention  # the one decision, and the refusal's sentence
         call = AttnCall(device_type, dtype, self.config.head_size, needs_grad=training,
                         dropout_p=self.config.dropout if training else 0.0,
                         seq_len=seq_len if training else self.config.block_size, masked=self.config.masked)
@@ -425,11 +425,11 @@ class GPT(nn.Module):
     def set_attention(self, attn: str, training: Optional[bool] = None, dtype: Optional[torch.dtype] = None) -> "GPT":
         """Read the same weights through another implementation, in place; returns the model. Checked on the
         model's device, in its mode (or `training`) and compute dtype (or `dtype`). attn='auto': the fastest
-        correct one on this model's shapes, measured (tools/attn_auto.py)."""
+        correct one on this model's shapes, measured (attention/attn_auto.py)."""
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
         if attn == "auto":
-            from tools.attn_auto import choose_for_model
+            from attention.attn_auto import choose_for_model
             attn = choose_for_model(self, IMPLEMENTATIONS, training, dtype)
         previous, self.config = self.config, dataclasses.replace(self.config, attn=attn)  # checks the name
         try:
@@ -615,7 +615,7 @@ class KVCache(nn.Module):
         if self.doc_start is not None:
             self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
         if torch.compiler.is_compiling():  # one shape at every position: the whole cache behind a mask row
-            from tools.masks import span_mask  # compiled decoding's (tools/decoding.py)
+            from attention.masks import span_mask  # compiled decoding's (tools/decoding.py)
             end = input_pos + 1  # (1,)
             start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
             start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
@@ -632,13 +632,13 @@ class KVCache(nn.Module):
         starts = torch.full((1,), first - lo, device=idx.device)  # (1,): fills, not copies from the host
         if self.doc_start is not None:  # documents: each row from its own start
             starts = (self.doc_start - lo).clamp(min=first - lo)  # (B,)
-        from tools.masks import span_mask
+        from attention.masks import span_mask
         return span_mask(IMPLEMENTATIONS[attn].mask, starts, torch.full((1,), end - lo, device=idx.device), hi - lo,
                          self.dtype)
 
     def takes_mask(self, attn: str) -> bool:  # whether attn's decode step takes a mask row, asked once per attn
         if attn not in self.masked_decode:
-            from tools.kernels import decodes_with_mask
+            from attention.kernels import decodes_with_mask
             self.masked_decode[attn] = decodes_with_mask(attn, IMPLEMENTATIONS[attn], self.k0.device.type, self.dtype,
                                                          self.k0.size(-1))
         return self.masked_decode[attn]

@@ -151,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> tuple[dict, str]:
     """attn='auto': the table and the fastest implementation for this sampling (its batch, prompt, dtype, mask,
     compile), measured or read from the cache of earlier decisions (attn_auto.py)."""
-    from tools.attn_auto import Workload, choose
+    from attention.attn_auto import Workload, choose
     workload = Workload.of(model.config, rt, cfg.num_samples, min(prompt_len, model.config.block_size),
                            training=False, compiled=cfg.compile)
     decision = choose(workload, rt, IMPLEMENTATIONS, cfg.attn_auto_budget, cfg.attn_auto_refresh)

@@ -384,7 +384,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     # checked where it runs, in the dtype it computes in: now, not after compiling
     if cfg.attn == "auto":  # measured on this run's shapes, rank 0 deciding for all; kept with the settings
-        from tools.attn_auto import choose_for_training
+        from attention.attn_auto import choose_for_training
         cfg.attn_auto = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, saved_decision)
     attn = cfg.attn_auto["attn_auto/pick"] if cfg.attn == "auto" else raw_model.config.attn
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tools.kernels import AttnCall, attention_problem
+from attention.kernels import AttnCall, attention_problem
 from core.errors import UserError
 from engine.generate import Decoder, for_inference
 from engine.generate import weight_bytes

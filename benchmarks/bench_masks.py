@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from core import files
-from tools import masks
+from attention import masks
 from core.dataset import dataset_dir, prepare_if_missing
 from core.errors import UserError
 from model import IMPLEMENTATIONS

@@ -60,7 +60,8 @@ def compile_cell(row: dict) -> str:
     graphs, breaks, hits = (row.get(k, 0) for k in ("graphs_compiled", "graph_breaks", "recompile_limit_hits"))
     if not (graphs or breaks or hits):
         return "-"
-    return f"{graphs} graphs" + (f", {breaks} breaks" if breaks else "") + (", LIMIT HIT: eager" if hits else "")
+    own = " (the eager call's own trace)" if row.get("eager_reference") else ""  # eager flex traces its mask
+    return f"{graphs} graphs{own}" + (f", {breaks} breaks" if breaks else "") + (", LIMIT HIT: eager" if hits else "")
 
 
 def speedup_cell(row: dict) -> str:  # None: the baseline was unreliable

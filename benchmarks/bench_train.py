@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from benchmarks.bench_masks import document_ids, mask_settings, tokens_with_documents
-from tools.attn_auto import Workload, choose
+from attention.attn_auto import Workload, choose
 from benchmarks.measure import free_memory, out_of_memory, paired_speedup, profiled_run
 from core import runtime
 from core.configurator import Settings

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import numpy as np
 
 from core import runtime
-from tools.kernels import AttnCall, attention_problem
+from attention.kernels import AttnCall, attention_problem
 from core.configurator import comma_list_of
 from core.dataset import read_windows
 from core.files import token_file

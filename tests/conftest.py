@@ -173,11 +173,11 @@ def checkpoint_of(model, **fields):
 
 def runnable_on_cpu(training: bool) -> list[str]:
     """The registry's implementations that run on this CPU in fp32 without dropout, for training or inference, as
-    tools.kernels.attention_problem decides: what the tests parametrize over, so a new implementation is tested by
+    attention.kernels.attention_problem decides: what the tests parametrize over, so a new implementation is tested by
     adding it to IMPLEMENTATIONS. test_model.py states the expected set for torch 2.13."""
     import torch
 
     from model import IMPLEMENTATIONS
-    from tools.kernels import AttnCall, attention_problem
+    from attention.kernels import AttnCall, attention_problem
     call = AttnCall("cpu", torch.float32, 16, needs_grad=training)
     return [a for a, fn in IMPLEMENTATIONS.items() if attention_problem(a, call, fn) is None]

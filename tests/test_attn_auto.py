@@ -1,4 +1,4 @@
-"""attn='auto' (tools/attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
+"""attn='auto' (attention/attn_auto.py): the chooser picks the fastest implementation that runs and is right, decided once
 per workload and kept; no test asserts a speed (the timer is a stand-in where the pick matters)."""
 import dataclasses
 import json
@@ -9,8 +9,8 @@ import torch
 
 import sample
 from model import IMPLEMENTATIONS
-from tools import attn_auto
-from tools.attn_auto import Workload
+from attention import attn_auto
+from attention.attn_auto import Workload
 from core.runtime import Runtime
 from model import GPTConfig
 from core.errors import UserError

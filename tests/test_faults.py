@@ -24,7 +24,7 @@ from conftest import REPO, SHARDED, TINY
 from core import flops
 from core.errors import UserError
 from core.runtime import Runtime
-from tools import attn_auto
+from attention import attn_auto
 from engine.reader import load_checkpoint
 
 

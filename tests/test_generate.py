@@ -16,7 +16,7 @@ from engine.generate import Decoder, Sampling, for_inference
 from tools.decoding import quantize_int8
 from engine.generate import tensor_bytes, weight_bytes
 from model import IMPLEMENTATIONS, GPT, GPTConfig
-from tools.kernels import decodes_with_mask
+from attention.kernels import decodes_with_mask
 from core.errors import UserError
 from conftest import runnable_on_cpu
 
@@ -355,7 +355,7 @@ def test_a_generation_past_block_size_shows_attention_a_bounded_set_of_key_lengt
 
 def test_a_kernel_without_masks_reads_the_exact_keys_at_every_step(monkeypatch):
     """CUDA's flash takes no mask (and keeps no plan per shape): its decode steps read exactly the written keys."""
-    monkeypatch.setattr("tools.kernels.decodes_with_mask", lambda *args: False)
+    monkeypatch.setattr("attention.kernels.decodes_with_mask", lambda *args: False)
     model = small_model("flash")
     seen = key_lengths(model)
     Decoder(model).generate(prompts(T=3), 8, temperature=0.0)

@@ -20,7 +20,7 @@ from core import runtime
 import sample
 import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
-from tools.kernels import AttnCall, attention_problem, decodes_with_mask
+from attention.kernels import AttnCall, attention_problem, decodes_with_mask
 from engine.generate import Decoder, for_inference
 from engine.generate import weight_bytes
 from model import IMPLEMENTATIONS, GPT, GPTConfig
@@ -318,7 +318,7 @@ def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradi
 
 def test_flex_skips_the_blocks_documents_leave_empty_and_the_audit_names_varlen():
     # catches: a BlockMask that computes every block (no sparsity), and a varlen row audited as another kernel
-    from tools import masks
+    from attention import masks
     x = documents_on_cuda()
     block_mask = masks.block_mask(masks.document_ids(x, 0), 0, 1024, "cuda")
     assert block_mask.sparsity() > 70  # documents of 100-300 tokens in a 1024 block: most blocks hold nothing

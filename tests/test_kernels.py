@@ -9,8 +9,8 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import model
-from tools import kernels, masks
-from tools.kernels import AttnCall, check_attention
+from attention import kernels, masks
+from attention.kernels import AttnCall, check_attention
 from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
 from core import runtime

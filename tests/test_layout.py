@@ -49,6 +49,29 @@ def graph() -> dict[str, tuple[set[str], set[str]]]:
     return {m: tuple(found - {m} for found in imports_of(p, set(modules))) for m, p in modules.items()}
 
 
+# Each folder's one sentence (README's house table) as a rule on what its files import: (module level, inside a
+# function). The read is model.py, core/, attention/, engine/ and the scripts; the tools are tools/ and benchmarks/.
+READ = {"core", "attention", "engine", "model"}
+FOLDERS = {
+    "core": ({"core"}, {"core"}),  # the foundation: only itself
+    "attention": ({"core", "attention"}, {"core", "attention"}),  # handed model's records, never importing model.py
+    "engine": (READ, READ | {"tools"}),  # runs a model for the scripts; a tool only at its door
+    "tools": (READ | {"tools"}, READ | {"tools"}),  # opt-in features: the read, never a script or a benchmark
+    "benchmarks": (READ | {"tools", "benchmarks"}, READ | {"tools", "benchmarks", "train"}),  # times train.py's runs
+    "model": (set(), {"core", "attention"}),  # the single-file GPT: nothing of the project at module level
+}
+
+
+def test_every_file_imports_only_what_its_folders_sentence_allows():
+    def home(module: str) -> str:
+        return module.split(".")[0]
+    broken = [f"{m} -> {n} ({'module level' if n in eager else 'in a function'})"
+              for m, (eager, lazy) in graph().items() if home(m) in FOLDERS
+              for n in eager | lazy if home(n) not in FOLDERS[home(m)][0 if n in eager else 1] | {home(m)}]
+    assert broken == []
+    assert set(FOLDERS) - {"model"} == {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+
+
 def test_model_py_stands_alone_and_core_imports_only_core():
     edges = graph()
     assert edges["model"][0] == set()  # module level: nothing of the project
@@ -60,7 +83,7 @@ def test_the_read_opens_a_tool_only_at_its_door():
     edges = graph()
     read = [m for m in edges if not is_tool(m) and m not in ("bench", "export_hf")]  # bench's sweeps: its own
     assert sorted(f"{m} -> {n}" for m in read for n in edges[m][0] if is_tool(n)) == []
-    assert "tools.sharded" in edges["train"][1] and "tools.attn_auto" in edges["train"][1]  # the walk is real
+    assert "tools.sharded" in edges["train"][1] and "attention.attn_auto" in edges["train"][1]  # the walk is real
 
 
 def test_no_import_runs_in_a_cycle():
@@ -81,15 +104,15 @@ def test_no_import_runs_in_a_cycle():
 
 
 OPENED = ("import sys, train; train.main(sys.argv[1:]); "
-          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tools', 'benchmarks') and '.' in m))")
+          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('attention', 'tools', 'benchmarks') and '.' in m))")
 
 
 @pytest.mark.slow  # four training runs of two steps, each in a fresh interpreter: what it loads is the point
 @pytest.mark.parametrize("setting, opens", [
     ([], []),
-    (["--window=8"], ["tools.kernels", "tools.masks"]),
-    (["--checkpoint_format=sharded"], ["tools.kernels", "tools.sharded"]),
-    (["--attn=auto", "--attn_auto_budget=1"], ["tools.attn_auto", "tools.kernels"]),
+    (["--window=8"], ["attention.kernels", "attention.masks"]),
+    (["--checkpoint_format=sharded"], ["attention.kernels", "tools.sharded"]),
+    (["--attn=auto", "--attn_auto_budget=1"], ["attention.attn_auto", "attention.kernels"]),
 ], ids=["default", "window", "sharded", "auto"])
 def test_a_setting_opens_its_own_tool_and_nothing_else(char_data, tmp_path, setting, opens):
     """The default run's tools are the check of the implementation (set_attention's) alone; each setting adds its
@@ -101,7 +124,7 @@ def test_a_setting_opens_its_own_tool_and_nothing_else(char_data, tmp_path, sett
     run = subprocess.run([sys.executable, "-c", OPENED, *args], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert ast.literal_eval(run.stdout.strip().splitlines()[-1]) == (opens or ["tools.kernels"])
+    assert ast.literal_eval(run.stdout.strip().splitlines()[-1]) == (opens or ["attention.kernels"])
 
 
 # -- one record per attention implementation ---------------------------------------------------------------

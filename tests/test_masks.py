@@ -10,8 +10,8 @@ import torch
 
 import model
 from model import IMPLEMENTATIONS
-from tools import kernels
-from tools import masks
+from attention import kernels
+from attention import masks
 from conftest import runnable_on_cpu
 from benchmarks.bench_masks import block_fraction, mask_fraction
 from engine.generate import Decoder

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tools import masks
+from attention import masks
 import model as model_module
 from benchmarks.measure import profiled_run
 from core.runtime import Runtime
@@ -15,7 +15,7 @@ from core.runtime import Runtime
 from engine.generate import Decoder
 from core.hf import convert_hf_state_dict
 from model import IMPLEMENTATIONS
-from tools.kernels import AttnCall, attention_problem, check_attention
+from attention.kernels import AttnCall, attention_problem, check_attention
 from benchmarks.compare import attention_names
 from conftest import runnable_on_cpu
 from model import GPT, GPTConfig

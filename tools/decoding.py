@@ -17,7 +17,7 @@ import torch
 from core import runtime
 from core.errors import UserError
 from model import IMPLEMENTATIONS, GPT, last_logits
-from tools.kernels import decodes_with_mask
+from attention.kernels import decodes_with_mask
 
 Step = Callable[[GPT, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 

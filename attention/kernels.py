@@ -147,14 +147,14 @@ def probe(impl, call: AttnCall) -> Optional[str]:
             with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
                 warnings.simplefilter("always")
                 if call.decode_step == "whole_cache":  # the last 8 positions unwritten
-                    from tools.masks import span_mask
+                    from attention.masks import span_mask
                     written = span_mask(impl.mask, torch.zeros(1, dtype=torch.long, device=device),
                                         torch.full((1,), T, device=device), T + 8)
                     impl(q[:, :, -1:], cache[:1], cache[1:], written, 0.0)
                     return None
                 mask = None
                 if call.masked:
-                    from tools.masks import mask_form  # only a masked model's check
+                    from attention.masks import mask_form  # only a masked model's check
                     docs = (torch.arange(T, device=device) >= T // 2).long()[None]  # (1, T): two documents
                     mask = mask_form(impl.mask, docs, T // 4, 1, T, device)
                 attention_pass(impl, q, k, v, mask, call.dropout_p, call.needs_grad)()

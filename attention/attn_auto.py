@@ -21,7 +21,7 @@ from core.errors import UserError
 from core.flops import peak_flops_cache
 from core import files, runtime
 from core.runtime import Runtime, compile_isolated, time_call
-from tools.kernels import AttnCall, attention_pass, attention_problem
+from attention.kernels import AttnCall, attention_pass, attention_problem
 
 FALLBACK = "sdpa"  # what runs when measuring fails: PyTorch's own choice
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |y - ref| / max |ref| (fp32: TF32 on CUDA)
@@ -104,7 +104,7 @@ def attention_call(fn: Callable, form: str, w: Workload, data: dict) -> Callable
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
     mask = None
     if w.documents or w.window:
-        from tools.masks import mask_form  # a masked run's
+        from attention.masks import mask_form  # a masked run's
         mask = mask_form(form, docs, w.window, w.batch_size, w.seq_len, q.device)
     if w.training:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -125,7 +125,7 @@ def numerics_problem(output: torch.Tensor, data: dict, w: Workload, reference_fn
     q, k, v, docs = (data[n] for n in ("q", "k", "v", "docs"))
     dense = None  # causal
     if w.documents or w.window:
-        from tools.masks import dense_mask
+        from attention.masks import dense_mask
         dense = dense_mask(docs, w.window, w.seq_len, q.device)  # (1 or B, 1, T, T)
     reference = reference_fn(q.double(), k.double(), v.double(), dense, 0.0)  # the plain math: manual
     error = ((output.double() - reference).abs().max() / reference.abs().max()).item()
