@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-def user_error(message: str) -> Exception:  # a setting to fix: the scripts print it as one `error:` line
+def refusal(message: str) -> Exception:  # a setting to fix: the scripts print it as one `error:` line
     from core.errors import UserError
     return UserError(message)
 
@@ -81,7 +81,8 @@ _block_masks: dict = {}  # building a block mask costs milliseconds: one per sha
 
 @functools.cache
 def compiled_flex(use: str):
-    """flex_attention compiled per use ('causal', 'decode'), each with its own recompile count."""
+    """flex_attention compiled per use ('causal', 'decode'): `use` only keys the cache, so each use gets a compiled
+    callable, and a recompile count, of its own."""
     from core.runtime import compile_isolated
     return compile_isolated(flex_attention, recompile_limit=16)
 
@@ -95,7 +96,7 @@ def compile_flex_here(q: torch.Tensor) -> bool:
 def flex_causal_attention(q, k, v, mask, dropout_p):
     # mask: None (causal), a BlockMask (documents, window) or a decode step's score mod (span_mask)
     if dropout_p > 0:
-        raise user_error("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
+        raise refusal("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
     if q.size(-2) == 1 and torch.compiler.is_compiling():
         # inductor's CPU flex lowering (torch 2.13) fails on a one-query view with an odd stride; a copy compiles
         q = q.clone(memory_format=torch.contiguous_format)
@@ -200,26 +201,26 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.attn == "auto":
-            raise user_error("attn='auto' is measured on a model, not stored in a config: build it with another "
+            raise refusal("attn='auto' is measured on a model, not stored in a config: build it with another "
                              "attn (say 'sdpa'), then call model.set_attention('auto').")
         if self.attn not in IMPLEMENTATIONS:
-            raise user_error(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
+            raise refusal(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
         if self.n_embd % self.n_head != 0:
-            raise user_error(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+            raise refusal(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                              f"pick sizes where n_embd is a multiple of n_head.")
         if self.gelu not in ("tanh", "none"):
-            raise user_error(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
+            raise refusal(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
         if self.doc_mask and not 0 <= self.eot_token < self.vocab_size:
-            raise user_error(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
+            raise refusal(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
                              f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
                              f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
         if self.window < 0:
-            raise user_error(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
+            raise refusal(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
         if not 0.0 <= self.dropout < 1.0:
-            raise user_error(f"dropout must be in [0, 1), got {self.dropout}.")
+            raise refusal(f"dropout must be in [0, 1), got {self.dropout}.")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
-                raise user_error(f"{name} must be a positive integer, got {getattr(self, name)}.")
+                raise refusal(f"{name} must be a positive integer, got {getattr(self, name)}.")
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
@@ -346,7 +347,7 @@ class GPT(nn.Module):
         is not checked, which would make the host wait), then one token at a time at the next position."""
         B, T = idx.size()
         if T > self.config.block_size:
-            raise user_error(f"cannot forward a sequence of {T} tokens: block_size is "
+            raise refusal(f"cannot forward a sequence of {T} tokens: block_size is "
                              f"{self.config.block_size}; crop the input or use a smaller block_size.")
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
@@ -400,11 +401,11 @@ class GPT(nn.Module):
         key = (self.config.attn, device_type, dtype, training, seq_len if training else 0)
         if key in self.checked and problem is None:
             return
-        from attention.kernels import AttnCall, check_attention  # the one decision, and the refusal's sentence
+        from attention.kernels import AttnCall, refuse_unless_runs  # the one decision, and the refusal's sentence
         call = AttnCall(device_type, dtype, self.config.head_size, needs_grad=training,
                         dropout_p=self.config.dropout if training else 0.0,
                         seq_len=seq_len if training else self.config.block_size, masked=self.config.masked)
-        check_attention(self.config.attn, call, IMPLEMENTATIONS, problem)
+        refuse_unless_runs(self.config.attn, call, IMPLEMENTATIONS, problem)
         self.checked.add(key)
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:  # all decoding keeps
@@ -443,7 +444,7 @@ class GPT(nn.Module):
 
     def crop_block_size(self, block_size: int) -> None:  # e.g. to fine-tune GPT-2 (1024) at a shorter block_size
         if block_size > self.config.block_size:
-            raise user_error(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
+            raise refusal(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
                              f"use --block_size={self.config.block_size} or less.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
@@ -481,7 +482,7 @@ class GPT(nn.Module):
         from core import hf  # Hugging Face's format: read only here
         overrides = dict(override_args or {})
         if set(overrides) - hf.OVERRIDES:
-            raise user_error(f"from_pretrained can only override {sorted(hf.OVERRIDES)}, got {sorted(overrides)}.")
+            raise refusal(f"from_pretrained can only override {sorted(hf.OVERRIDES)}, got {sorted(overrides)}.")
         shape, state_dict = hf.read_gpt2(model_type)
         config = GPTConfig.build({**shape, "pad_vocab": overrides.pop("pad_vocab", False)}, overrides)
         model = cls(config)
@@ -687,10 +688,10 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
     """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
     model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
     if idx.dim() != 2 or idx.size(1) == 0:
-        raise user_error(f"generation needs a prompt of at least one token per row, shape (B, T), got "
+        raise refusal(f"generation needs a prompt of at least one token per row, shape (B, T), got "
                          f"{tuple(idx.shape)}; start from a token such as end-of-text.")
     if top_k is not None and top_k < 1:
-        raise user_error(f"top_k must be None (every token) or a positive number of tokens, got {top_k}.")
+        raise refusal(f"top_k must be None (every token) or a positive number of tokens, got {top_k}.")
     block_size, cache = model.config.block_size, None
     if use_cache:
         dtype = dtype or model.compute_dtype()

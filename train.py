@@ -177,7 +177,7 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
 # -- training ------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class Run:
+class TrainingRun:
     """What the loop works with: settings, runtime, the Trainer (model, optimizers, the step), data, log, progress."""
     cfg: Settings
     rt: Runtime
@@ -195,7 +195,7 @@ class Run:
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
-        losses = estimate_loss(self.trainer.forward, self.cfg, self.data_dir, self.rt, first=self.saved_at is None
+        losses = estimate_loss(self.trainer.wrapped, self.cfg, self.data_dir, self.rt, first=self.saved_at is None
                                and self.iter_num == 0)
         train_time_s += self.time_before  # this run's, continuing the resumed one's
         self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
@@ -275,7 +275,7 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Option
     return cfg, rt, resuming, data_dir, lock
 
 
-def train_loop(run: Run, resumed_at: int | None) -> None:
+def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating and saving every eval_interval steps and at the end (a resumed
     run not again at resumed_at). A log point's loss is read once the next step is queued, so the device never idles."""
     cfg, rt = run.cfg, run.rt
@@ -329,7 +329,7 @@ def train_loop(run: Run, resumed_at: int | None) -> None:
         run.log.close()
 
 
-def restore(run: Run, checkpoint: Checkpoint) -> int:
+def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
     """Where a resumed run stood, in one place: step, best val loss, optimizer state, RNG streams (the weights are in
     the model already; sharded: each rank reads its own part now). Returns the step it resumes at."""
     state, options = checkpoint.optimizer, FULL_STATE
@@ -404,8 +404,8 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
                   "resolved_muon_dtype": rt.orthogonalize if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
-    trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, forward=model)
-    run = Run(cfg, rt, trainer, batches, data_dir, meta, MetricsLog(cfg, run_config, enabled=rt.is_master), saver,
+    trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, MetricsLog(cfg, run_config, enabled=rt.is_master), saver,
               watch=watch)
     resumed_at = restore(run, checkpoint) if checkpoint is not None else None
     if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
@@ -426,7 +426,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         raise
 
 
-def resume_hint(cfg: Settings, run: Run, argv: list[str]) -> str:
+def resume_hint(cfg: Settings, run: TrainingRun, argv: list[str]) -> str:
     """Where an interrupted run stands: the newest checkpoint kept, and the command that goes on from it (the same
     launch: under torchrun, torchrun's)."""
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.rt.world_size))

@@ -3,7 +3,7 @@ Whether an attention implementation runs here, asked once per set of facts (GPT.
 and the one sentence of a refusal: what was asked, why it cannot run, and what can.
 
     problem = attention_problem("flash", AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1), fn)
-    check_attention("flash", call, model.IMPLEMENTATIONS)   # raises UserError naming what runs instead
+    refuse_unless_runs("flash", call, model.IMPLEMENTATIONS)   # raises UserError naming what runs instead
 """
 
 import functools
@@ -173,7 +173,7 @@ def decodes_with_mask(attn: str, impl, device_type: str, dtype: torch.dtype, hea
     return attention_problem(attn, call, impl) is None
 
 
-def check_attention(attn: str, call: AttnCall, implementations: dict, problem: Optional[str] = None) -> None:
+def refuse_unless_runs(attn: str, call: AttnCall, implementations: dict, problem: Optional[str] = None) -> None:
     """Raise UserError, naming what can run instead, if `attn` cannot run `call` here, or if the caller already
     knows the `problem` (a kernel that refused a real call)."""
     problem = problem or attention_problem(attn, call, implementations[attn])

@@ -36,7 +36,7 @@ class SharedTrainer:
     def step(self, attn: str) -> None:
         """One training step through `attn`: forward, backward, optimizer step (unclipped)."""
         self.model.set_attention(attn, dtype=self.trainer.rt.torch_dtype)  # asked once per row: then a lookup
-        self.trainer.forward = self.compiled_forward(attn)
+        self.trainer.wrapped = self.compiled_forward(attn)
         self.trainer.step([(self.batch[0], self.batch[1])])
 
     def compiled_forward(self, attn: str) -> Callable:

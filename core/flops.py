@@ -68,9 +68,15 @@ def is_flops(entry) -> bool:
     return isinstance(entry, (int, float)) and not isinstance(entry, bool) and math.isfinite(entry) and entry > 0
 
 
+def cache_folder() -> Path:
+    """The project's measurements kept between runs: $XDG_CACHE_HOME (or ~/.cache)/nanogpt-attn/ (peak_flops.json,
+    attn=auto's attn_auto.json)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt-attn"
+
+
 def peak_flops_cache() -> Path:
-    """Where the best measured peaks are kept: $XDG_CACHE_HOME (or ~/.cache)/nanogpt-attn/peak_flops.json."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt-attn" / "peak_flops.json"
+    """Where the best measured peaks (and read bandwidths) are kept."""
+    return cache_folder() / "peak_flops.json"
 
 
 def best_matmul_flops(rt: Runtime, repeats: int) -> Optional[float]:

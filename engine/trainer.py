@@ -87,12 +87,12 @@ class Trainer:
     scaler: torch.amp.GradScaler
     rt: Runtime
     grad_clip: float = 0.0
-    forward: Optional[Callable] = None       # what runs the step (compiled, DDP- or FSDP-wrapped); None: the model
+    wrapped: Optional[Callable] = None       # what runs the step (compiled, DDP- or FSDP-wrapped); None: the model
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over micro-batches (x, y), (B, T) each; returns their mean loss, on the device. The next
         micro-batch's copy is queued behind the forward, from pinned memory."""
-        forward, n = self.model if self.forward is None else self.forward, len(micro_batches)
+        forward, n = self.model if self.wrapped is None else self.wrapped, len(micro_batches)
         loss_sum = torch.zeros((), device=self.rt.device)
         x, y = self.rt.to_device(*micro_batches[0])
         for micro in range(n):

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import model
 from attention import kernels, masks
-from attention.kernels import AttnCall, check_attention
+from attention.kernels import AttnCall, refuse_unless_runs
 from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
 from core import runtime
@@ -103,7 +103,7 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
 
     monkeypatch.setattr(kernels, "cuda_facts", lambda: (h100, new_cudnn))
     monkeypatch.setattr(kernels, "attention_problem", lambda *args, **kw: None)  # the probe: runs
-    check_attention("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True),
+    refuse_unless_runs("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True),
                     IMPLEMENTATIONS)
     err = capsys.readouterr().err.strip()
     assert err.startswith("warning: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err

@@ -15,7 +15,7 @@ from core.runtime import Runtime
 from engine.generate import Decoder
 from core.hf import convert_hf_state_dict
 from model import IMPLEMENTATIONS
-from attention.kernels import AttnCall, attention_problem, check_attention
+from attention.kernels import AttnCall, attention_problem, refuse_unless_runs
 from benchmarks.compare import attention_names
 from conftest import runnable_on_cpu
 from model import GPT, GPTConfig
@@ -312,7 +312,7 @@ def test_flex_training_on_cpu_says_no_backward():
 
 def test_flash_with_dropout_on_cpu_is_refused_before_pytorch_aborts():
     with pytest.raises(UserError, match="has no attention dropout on CPU"):
-        check_attention("flash", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1), IMPLEMENTATIONS)
+        refuse_unless_runs("flash", AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1), IMPLEMENTATIONS)
     call = AttnCall("cpu", torch.float32, 8, needs_grad=True, dropout_p=0.1)
     assert attention_problem("sdpa", call, IMPLEMENTATIONS["sdpa"]) is None  # math
 

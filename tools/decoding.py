@@ -49,12 +49,12 @@ def compiled_steps(model: GPT, dtype: torch.dtype, tune: bool = True) -> tuple[S
     else:
         quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables
         decode = runtime.compile_isolated(decode_logits, fullgraph=True, options={"max_autotune_gemm": True, **quiet})
-    return _quietly(prefill), _quietly(decode, freeze=tune and not weight.is_cuda)
+    return _compiled_step(prefill), _compiled_step(decode, freeze=tune and not weight.is_cuda)
 
 
-def _quietly(step: Step, freeze: bool = False) -> Step:
-    """A compiled step with inductor's own warnings kept off the console, and freezing on while it compiles (it is read
-    outside torch.compile's per-call options)."""
+def _compiled_step(step: Step, freeze: bool = False) -> Step:
+    """The compiled step as decoding calls it: inductor's own warnings kept off the console, and freezing on while it
+    compiles (it is read outside torch.compile's per-call options)."""
     def call(model, idx, input_pos):
         with torch._inductor.config.patch(freezing=freeze), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
