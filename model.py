@@ -136,7 +136,7 @@ def varlen_attention(q, k, v, mask, dropout_p):
 
 @dataclass(frozen=True)
 class Attention:
-    """An implementation, and what the rest of the house asks of it (attention/kernels.py, attention/masks.py, bench)."""
+    """An implementation, and what the rest of the house asks of it (attention/kernels.py and masks.py, bench)."""
     fn: Callable               # (q, k, v, mask, dropout_p) -> y, as above
     title: str                 # what a refusal calls it
     kernels: str               # the kernels bench's audit may see it run, '+' between (benchmarks/measure.py)

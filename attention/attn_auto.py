@@ -98,9 +98,9 @@ def inputs(w: Workload, device: str, seed: int = 0) -> dict:
 
 
 def attention_call(fn: Callable, form: str, w: Workload, data: dict) -> Callable[[], torch.Tensor]:
-    """One timed call of `fn` (an implementation's, maybe compiled; `form`: its mask's): forward and backward for training; for sampling a prefill of
-    the prompt and a decode step over its written keys, as eager decoding reads them. Returns the prefill's or the
-    forward's output."""
+    """One timed call of `fn` (an implementation's, maybe compiled; `form`: its mask's): forward and backward for
+    training; for sampling a prefill of the prompt and a decode step over its written keys, as eager decoding reads
+    them. Returns the prefill's or the forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
     mask = None
     if w.documents or w.window:

@@ -113,8 +113,9 @@ def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, de
 
 def span_mask(form: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dtype: Optional[torch.dtype] = None):
     """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in a form: "block" (flex) a
-    score mod, the others a (1 or B, 1, 1, kv_len) row, bool or (with `dtype`) additive: 0 seen, -inf not. An additive row
-    made once per step spares SDPA turning a bool one into it in every layer (three kernels a call on CUDA)."""
+    score mod, the others a (1 or B, 1, 1, kv_len) row, bool or (with `dtype`) additive: 0 seen, -inf not. An
+    additive row made once per step spares SDPA turning a bool one into it in every layer (three kernels a call on
+    CUDA)."""
     if form != "block":
         kv = torch.arange(kv_len, device=end.device)
         seen = ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]

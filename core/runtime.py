@@ -376,8 +376,8 @@ def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
 
 def round_robin(keys: list, rounds: int, time_one: Callable[[object], Optional[float]],
                 after_round: Optional[Callable[[dict], None]] = None) -> dict[object, list[float]]:
-    """Round-robin timing (bench's rows, attn=auto's candidates): each round times every key once, starting one further along each time, so drift hits
-    them alike. `time_one(key)` returns seconds, or None to drop the key."""
+    """Round-robin timing (bench's rows, attn=auto's candidates): each round times every key once, starting one
+    further along each time, so drift hits them alike. `time_one(key)` returns seconds, or None to drop the key."""
     times, dropped = {key: [] for key in keys}, set()
     for i in range(rounds):
         live = [key for key in times if key not in dropped]

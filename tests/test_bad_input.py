@@ -78,7 +78,8 @@ def test_a_new_run_into_another_runs_out_dir_is_refused_and_its_files_survive(tr
                                   f"with --overwrite=True.")
     assert {name: (trained / name).read_bytes() for name in before} == before
     (trained / "ckpt.pt").unlink()  # a run that stopped before its first checkpoint: its metrics are kept too
-    with pytest.raises(UserError, match="already holds the metrics.jsonl of a run that saved no checkpoint; replace it with --overwrite=True"):
+    with pytest.raises(UserError, match="already holds the metrics.jsonl of a run that saved no checkpoint; replace "
+                                        "it with --overwrite=True"):
         train_tiny(f"--data_dir={char_data}", "--max_iters=2", f"--out_dir={trained}")
 
 
