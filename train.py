@@ -26,7 +26,7 @@ from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, restore_r
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from engine.metrics import MetricsLog, Progress, StepEnd, StepTimer
+from engine.metrics import MetricsLog, Progress, StepTimer, TrainingLines
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, IMPLEMENTATIONS, GPTConfig
 from core.runtime import Runtime
@@ -213,28 +213,6 @@ class TrainingRun:
             train_time_s=train_time_s, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
         self.saved_at = self.iter_num
 
-    def log_step(self, end: StepEnd, lr: float, timer: StepTimer, peak_flops: Optional[float]) -> bool:
-        """Step end.it's line: its loss averaged over ranks, and the speed over the steps timed since the last line.
-        Returns whether any rank ran out of max_seconds (the flag travels with the loss, so ranks stop together)."""
-        (loss, out_of_time), world = end.read(), self.rt.world_size
-        loss /= world
-        seconds, steps = timer.lap(end)
-        if not math.isfinite(loss):
-            raise UserError(f"training loss is {loss} at iter {end.it}; training diverged (try a lower "
-                            f"learning_rate or grad_clip); the last good checkpoint in {self.cfg.out_dir} is kept.")
-        metrics = {"iter": end.it, "train/loss": loss, "lr": lr}
-        if steps:  # none when the only step since the last line was the compiling one
-            tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
-            metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
-            if peak_flops is not None:  # None: no peak this machine's load let us trust (core/flops.py)
-                metrics["mfu"] = self.trainer.model.model_flops_utilization(tokens_per_s / world, peak_flops,
-                                                                            self.cfg.block_size)
-        self.log.log({**metrics, **self.rt.memory_metrics()})
-        said = runtime.choose_threads(self.watch) if self.watch is not None else None
-        if said and self.rt.is_master:  # another process began or ended beside this run: the next line's speed shows
-            print(said, file=sys.stderr)
-        return out_of_time > 0
-
 
 def banner(cfg: Settings, rt: Runtime, model: GPT) -> str:
     """The run's first line: the model, attention, precision, device, and how the ranks split the work."""
@@ -284,19 +262,21 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     if rt.is_master:
         print(flops.peak_line(rt, peak_flops))
     timer = StepTimer(rt)
-    steps_run, out_of_time = 0, False
-    pending, last = None, None  # a log point's StepEnd and lr, read after the next step is queued; the last step's
+    model, world = run.trainer.model, rt.world_size
+    mfu = None if peak_flops is None else (  # None: no peak this machine's load let us trust (core/flops.py)
+        lambda tokens_per_s: model.model_flops_utilization(tokens_per_s / world, peak_flops, cfg.block_size))
+    lines = TrainingLines(run.log, timer, rt, tokens_per_iter(cfg), mfu, cfg.out_dir, run.watch)
+    steps_run, out_of_time, last = 0, False, None  # last: the newest step's StepEnd
     try:
         while True:
             multiplier = lr_multiplier(run.iter_num, cfg)
             set_learning_rates(run.trainer.optimizers, multiplier)
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
-            if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (log_step)
+            if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (TrainingLines)
                 out_of_time = cfg.max_seconds > 0 and timer.total >= cfg.max_seconds
             evaluating = run.iter_num >= cfg.max_iters or run.iter_num % cfg.eval_interval == 0 or out_of_time
-            if pending is not None and evaluating:  # the training line before the evaluation's (it may say: stop)
-                out_of_time |= run.log_step(*pending, timer, peak_flops)
-                pending = None
+            if evaluating:  # the training line before the evaluation's (it may say: stop)
+                out_of_time |= lines.flush()
             done = run.iter_num >= cfg.max_iters or out_of_time
             if evaluating and run.iter_num != resumed_at:
                 timer.pause(last)
@@ -321,9 +301,8 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
                 end = timer.step_end(run.iter_num, values)
             else:
                 end = timer.step_end(run.iter_num)
-            if pending is not None:  # its read waits for the step before this one only
-                out_of_time |= run.log_step(*pending, timer, peak_flops)
-            pending, last = ((end, lr) if end.values is not None else None), end
+            out_of_time |= lines.hold(end, lr)  # prints the line held before: its read waits for that step alone
+            last = end
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
         run.log.close()

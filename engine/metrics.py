@@ -4,16 +4,18 @@ steps only.
 """
 
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from core.configurator import Settings
 from core.errors import UserError
-from core.runtime import Runtime
+from core.runtime import Runtime, choose_threads
 
 
 class Progress:
@@ -69,6 +71,47 @@ class MetricsLog:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class TrainingLines:
+    """The one owner of a log point's line: its loss, copied to the host behind its step, is read once the next step
+    is queued (so the device never waits) and printed with the speed over the steps timed since the last line.
+    `mfu(tokens_per_s)` or None; `watch`: a CPU run's look at the other processes, again at each line."""
+
+    def __init__(self, log: "MetricsLog", timer: "StepTimer", rt: Runtime, tokens_per_iter: int,
+                 mfu: Optional[Callable[[float], float]], out_dir: str, watch=None):
+        self.log, self.timer, self.rt, self.tokens_per_iter = log, timer, rt, tokens_per_iter
+        self.mfu, self.out_dir, self.watch, self.held = mfu, out_dir, watch, None
+
+    def hold(self, end: "StepEnd", lr: float) -> bool:
+        """Print the line held until now, and hold step end's (a log point's: values copied behind it). Returns
+        whether any rank ran out of max_seconds (the flag travels with the loss, so ranks stop together)."""
+        out_of_time = self.flush()
+        self.held = (end, lr) if end.values is not None else None
+        return out_of_time
+
+    def flush(self) -> bool:
+        """Print the held line now (before an evaluation's, or at the end)."""
+        if self.held is None:
+            return False
+        (end, lr), self.held = self.held, None
+        (loss, out_of_time), world = end.read(), self.rt.world_size
+        loss /= world
+        seconds, steps = self.timer.lap(end)
+        if not math.isfinite(loss):
+            raise UserError(f"training loss is {loss} at iter {end.it}; training diverged (try a lower "
+                            f"learning_rate or grad_clip); the last good checkpoint in {self.out_dir} is kept.")
+        metrics = {"iter": end.it, "train/loss": loss, "lr": lr}
+        if steps:  # none when the only step since the last line was the compiling one
+            tokens_per_s = self.tokens_per_iter * steps / seconds
+            metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
+            if self.mfu is not None:
+                metrics["mfu"] = self.mfu(tokens_per_s)
+        self.log.log({**metrics, **self.rt.memory_metrics()})
+        said = choose_threads(self.watch) if self.watch is not None else None
+        if said and self.rt.is_master:  # another process began or ended beside this run: the next line's speed shows
+            print(said, file=sys.stderr)
+        return out_of_time > 0
 
 
 @dataclass
