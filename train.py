@@ -340,7 +340,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list[str]) -> None:
-    watch = runtime.cpu_threads(rt, cfg.threads, fixed=cfg.compile)
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
         from tools.sharded import ShardedSaver
@@ -367,6 +366,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         cfg.attn_auto = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, saved_decision)
     attn = cfg.attn_auto["attn_auto/pick"] if cfg.attn == "auto" else raw_model.config.attn
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
+    watch = runtime.cpu_threads(rt, cfg.threads, fixed=cfg.compile)  # after every refusal: no note before an error
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
@@ -384,8 +384,8 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, MetricsLog(cfg, run_config, enabled=rt.is_master), saver,
-              watch=watch)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, MetricsLog(cfg, run_config, enabled=rt.is_master),
+                      saver, watch=watch)
     resumed_at = restore(run, checkpoint) if checkpoint is not None else None
     if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
         run.log.log({"iter": run.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})

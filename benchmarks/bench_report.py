@@ -211,7 +211,7 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
         title = f"attention forward+backward, hs={hs} (lower is better)"
         if len(cfg.attn_seq_lens) > 1 and "manual" in cfg.attn:  # lengths 100x apart: each against its own manual
             return speedup_chart(ax, rows, cfg, series, f"attention forward+backward, hs={hs}: speedup over manual at "
-                                 f"each length (higher is better; ms in the table)")
+                                 f"each length (higher is better; ms, other head sizes and forward only: the table)")
     ok = [r for r in rows if r["status"] == "ok"]
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}

@@ -571,3 +571,13 @@ def test_the_banner_says_how_the_ranks_split_the_work(char_data):
     assert ", 2 ranks under DDP, " in train.banner(cfg, rt, model)
     rt.world_size, rt.is_distributed = 1, False
     assert ", world size 1, " in train.banner(cfg, rt, model)
+
+
+def test_a_refused_run_prints_no_thread_note_before_its_error(char_data, tmp_path, monkeypatch, capsys):
+    """One error, one line: the threads are chosen (and their note said) only once every refusal has had its say."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "abc")  # a note, in a run that gets that far
+    with pytest.raises(UserError, match="attn='efficient' cannot run"):
+        train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", "--attn=efficient"])
+    assert "note:" not in capsys.readouterr().err
+    assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'ok'}", "--max_iters=1"]) == 0
+    assert "note: OMP_NUM_THREADS='abc' is not a positive whole number" in capsys.readouterr().err
