@@ -39,13 +39,28 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _stop_once(error: type[KeyboardInterrupt]):
-    """A handler that raises `error` and ignores every later Ctrl-C or SIGTERM, so the clean-up it starts (a temporary
-    file removed, the resume hint printed) is not itself interrupted into a traceback."""
+    """A handler that raises `error` once: the clean-up it starts (a temporary file removed, the resume hint) runs,
+    and a second Ctrl-C or SIGTERM meanwhile ends the process at once, as their default action does, never a second
+    traceback (a hung clean-up, a wandb upload say, can always be ended)."""
     def handler(signum, frame):
         for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
+            signal.signal(s, signal.SIG_DFL)
         raise error()
     return handler
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held off for a moment's work that must finish (removing a half-written file)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @contextlib.contextmanager
@@ -84,9 +99,9 @@ def deferred_signals() -> Iterator[Deferred]:
     previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
     try:
         yield deferred
-    finally:  # once stopped, as _stop_once: the clean-up runs uninterrupted (exit_code puts the handlers back)
+    finally:  # once stopped, as _stop_once: a second signal ends the process (exit_code puts the handlers back)
         for s, handler in previous.items():
-            signal.signal(s, handler if deferred.pending is None else signal.SIG_IGN)
+            signal.signal(s, handler if deferred.pending is None else signal.SIG_DFL)
     if deferred.pending is not None:
         raise deferred.pending
 
@@ -95,7 +110,8 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
     stderr and 2, or 130 on Ctrl-C, 143 on a SIGTERM during a held write (128 + the signal, as a shell reports it;
     elsewhere SIGTERM ends the process itself, which the shell reports as 143 too). The first Ctrl-C stops main and
-    later ones wait for its clean-up; once it is over, an `exiting` process ends at the next one, without a word."""
+    a second ends the process at once (_stop_once); an `exiting` process keeps that default action after main, so a
+    Ctrl-C during Python's exit (atexit callbacks) ends it without a word."""
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     if main_thread:

@@ -79,9 +79,10 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                 if not path.exists():
                     raise RuntimeError(f"staged output {path} was never written")
         except BaseException as e:
-            for path in tmp.values():
-                with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
-                    path.unlink(missing_ok=True)
+            with errors.uninterrupted():  # a second Ctrl-C waits the moment this takes
+                for path in tmp.values():
+                    with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
+                        path.unlink(missing_ok=True)
             if isinstance(e, OSError):  # a read-only folder or a full disk
                 kept = [name for name in names if (out_dir / name).exists()]
                 kept_text = f"the previous {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else \
