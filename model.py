@@ -77,6 +77,9 @@ def forced(backend: SDPBackend):
 
 FLEX_REGION = "attention.flex_attention"  # the profiler region every eager-called flex runs in (bench's audit)
 _block_masks: dict = {}  # building a block mask costs milliseconds: one per shape and device
+# an eager flex call compiles flex on CUDA (eager flex there is a slow reference); a CPU runs it eagerly (a compiled
+# model traces flex itself): tests set this to compile it on a CPU as CUDA does
+COMPILE_FLEX_OFF_CUDA = False
 
 
 @functools.cache
@@ -85,12 +88,6 @@ def compiled_flex(use: str):
     callable, and a recompile count, of its own."""
     from core.runtime import compile_isolated
     return compile_isolated(flex_attention, recompile_limit=16)
-
-
-def compile_flex_here(q: torch.Tensor) -> bool:
-    """Whether an eager flex call compiles flex: on CUDA (eager flex there is a slow reference); on a CPU it runs
-    eagerly, and a compiled model traces flex itself. Tests patch it to compile on a CPU."""
-    return q.is_cuda
 
 
 def flex_causal_attention(q, k, v, mask, dropout_p):
@@ -110,7 +107,8 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         block_mask = _block_masks[key]
     if torch.compiler.is_compiling():  # inside a compiled model dynamo traces flex itself
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    flex = compiled_flex("causal" if score_mod is None else "decode") if compile_flex_here(q) else flex_attention
+    compile_it = q.is_cuda or COMPILE_FLEX_OFF_CUDA
+    flex = compiled_flex("causal" if score_mod is None else "decode") if compile_it else flex_attention
     with torch.profiler.record_function(FLEX_REGION):  # a compiled call shows the profiler no flex op of its own
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
@@ -202,18 +200,18 @@ class GPTConfig:
     def __post_init__(self):
         if self.attn == "auto":
             raise refusal("attn='auto' is measured on a model, not stored in a config: build it with another "
-                             "attn (say 'sdpa'), then call model.set_attention('auto').")
+                          "attn (say 'sdpa'), then call model.set_attention('auto').")
         if self.attn not in IMPLEMENTATIONS:
             raise refusal(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
         if self.n_embd % self.n_head != 0:
             raise refusal(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                             f"pick sizes where n_embd is a multiple of n_head.")
+                          f"pick sizes where n_embd is a multiple of n_head.")
         if self.gelu not in ("tanh", "none"):
             raise refusal(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
         if self.doc_mask and not 0 <= self.eot_token < self.vocab_size:
             raise refusal(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
-                             f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
-                             f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
+                          f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
+                          f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
         if self.window < 0:
             raise refusal(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
         if not 0.0 <= self.dropout < 1.0:
@@ -348,7 +346,7 @@ class GPT(nn.Module):
         B, T = idx.size()
         if T > self.config.block_size:
             raise refusal(f"cannot forward a sequence of {T} tokens: block_size is "
-                             f"{self.config.block_size}; crop the input or use a smaller block_size.")
+                          f"{self.config.block_size}; crop the input or use a smaller block_size.")
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         cache = None if input_pos is None else self.cache
@@ -445,7 +443,7 @@ class GPT(nn.Module):
     def crop_block_size(self, block_size: int) -> None:  # e.g. to fine-tune GPT-2 (1024) at a shorter block_size
         if block_size > self.config.block_size:
             raise refusal(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
-                             f"use --block_size={self.config.block_size} or less.")
+                          f"use --block_size={self.config.block_size} or less.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
         self.checked.clear()
@@ -689,7 +687,7 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
     model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
     if idx.dim() != 2 or idx.size(1) == 0:
         raise refusal(f"generation needs a prompt of at least one token per row, shape (B, T), got "
-                         f"{tuple(idx.shape)}; start from a token such as end-of-text.")
+                      f"{tuple(idx.shape)}; start from a token such as end-of-text.")
     if top_k is not None and top_k < 1:
         raise refusal(f"top_k must be None (every token) or a positive number of tokens, got {top_k}.")
     block_size, cache = model.config.block_size, None
