@@ -181,3 +181,16 @@ def runnable_on_cpu(training: bool) -> list[str]:
     from attention.kernels import AttnCall, attention_problem
     call = AttnCall("cpu", torch.float32, 16, needs_grad=training)
     return [a for a, fn in IMPLEMENTATIONS.items() if attention_problem(a, call, fn) is None]
+
+
+def ctrl_c_at_step(monkeypatch, n: int) -> None:
+    """train.py's n-th training step raises KeyboardInterrupt, as Ctrl-C between two steps does."""
+    import train
+    real_step, steps = train.Trainer.step, []
+
+    def interrupted(self, batches):
+        steps.append(1)
+        if len(steps) == n:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+    monkeypatch.setattr(train.Trainer, "step", interrupted)

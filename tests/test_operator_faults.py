@@ -20,7 +20,7 @@ import torch
 
 import sample
 import train
-from conftest import REPO, TINY
+from conftest import REPO, TINY, ctrl_c_at_step
 from core import errors, files, runtime
 from core.errors import UserError
 from engine import checkpoint as checkpoint_module
@@ -136,14 +136,7 @@ def test_ctrl_c_before_the_first_checkpoint_names_a_command_that_starts_again(ch
                                                                                 capsys):
     out = tmp_path / "run"
     args = tiny(char_data, out, "--max_iters=4", "--eval_interval=4")
-    real_step = train.Trainer.step
-
-    def interrupted_at_step_2(self, batches, calls=[]):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_step(self, batches)
-    monkeypatch.setattr(train.Trainer, "step", interrupted_at_step_2)
+    ctrl_c_at_step(monkeypatch, 2)
     assert errors.exit_code(lambda: train.main(args)) == 130
     hint = capsys.readouterr().err.strip().splitlines()[-2]
     assert hint.startswith(f"stopped at iter 1; no checkpoint was saved in {out}; start again with: python train.py ")

@@ -18,7 +18,7 @@ from core import errors, runtime
 from engine import metrics as train_metrics
 import train
 from core.configurator import configure
-from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
+from conftest import REPO, TINY, TWO_RANKS, ctrl_c_at_step, metrics, straight_and_resumed
 from core.errors import UserError
 from model import GPT, GPTConfig
 
@@ -90,14 +90,7 @@ def test_train_time_continues_from_the_checkpoint_on_a_resume(char_data, tmp_pat
 def test_ctrl_c_names_the_checkpoint_kept_and_the_command_that_continues(char_data, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run dir"
     args = TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--eval_interval=2", "--max_iters=8"]
-    real_step, steps = train.Trainer.step, []
-
-    def interrupted_at_step_5(self, batches):
-        steps.append(1)
-        if len(steps) == 5:
-            raise KeyboardInterrupt
-        return real_step(self, batches)
-    monkeypatch.setattr(train.Trainer, "step", interrupted_at_step_5)
+    ctrl_c_at_step(monkeypatch, 5)
     assert errors.exit_code(lambda: train.main(args)) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "interrupted"
