@@ -163,28 +163,6 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
     plt.close(fig)
 
 
-def speedup_chart(ax, rows: list[dict], cfg: Settings, series: dict, title: str) -> str:
-    """Bars of speedup_vs_manual per implementation and series: lengths whose times differ 100-fold side by side,
-    each readable (a linear ms axis hid the short ones; a log axis distorted the ratios)."""
-    bars = {label: {r["attn"]: r for r in rows if r["status"] == "ok" and all(r[k] == v for k, v in match.items())}
-            for label, match in series.items()}
-    groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
-    ax.figure.set_size_inches(7.0, 1.2 + 0.28 * max(1, len(groups) * len(bars)))
-    height = 0.8 / len(bars)
-    for i, (label, by_attn) in enumerate(bars.items()):
-        found = [by_attn.get(a) for a in groups]
-        speedups = [r.get("speedup_vs_manual") or np.nan if r else np.nan for r in found]
-        ys = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * height
-        drawn = ax.barh(ys, speedups, height, label=label)
-        ax.bar_label(drawn, labels=["" if x != x else f"{x:.2f}x" for x in speedups], padding=3, fontsize=7)
-    ax.set_yticks(np.arange(len(groups)), groups)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="grey", linewidth=0.8)  # manual itself
-    ax.set_xlabel("speedup over manual (median ms of manual / median ms)")
-    ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.2)
-    return title
-
-
 def ms_label(ms: float) -> str:
     """A bar's milliseconds as people write them: 3,130 and 41.7 and 0.512, never 3.13e+03; '' for a gap."""
     return "" if ms != ms else f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
@@ -209,29 +187,40 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
         hs = cfg.attn_head_sizes[0]
         series = {f"T={T}": {"seq_len": T, "head_size": hs, "backward": True} for T in cfg.attn_seq_lens}
         title = f"attention forward+backward, hs={hs} (lower is better)"
-        if len(cfg.attn_seq_lens) > 1 and "manual" in cfg.attn:  # lengths 100x apart: each against its own manual
-            return speedup_chart(ax, rows, cfg, series, f"attention forward+backward, hs={hs}: speedup over manual at "
-                                 f"each length (higher is better; ms, other head sizes and forward only: the table)")
+    # several lengths, ms 100x apart (a linear axis hid the short bars, a log one distorted the ratios): each length
+    # is drawn as its speedup over its own manual row
+    speedups = cfg.mode == "attention" and not name_masks and len(cfg.attn_seq_lens) > 1 and "manual" in cfg.attn
+    if speedups:
+        title = (f"attention forward+backward, hs={hs}: speedup over manual at each length (higher is better; ms, "
+                 f"other head sizes and forward only: the table)")
     ok = [r for r in rows if r["status"] == "ok"]
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}
     groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
     # one row per implementation, top to bottom in the sweep's order: names of any length stay legible side by
-    # side (nine under each other, where columns ran into each other), each bar labelled with its milliseconds
+    # side (nine under each other, where columns ran into each other), each bar labelled with its value
     ax.figure.set_size_inches(7.0, 1.2 + 0.28 * max(1, len(groups) * len(bars)))
     height = 0.8 / len(bars)
     for i, (label, by_attn) in enumerate(bars.items()):
         found = [by_attn.get(a) for a in groups]  # None: skipped, a gap in the chart
-        ms = [r["ms_per_iter"] if r else np.nan for r in found]
-        whiskers = [(r["ms_per_iter"] - r["ms_p25"], r["ms_p75"] - r["ms_per_iter"]) if r else (0, 0) for r in found]
         ys = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * height
-        drawn = ax.barh(ys, ms, height, xerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
+        if speedups:
+            values = [r.get("speedup_vs_manual") or np.nan if r else np.nan for r in found]
+            drawn = ax.barh(ys, values, height, label=label)
+            labels = ["" if x != x else f"{x:.2f}x" for x in values]
+        else:
+            values = [r["ms_per_iter"] if r else np.nan for r in found]
+            whiskers = [(r["ms_per_iter"] - r["ms_p25"], r["ms_p75"] - r["ms_per_iter"]) if r else (0, 0)
+                        for r in found]
+            drawn = ax.barh(ys, values, height, xerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
+            labels = [ms_label(m) for m in values]
         fallback = ["" if r is None or r.get("kernel_ok", True) else f"  ! ran {r['kernel']}" for r in found]
-        ax.bar_label(drawn, labels=[ms_label(m) + flag for m, flag in zip(ms, fallback)], padding=3, fontsize=7)
+        ax.bar_label(drawn, labels=[text + flag for text, flag in zip(labels, fallback)], padding=3, fontsize=7)
     ax.set_yticks(np.arange(len(groups)), groups)
     ax.invert_yaxis()  # the sweep's first implementation on top, as in the table
-    ax.set_xlabel("ms (median, IQR whiskers)")
-    # linear from zero: a bar's length is its time, so 2x reads as 2x (a log axis made 38 against 77 ms look 1:8);
-    # every bar carries its value, so the short ones of a long sweep are read off their labels
+    if speedups:
+        ax.axvline(1.0, color="grey", linewidth=0.8)  # manual itself
+    ax.set_xlabel("speedup over manual (manual's median ms / the row's)" if speedups else "ms (median, IQR whiskers)")
+    # linear from zero: a bar's length is its time (or speedup), so 2x reads as 2x; every bar carries its value
     ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.25)  # room for the value labels
     return title

@@ -70,11 +70,8 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
         if not path.is_file():
             raise UserError(f"{path} is missing; a dataset folder needs train.bin and val.bin "
                             f"(python data/<name>/prepare.py writes both).")
-        size = path.stat().st_size
-        if size % TOKEN_BYTES == 0 and size // TOKEN_BYTES <= block_size:
-            raise UserError(f"{path} has {size // TOKEN_BYTES:,} tokens, fewer than block_size+1={block_size + 1}; "
-                            f"use a smaller block_size or more data.")
-        token_file(path)  # whole uint16 tokens
+        token_file(path, at_least=block_size + 1, fix=f"block_size={block_size} takes {block_size + 1} a sequence: "
+                                                   f"use a smaller block_size or more data")
         top = max_token_id(path)
         if top >= vocab_size:
             raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "

@@ -50,12 +50,13 @@ def _stop_once(error: type[KeyboardInterrupt]):
 
 
 @contextlib.contextmanager
-def uninterrupted() -> Iterator[None]:
-    """Ctrl-C and SIGTERM held off for a moment's work that must finish (removing a half-written file)."""
+def handlers(new: dict) -> Iterator[None]:
+    """Signal handlers in place for a block, the previous ones back after it; in the main thread only, the one that
+    may take signals (elsewhere the block runs as it is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, handler) for s, handler in new.items()}
     try:
         yield
     finally:
@@ -63,19 +64,16 @@ def uninterrupted() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-@contextlib.contextmanager
-def held_signals() -> Iterator[None]:
+def uninterrupted():
+    """Ctrl-C and SIGTERM held off for a moment's work that must finish (removing a half-written file)."""
+    return handlers({s: signal.SIG_IGN for s in STOP_SIGNALS})
+
+
+def held_signals():
     """Across a write that must end whole or not at all, SIGTERM raises Terminated once Python runs again, so the
     write's clean-up runs. Everywhere else SIGTERM keeps its default action: the process ends at once, even while
     it waits in C (a device wait behind a dead peer's collective, a long matmul), which no Python handler could."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may take signals
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _stop_once(Terminated))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return handlers({signal.SIGTERM: _stop_once(Terminated)})
 
 
 class Deferred:
@@ -89,19 +87,17 @@ def deferred_signals() -> Iterator[Deferred]:
     writer turns an exception raised in its write callback into 'unexpected pos'): the code polls `pending` where
     it can stop cleanly, and whatever is still pending is raised on the way out."""
     deferred = Deferred()
-    if threading.current_thread() is not threading.main_thread():
-        yield deferred
-        return
 
     def note(signum, frame):
         if deferred.pending is None:
             deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-    previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
     try:
-        yield deferred
-    finally:  # once stopped, as _stop_once: a second signal ends the process (exit_code puts the handlers back)
-        for s, handler in previous.items():
-            signal.signal(s, handler if deferred.pending is None else signal.SIG_DFL)
+        with handlers({s: note for s in STOP_SIGNALS}):
+            yield deferred
+    finally:
+        if deferred.pending is not None:  # stopped, as by _stop_once: a second signal ends the process
+            for s in STOP_SIGNALS:
+                signal.signal(s, signal.SIG_DFL)
     if deferred.pending is not None:
         raise deferred.pending
 

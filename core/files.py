@@ -43,15 +43,16 @@ def read_meta(data_dir: Path) -> dict | None:
     return None
 
 
-def token_file(path: Path, at_least: int = 1) -> np.memmap:
+def token_file(path: Path, at_least: int = 1, fix: str = "") -> np.memmap:
     """A .bin file's token ids, read in place; a file that is not whole uint16 tokens, or holds fewer than
-    `at_least` of them, is one sentence."""
+    `at_least` of them, is one sentence (`fix`: what to do about too few, when the caller knows better)."""
     size = path.stat().st_size
-    if size % TOKEN_BYTES or size < at_least * TOKEN_BYTES:
-        what = "not a whole number of uint16 tokens" if size % TOKEN_BYTES else \
-            f"{size // TOKEN_BYTES:,} tokens, fewer than the {at_least:,} needed"
-        raise UserError(f"{path} is {size:,} bytes, {what}; it is truncated or not a token file - prepare the dataset "
-                        f"again{'' if size % TOKEN_BYTES else ', or ask for fewer tokens'}.")
+    if size % TOKEN_BYTES:
+        raise UserError(f"{path} is {size:,} bytes, not a whole number of uint16 tokens; it is truncated or not a "
+                        f"token file - prepare the dataset again.")
+    if size < at_least * TOKEN_BYTES:
+        raise UserError(f"{path} has {size // TOKEN_BYTES:,} tokens, fewer than the {at_least:,} needed; "
+                        f"{fix or 'it is truncated or not a token file - prepare the dataset again'}.")
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
 
 

@@ -64,9 +64,9 @@ class Checkpoint:
         weights' shape whatever the defaults said, and attn=auto's decision (`attn_auto_saved`). A shape setting
         chosen otherwise (not the script's default), another optimizer, or a dataset whose ids mean other text, is one
         sentence."""
-        saved = self.settings.get("optimizer", "adamw")
-        if saved != settings["optimizer"]:
-            raise UserError(f"the checkpoint's optimizer state is {saved}'s; resume with --optimizer={saved}.")
+        optimizer = self.settings.get("optimizer", "adamw")
+        if optimizer != settings["optimizer"]:
+            raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")
         for key in SHAPE_SETTINGS:
             saved = self.model_config.get(key, settings[key])
             if settings[key] != saved and settings[key] != defaults[key]:

@@ -208,7 +208,9 @@ def test_token_files_cut_short_are_one_sentence_wherever_they_are_read(char_data
     assert train.main(tiny(data, out, "--max_iters=2")) == 0
     for split in ("train", "val"):
         (data / f"{split}.bin").write_bytes(b"\x01" * size)
-    sentence = r"\.bin is [\d,]+ bytes, .*; it is truncated or not a token file - prepare the dataset again"
+    sentence = (r"\.bin is [\d,]+ bytes, not a whole number of uint16 tokens" if size % 2 else
+                r"\.bin has \d+ tokens, fewer than the [\d,]+ needed") + \
+        "; it is truncated or not a token file - prepare the dataset again"
     with pytest.raises(UserError, match=sentence):  # sample.py --compare's held-out text
         sample.main([f"--out_dir={out}", "--compare=manual", "--num_samples=1", "--max_new_tokens=4",
                      "--device=cpu", "--dtype=float32"])
@@ -216,7 +218,8 @@ def test_token_files_cut_short_are_one_sentence_wherever_they_are_read(char_data
     (data / "meta.json").write_text(json.dumps({**meta, "eot_token": 0}))
     with pytest.raises(UserError, match=sentence):  # bench.py --doc_data's documents
         bench_masks.document_ids(str(data), 0, 2, 32, seed=0)
-    with pytest.raises(UserError, match=sentence if size % 2 else r"fewer than block_size\+1=33"):  # train.py's
+    with pytest.raises(UserError, match=sentence if size % 2 else r"fewer than the 33 needed; block_size=32 takes 33 "
+                                                                  r"a sequence: use a smaller block_size"):  # train.py's
         train.main(tiny(data, tmp_path / "again", "--max_iters=2"))
 
 
