@@ -191,8 +191,8 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     # is drawn as its speedup over its own manual row
     speedups = cfg.mode == "attention" and not name_masks and len(cfg.attn_seq_lens) > 1 and "manual" in cfg.attn
     if speedups:
-        title = (f"attention forward+backward, hs={hs}: speedup over manual at each length (higher is better; ms, "
-                 f"other head sizes and forward only: the table)")
+        title = (f"attention forward+backward, hs={hs}: speedup over manual at each length\n(higher is better; "
+                 f"ms, other head sizes and forward only: the table)")
     ok = [r for r in rows if r["status"] == "ok"]
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}
