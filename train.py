@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from core import flops
 from core import files
@@ -121,14 +121,14 @@ LIMITS = {
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------
 
 def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None) -> GPT:
-    """The model this run trains: the checkpoint's weights when resuming, new ones, or GPT-2's; attention, its masks
-    and dropout are this run's settings whatever the weights were trained with."""
+    """The model this run trains: of a resumed checkpoint's shape (restore loads its weights once it is placed), new,
+    or GPT-2's; attention, its masks and dropout are this run's settings whatever the weights were trained with."""
     vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
     run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in train()
                dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta),
                chunked_loss=cfg.chunked_loss)
-    if checkpoint is not None:
-        model, source = checkpoint.build_model(**run), "the checkpoint"
+    if checkpoint is not None:  # its shape and config; its weights are restore's
+        model, source = GPT(GPTConfig.build(checkpoint.model_config, run)), "the checkpoint"
     elif cfg.init_from == "scratch":
         model, source = GPT(GPTConfig.build({**cfg.as_dict(), "vocab_size": vocab_size}, run)), "a new model"
     else:
@@ -136,7 +136,7 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     if model.config.vocab_size != vocab_size:
         raise UserError(f"{source} has vocab_size {model.config.vocab_size} but dataset '{cfg.dataset}' has "
                         f"{vocab_size}; use the dataset the weights were trained on (GPT-2's: GPT-2 BPE).")
-    if cfg.block_size != model.config.block_size:  # shorter only: crop_block_size refuses a longer one
+    if cfg.block_size != model.config.block_size:  # GPT-2's, shorter only: crop_block_size refuses a longer one
         model.crop_block_size(cfg.block_size)
     return model
 
@@ -309,17 +309,22 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
 
 
 def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
-    """Where a resumed run stood, in one place: step, best val loss, optimizer state, RNG streams (the weights are in
-    the model already; sharded: each rank reads its own part now). Returns the step it resumes at."""
-    state, options = checkpoint.optimizer, FULL_STATE
-    if checkpoint.shards is not None:  # sharded: DCP reads each rank's part into the model as it is placed
+    """Everything a resumed run takes from its checkpoint's tensors and counters, in one place, once the model and
+    optimizers are placed: weights, optimizer state, RNG streams (the data position among them), step, best val loss
+    and training time (eval_only: the weights and step). Its settings, attn=auto's decision among them, were read
+    before the model was built (Checkpoint.resumed_settings). Returns the step it resumes at."""
+    model, optimizers = run.trainer.model, run.trainer.optimizers
+    if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
         from tools.sharded import load_into
-        state = load_into(run.trainer.model, run.trainer.optimizers, Path(checkpoint.shards))
-        options = StateDictOptions()
-    load_optimizer_state(run.trainer.model, run.trainer.optimizers, state, options)
+        load_optimizer_state(model, optimizers, load_into(model, optimizers, Path(checkpoint.shards)),
+                             StateDictOptions())
+    else:  # every rank holds the whole state; FSDP2 keeps its own shard of it
+        set_model_state_dict(model, checkpoint.model, options=FULL_STATE)
+        if not run.cfg.eval_only:
+            load_optimizer_state(model, optimizers, checkpoint.optimizer, FULL_STATE)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
         restore_rng(checkpoint.rng, run.batches.generator, run.rt)
-    else:  # nanoGPT's ckpt.pt, which this run's first save replaces: kept now, every check passed
+    elif not run.cfg.eval_only:  # nanoGPT's ckpt.pt, which this run's first save replaces: kept now, every check passed
         from tools.nanogpt import keep_original
         keep_original(Path(run.cfg.out_dir) / "ckpt.pt")
     run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
@@ -369,24 +374,20 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     watch = runtime.cpu_threads(rt, cfg.threads, fixed=cfg.compile)  # after every refusal: no note before an error
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
-    if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
-        log = MetricsLog(cfg, cfg.as_dict(), enabled=rt.is_master, to_file=False)
-        losses = estimate_loss(model, cfg, data_dir, rt, first=True)
-        log.log({"iter": checkpoint.iter_num if checkpoint else 0, **losses})
-        log.close()
-        return
-
-    # optimizer, and where a resumed run stood
-    optimizers = make_optimizers(raw_model, cfg, rt)
+    optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
                   "resolved_muon_dtype": rt.orthogonalize if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, MetricsLog(cfg, run_config, enabled=rt.is_master),
-                      saver, watch=watch)
+    log = MetricsLog(cfg, run_config, enabled=rt.is_master, to_file=not cfg.eval_only)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, log, saver, watch=watch)
     resumed_at = restore(run, checkpoint) if checkpoint is not None else None
+    if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
+        log.log({"iter": run.iter_num, **estimate_loss(model, cfg, data_dir, rt, first=True)})
+        log.close()
+        return
     if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
         run.log.log({"iter": run.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})
     del checkpoint  # free its copy of the weights and optimizer state before training

@@ -28,7 +28,7 @@ TRAIN = "train"  # a sharded step's key for everything but the tensors of the mo
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "bias", "pad_vocab", "gelu")  # what a resume takes from the weights
+SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab", "gelu")  # a resume keeps these
 TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
 
 
@@ -55,8 +55,7 @@ class Checkpoint:
     def build_model(self, **overrides) -> GPT:
         """The model it holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
         model = GPT(GPTConfig.build(self.model_config, overrides))
-        if self.shards is None:
-            model.load_state_dict(self.model)
+        model.load_state_dict(self.model)
         return model
 
     def resumed_settings(self, settings: dict, defaults: dict, meta: dict | None, where: str) -> dict:

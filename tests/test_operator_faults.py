@@ -174,7 +174,8 @@ def test_a_resume_refuses_a_shape_typed_otherwise_and_saves_the_shape_it_trains(
     out = tmp_path / "run"
     assert train.main(tiny(char_data, out, "--max_iters=2")) == 0  # TINY: 2 layers, width 32
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    for typed, saved in (("--n_layer=3", "n_layer=2"), ("--n_embd=64", "n_embd=32"), ("--bias=False", "bias=True")):
+    for typed, saved in (("--n_layer=3", "n_layer=2"), ("--n_embd=64", "n_embd=32"), ("--bias=False", "bias=True"),
+                         ("--block_size=64", "block_size=32"), ("--block_size=16", "block_size=32")):
         with pytest.raises(UserError, match=rf"^{typed[2:]} differs from the checkpoint in {out} \({saved}\), and a "
                                             rf"resumed run keeps the checkpoint's shape; drop --"):
             train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume", typed))
@@ -184,6 +185,18 @@ def test_a_resume_refuses_a_shape_typed_otherwise_and_saves_the_shape_it_trains(
     assert train.main(args) == 0
     resumed = load_checkpoint(out / "ckpt.pt")
     assert resumed.model_config["n_layer"] == resumed.settings["n_layer"] == 2 != train.n_layer
+
+
+def test_a_sharded_resume_keeps_the_checkpoints_block_size_too(char_data, tmp_path):
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2", "--checkpoint_format=sharded")) == 0
+    with pytest.raises(UserError, match=r"^block_size=16 differs from the checkpoint"):
+        train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume", "--checkpoint_format=sharded",
+                        "--block_size=16"))
+    args = [a for a in tiny(char_data, out, "--max_iters=4", "--init_from=resume", "--checkpoint_format=sharded")
+            if not a.startswith("--block_size")]  # left at the default: the checkpoint's 32 trains on
+    assert train.main(args) == 0
+    assert load_checkpoint(out / "ckpt.pt").model_config["block_size"] == 32
 
 
 def test_a_resume_on_a_dataset_whose_ids_mean_other_characters_is_refused(char_data, tmp_path):

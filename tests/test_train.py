@@ -396,12 +396,6 @@ def test_vocab_mismatch_between_data_and_checkpoint_is_refused(char_data, tmp_pa
     assert (tmp_path / "ckpt.pt").read_bytes() == before
 
 
-def test_block_size_larger_than_the_checkpoints_is_refused(char_data, tmp_path):
-    train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
-    with pytest.raises(UserError, match="block_size=64 is larger than the model's 32"):
-        train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", "--block_size=64", f"--out_dir={tmp_path}"])
-
-
 def test_corrupt_checkpoint_is_one_sentence_and_stays_on_disk(char_data, tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="corrupt"):
