@@ -76,10 +76,14 @@ def forced(backend: SDPBackend):
 
 
 FLEX_REGION = "attention.flex_attention"  # the profiler region every eager-called flex runs in (bench's audit)
-_block_masks: dict = {}  # building a block mask costs milliseconds: one per shape and device
 # an eager flex call compiles flex on CUDA (eager flex there is a slow reference); a CPU runs it eagerly (a compiled
 # model traces flex itself): tests set this to compile it on a CPU as CUDA does
 COMPILE_FLEX_OFF_CUDA = False
+
+
+@functools.cache  # building one costs milliseconds: one per shape and device
+def causal_block_mask(q_len: int, kv_len: int, device: str) -> BlockMask:
+    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, q_len, kv_len, device=device)
 
 
 @functools.cache
@@ -100,11 +104,7 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
     block_mask = mask if isinstance(mask, BlockMask) else None
     score_mod = mask if mask is not None and block_mask is None else None
     if mask is None and q.size(-2) > 1:
-        key = (q.size(-2), k.size(-2), str(q.device))
-        if key not in _block_masks:
-            _block_masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, *key[:2],
-                                                  device=q.device)
-        block_mask = _block_masks[key]
+        block_mask = causal_block_mask(q.size(-2), k.size(-2), str(q.device))
     if torch.compiler.is_compiling():  # inside a compiled model dynamo traces flex itself
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
     compile_it = q.is_cuda or COMPILE_FLEX_OFF_CUDA
@@ -258,10 +258,8 @@ class CausalSelfAttention(nn.Module):
         """x (B, T, C), attended causally within `mask`; with a cache, k and v are written at input_pos too, and a
         decode step (T == 1) attends to the cached keys it sees."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs) each
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))
         if cache is not None:
             seen_k, seen_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, keys the step sees, hs)
             k, v = (seen_k, seen_v) if T == 1 else (k, v)
@@ -339,10 +337,9 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 input_pos: Optional[torch.Tensor] = None, all_positions: bool = False):
         """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf. With targets: (B, T, V) logits and
-        the mean cross-entropy (targets of -1 are ignored), as nanoGPT's; with config.chunked_loss, None and the
-        same loss, the logits never whole. Without: the last position's, (B, 1, V), or every position's with
-        all_positions. With input_pos (T,), after setup_cache: a prefill (T tokens at positions 0 .. T-1: a prefill
-        is not checked, which would make the host wait), then one token at a time at the next position."""
+        the mean cross-entropy (targets of -1 ignored), as nanoGPT's; with config.chunked_loss, None and the same
+        loss. Without: the last position's (B, 1, V), or every position's with all_positions. With input_pos (T,),
+        after setup_cache: a prefill at positions 0 .. T-1, then one token at a time at the next position."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise refusal(f"cannot forward a sequence of {T} tokens: block_size is "
@@ -613,12 +610,13 @@ class KVCache(nn.Module):
         an end-of-text it writes opens a document. Returns the mask of the keys it sees, made once for all layers."""
         if self.doc_start is not None:
             self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
+        from attention.masks import span_mask  # the row in attn's form
+        form = IMPLEMENTATIONS[attn].mask
         if torch.compiler.is_compiling():  # one shape at every position: the whole cache behind a mask row
-            from attention.masks import span_mask  # compiled decoding's (tools/decoding.py)
             end = input_pos + 1  # (1,)
             start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
             start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
-            return span_mask(IMPLEMENTATIONS[attn].mask, start, end, self.block_size)
+            return span_mask(form, start, end, self.block_size)
         # eagerly the host knows the position: the step reads the keys it sees, in a span rounded up to a multiple of
         # DECODE_BLOCK with the rest masked, so attention meets a bounded set of shapes (cuDNN builds a plan per shape)
         end = self.length + 1
@@ -631,9 +629,7 @@ class KVCache(nn.Module):
         starts = torch.full((1,), first - lo, device=idx.device)  # (1,): fills, not copies from the host
         if self.doc_start is not None:  # documents: each row from its own start
             starts = (self.doc_start - lo).clamp(min=first - lo)  # (B,)
-        from attention.masks import span_mask
-        return span_mask(IMPLEMENTATIONS[attn].mask, starts, torch.full((1,), end - lo, device=idx.device), hi - lo,
-                         self.dtype)
+        return span_mask(form, starts, torch.full((1,), end - lo, device=idx.device), hi - lo, self.dtype)
 
     def takes_mask(self, attn: str) -> bool:  # whether attn's decode step takes a mask row, asked once per attn
         if attn not in self.masked_decode:
