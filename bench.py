@@ -36,7 +36,7 @@ from core.configurator import Settings, as_list, comma_list_of, configure, one_o
 from core.errors import UserError
 from attention.kernels import AttnCall, attention_pass, attention_problem
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
-from benchmarks.bench_masks import MASKS, boundaries_per_block, document_ids, fractions, mask_settings, row_mask
+from benchmarks.bench_masks import MASKS, block_documents, boundaries_per_block, fractions, mask_settings, row_mask
 from benchmarks.bench_train import auto_rows, build_trainer, fits
 from benchmarks.compare import attention_names
 from benchmarks.bench_report import (ATTENTION_COLUMNS, GENERATE_COLUMNS, TRAIN_COLUMNS, chart, format_table,
@@ -165,8 +165,8 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
         if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
             raise UserError(f"{key} must be positive whole numbers, comma-separated; got {getattr(cfg, key)!r}.")
     if any("doc" in m for m in cfg.mask) and cfg.mode != "generate":  # a bad --doc_data is said before any row runs
-        document_ids(cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens),
-                     cfg.seed)
+        block_documents(cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens),
+                        cfg.seed)
     return cfg, rt
 
 
@@ -265,7 +265,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
             q, k, v = (torch.randn(shape, device=rt.device, dtype=rt.torch_dtype, requires_grad=backward)
                        for _ in range(3))
             doc_mask, window = mask_settings(mask, cfg.window)
-            docs = document_ids(cfg.doc_data, cfg.doc_len, cfg.attn_batch, T, cfg.seed) if doc_mask else None
+            docs = block_documents(cfg.doc_data, cfg.doc_len, cfg.attn_batch, T, cfg.seed) if doc_mask else None
             here, calls, audits = {}, {}, {}
             # every case compiles afresh, each attn apart, with a full recompile budget: one compiled callable over
             # every head size, length, pass and mask would pass its limit and run the later rows eagerly

@@ -475,9 +475,9 @@ class GPT(nn.Module):
         """GPT-2's weights: a nanoGPT name (gpt2 ... gpt2-xl, from the Hugging Face hub) or a local Hugging Face
         directory. override_args may set dropout, as nanoGPT's does, and attn, pad_vocab and the masks."""
         from core import hf  # Hugging Face's format: read only here
-        overrides = dict(override_args or {})
-        if set(overrides) - hf.OVERRIDES:
-            raise refusal(f"from_pretrained can only override {sorted(hf.OVERRIDES)}, got {sorted(overrides)}.")
+        overrides, allowed = dict(override_args or {}), {"pad_vocab", *RUN_FIELDS}
+        if set(overrides) - allowed:
+            raise refusal(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
         shape, state_dict = hf.read_gpt2(model_type)
         config = GPTConfig.build({**shape, "pad_vocab": overrides.pop("pad_vocab", False)}, overrides)
         model = cls(config)

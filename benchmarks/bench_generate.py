@@ -98,7 +98,7 @@ def first_calls(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, b
     return seconds
 
 
-def audit(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) -> None:
+def audit_generation(rows: dict[str, Row], described: dict[str, dict], rt: Runtime, bar) -> None:
     """Memory added during one generation and the attention kernel that ran (compiled rows: their eager twin,
     the same model with the cache, since inductor generates or decomposes the kernel in compiled code)."""
     for key, row in rows.items():
@@ -146,7 +146,7 @@ def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
         with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr,
                   disable=None) as bar:
             first = first_calls(rows, described, rt, bar, progress, tallies)
-            audit(rows, described, rt, bar)
+            audit_generation(rows, described, rt, bar)
             progress()
             failed = {k: d["reason"] for k, d in described.items() if d["status"] == "oom"}
             failed.update({k + "#prefill": r for k, r in failed.items()})

@@ -24,7 +24,7 @@ def mask_settings(mask: str, window: int) -> tuple[bool, int]:
     return "doc" in mask, window if "window" in mask else 0
 
 
-def document_ids(doc_data: str, doc_len: int, B: int, T: int, seed: int) -> torch.Tensor:
+def block_documents(doc_data: str, doc_len: int, B: int, T: int, seed: int) -> torch.Tensor:
     """(B, T) document ids of B blocks of T tokens: documents of doc_len tokens each (> 0), else random blocks of
     the prepared dataset doc_data (a name under data/, prepared if missing, or a folder), split at its end-of-text."""
     if doc_len > 0:

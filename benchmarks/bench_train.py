@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from benchmarks.bench_masks import document_ids, mask_settings, tokens_with_documents
+from benchmarks.bench_masks import block_documents, mask_settings, tokens_with_documents
 from attention.attn_auto import Workload, choose
 from benchmarks.measure import free_memory, out_of_memory, paired_speedup, profiled_run
 from core import runtime
@@ -72,7 +72,7 @@ def build_trainer(cfg: Settings, rt: Runtime, attn: str, pad_vocab: bool, batch_
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
     batch = torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len),
                           generator=torch.Generator().manual_seed(cfg.seed))  # random ids cost as text
-    docs = document_ids(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
+    docs = block_documents(cfg.doc_data, cfg.doc_len, batch_size, cfg.seq_len, cfg.seed) if doc_mask else None
     if doc_mask:  # the inputs carry end-of-text where the documents of real blocks begin
         batch[0] = tokens_with_documents(docs, cfg.vocab_size, cfg.vocab_size - 1, cfg.seed)
     return SharedTrainer(Trainer(model, [optimizer], rt.grad_scaler(), rt), cfg.compile, batch.to(rt.device), docs)

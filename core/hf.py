@@ -12,10 +12,6 @@ import torch
 
 from core.errors import UserError
 
-# what from_pretrained may set
-OVERRIDES = {"attn", "pad_vocab", "dropout", "doc_mask", "window", "eot_token", "chunked_loss"}
-
-
 def read_gpt2(name_or_path: str) -> tuple[dict, dict]:
     """GPT-2's shape (GPTConfig's fields) and its weights in this model's names, the token embedding unpadded."""
     hf_config, state_dict = load_hf_checkpoint(name_or_path)

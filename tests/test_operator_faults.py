@@ -230,7 +230,7 @@ def test_token_files_cut_short_are_one_sentence_wherever_they_are_read(char_data
     meta = json.loads((data / "meta.json").read_text())
     (data / "meta.json").write_text(json.dumps({**meta, "eot_token": 0}))
     with pytest.raises(UserError, match=sentence):  # bench.py --doc_data's documents
-        bench_masks.document_ids(str(data), 0, 2, 32, seed=0)
+        bench_masks.block_documents(str(data), 0, 2, 32, seed=0)
     trains = r"fewer than the 33 needed; block_size=32 takes 33 a sequence: use a smaller block_size"
     with pytest.raises(UserError, match=sentence if size % 2 else trains):  # train.py's own check
         train.main(tiny(data, tmp_path / "again", "--max_iters=2"))
