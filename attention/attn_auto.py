@@ -136,15 +136,16 @@ def numerics_problem(output: torch.Tensor, data: dict, w: Workload, reference_fn
 
 # -- measuring and choosing -----------------------------------------------------------------------------------
 
-def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float, timer: Optional[Callable] = None,
-            compiled: Optional[Callable] = None) -> Decision:
+def seconds_of(attn: str, call: Callable[[], object], rt: Runtime) -> float:
+    """One timed call of candidate `attn`, its device work included."""
+    return time_call(call, rt)[1]
+
+
+def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float) -> Decision:
     """Time every implementation (model.IMPLEMENTATIONS) that can run `w`, round-robin within about budget_s seconds,
-    drop the numerically wrong ones and pick the lowest median. `timer(attn, call)` and `compiled(fn)`: a test's
-    stand-ins."""
+    drop the numerically wrong ones and pick the lowest median."""
     started = time.perf_counter()
-    timer = timer or (lambda attn, call: time_call(call, rt)[1])
-    if compiled is None:
-        compiled = compile_isolated if w.compiled else (lambda fn: fn)
+    compiled = compile_isolated if w.compiled else (lambda fn: fn)
     data, rows, calls = inputs(w, rt.device), {}, {}
     for attn, fn in implementations.items():
         call = AttnCall(rt.device_type, getattr(torch, w.dtype), w.head_size, needs_grad=w.training,
@@ -169,7 +170,7 @@ def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float, ti
     # as many rounds as the budget left holds (by the warm-up's times), at least one and at most MAX_ROUNDS
     per_round = sum(spent.get(a, 0.0) for a in calls) or 1e-3
     rounds = max(1, min(MAX_ROUNDS, int((budget_s - (time.perf_counter() - started)) / per_round)))
-    times = runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * timer(attn, calls[attn]))
+    times = runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * seconds_of(attn, calls[attn], rt))
     for attn, ms in times.items():
         rows[attn]["ms"] = sorted(ms)[len(ms) // 2]
     ran = [r for r in rows.values() if r["status"] == "ok"]
@@ -192,31 +193,28 @@ def cache_file() -> Path:
     return cache_folder() / "attn_auto.json"
 
 
-def choose(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20.0, refresh: bool = False,
-           path: Optional[Path] = None, measure_fn: Optional[Callable] = None) -> Decision:
+def choose(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20.0, refresh: bool = False) -> Decision:
     """The decision for `w`: from the cache when an earlier run measured this very workload (unless refresh), else
-    measured now (measure_fn: by default measure) and added to the cache."""
-    measure_fn = measure_fn or measure
-    path = path or cache_file()
+    measured now and added to the cache."""
+    path = cache_file()
     known = files.read_cache(path, lambda entry: is_decision(entry, implementations), "decisions attn=auto wrote")
     if not refresh and w.key() in known:
         hit = known[w.key()]
         return Decision(hit["pick"], hit["rows"], w, cached=True)
-    decision = measure_fn(w, rt, implementations, budget_s)
+    decision = measure(w, rt, implementations, budget_s)
     known[w.key()] = {"pick": decision.pick, "rows": decision.rows}
     files.write_cache(path, known)
     return decision
 
 
 def choose_across_ranks(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20.0,
-                        refresh: bool = False, path: Optional[Path] = None,
-                        measure_fn: Optional[Callable] = None) -> Decision:
+                        refresh: bool = False) -> Decision:
     """choose() on rank 0 and its answer on every rank (all must run the same kernel); if measuring fails, one line
     and FALLBACK everywhere; a UserError stops every rank with the same sentence."""
     decision, problem = None, None
     if rt.is_master:
         try:
-            decision = choose(w, rt, implementations, budget_s, refresh, path, measure_fn)
+            decision = choose(w, rt, implementations, budget_s, refresh)
         except UserError as e:
             problem = str(e)
         except Exception as e:

@@ -25,13 +25,13 @@ class Decoder:
     """Generation with one model, eager or compiled (once, then reused). `dtype`: the one decoding runs in (by default
     the compute dtype at construction), which decides whether the kernel takes a compiled decode step's mask."""
 
-    def __init__(self, model: GPT, compile: bool = False, tune: bool = True, dtype: Optional[torch.dtype] = None):
+    def __init__(self, model: GPT, compile: bool = False, dtype: Optional[torch.dtype] = None):
         self.model, self.compiled = model, compile
         self.dtype = dtype or model.compute_dtype()
         self.prefill, self.decode = last_logits, last_logits
         if compile:
             from tools.decoding import compiled_steps  # sample.py --compile, bench's compiled rows
-            self.prefill, self.decode = compiled_steps(model, self.dtype, tune)
+            self.prefill, self.decode = compiled_steps(model, self.dtype)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -25,63 +25,70 @@ def workload(training=True, seq_len=64, **config) -> Workload:
     return Workload.of(cfg, CPU, batch_size=2, seq_len=seq_len, training=training, compiled=False)
 
 
-def fake_timer(ms: dict):
+def fake_clock(monkeypatch, ms: dict) -> None:
     """The seconds each implementation 'takes', whatever it really does (its call still runs once, untimed, for
     the numerics check)."""
-    return lambda attn, call: ms[attn] / 1e3
+    monkeypatch.setattr(attn_auto, "seconds_of", lambda attn, call, rt: ms[attn] / 1e3)
 
 
 @pytest.mark.slow  # multi-second end to end: the whole suite runs it
-def test_the_fastest_implementation_that_runs_is_picked_and_the_refused_are_listed_with_their_reason():
-    decision = attn_auto.measure(workload(), CPU, IMPLEMENTATIONS, budget_s=1.0, timer=fake_timer(FAKE_MS))
+def test_the_fastest_implementation_that_runs_is_picked_and_the_refused_are_listed_with_their_reason(monkeypatch):
+    fake_clock(monkeypatch, FAKE_MS)
+    decision = attn_auto.measure(workload(), CPU, IMPLEMENTATIONS, budget_s=1.0)
     assert decision.pick == "flash"  # flex would be faster, but has no backward on a CPU
     rows = {r["attn"]: r for r in decision.rows}
     assert rows["flex"]["status"] == "refused" and "no backward pass on CPU" in rows["flex"]["reason"]
     assert rows["efficient"]["status"] == "refused" and "CUDA-only" in rows["efficient"]["reason"]
     assert {a for a, r in rows.items() if r["status"] == "ok"} == {"manual", "sdpa_mask", "sdpa", "flash", "math"}
     assert rows["manual"]["ratio"] == 5.0 and rows["flash"]["ratio"] == 1.0 and rows["flash"]["ms"] == 1.0
-    sampling = attn_auto.measure(workload(training=False), CPU, IMPLEMENTATIONS, budget_s=1.0, timer=fake_timer(FAKE_MS))
+    sampling = attn_auto.measure(workload(training=False), CPU, IMPLEMENTATIONS, budget_s=1.0)
     assert sampling.pick == "flex"  # forward only: flex runs on a CPU, and is the fastest here
 
 
 def test_a_numerically_wrong_implementation_is_dropped_however_fast(monkeypatch):
     wrong = lambda q, k, v, mask, dropout_p: v * 1.01  # noqa: E731 - the shape of attention, not its values
     candidates = {**IMPLEMENTATIONS, "flash": dataclasses.replace(IMPLEMENTATIONS["flash"], fn=wrong)}
-    decision = attn_auto.measure(workload(training=False), CPU, candidates, budget_s=1.0,
-                                 timer=fake_timer({**FAKE_MS, "flex": 9.0}))
+    fake_clock(monkeypatch, {**FAKE_MS, "flex": 9.0})
+    decision = attn_auto.measure(workload(training=False), CPU, candidates, budget_s=1.0)
     rows = {r["attn"]: r for r in decision.rows}
     assert rows["flash"]["status"] == "wrong" and "differs from the reference" in rows["flash"]["reason"]
     assert decision.pick == "sdpa"  # the next fastest that is right
 
 
 @pytest.mark.slow  # multi-second end to end: the whole suite runs it
-def test_masks_are_measured_in_each_implementations_form_and_checked_against_the_masked_reference():
+def test_masks_are_measured_in_each_implementations_form_and_checked_against_the_masked_reference(monkeypatch):
+    fake_clock(monkeypatch, FAKE_MS)
     decision = attn_auto.measure(workload(training=False, doc_mask=True, window=8, eot_token=0), CPU,
-                                 IMPLEMENTATIONS, budget_s=1.0, timer=fake_timer(FAKE_MS))
+                                 IMPLEMENTATIONS, budget_s=1.0)
     assert all(r["status"] in ("ok", "refused") for r in decision.rows)  # every runnable one is right
     assert decision.pick == "flex" and "documents and window 8" in decision.line()
 
 
-def test_a_cached_decision_measures_nothing_and_a_changed_shape_or_refresh_measures_again(tmp_path):
+def test_a_cached_decision_measures_nothing_and_a_changed_shape_or_refresh_measures_again(tmp_path, monkeypatch):
     measured = []
+    fake_clock(monkeypatch, FAKE_MS)
+
+    real = attn_auto.measure
 
     def counting(w, rt, implementations, budget_s):
         measured.append(w.seq_len)
-        return attn_auto.measure(w, rt, implementations, budget_s, timer=fake_timer(FAKE_MS))
+        return real(w, rt, implementations, budget_s)
     path = tmp_path / "attn_auto.json"
-    first = attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0, path=path, measure_fn=counting)
-    again = attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0, path=path, measure_fn=counting)
+    monkeypatch.setattr(attn_auto, "cache_file", lambda: path)
+    monkeypatch.setattr(attn_auto, "measure", counting)
+    first = attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0)
+    again = attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0)
     assert measured == [64] and not first.cached and again.cached and again.pick == first.pick == "flash"
     assert again.line().endswith("; cached") and "flash (1.00) < sdpa (2.00)" in again.line()
-    attn_auto.choose(workload(seq_len=48), CPU, IMPLEMENTATIONS, 1.0, path=path, measure_fn=counting)  # another length
-    attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0, refresh=True, path=path, measure_fn=counting)
+    attn_auto.choose(workload(seq_len=48), CPU, IMPLEMENTATIONS, 1.0)  # another length
+    attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0, refresh=True)
     assert measured == [64, 48, 64] and len(json.loads(path.read_text())) == 2
 
 
-def test_the_budget_bounds_the_rounds():
+def test_the_budget_bounds_the_rounds(monkeypatch):
     calls = []
-    timer = lambda attn, call: calls.append(attn) or 0.1  # noqa: E731 - every call 'takes' 100 ms
-    attn_auto.measure(workload(training=False), CPU, IMPLEMENTATIONS, budget_s=0.01, timer=timer)
+    monkeypatch.setattr(attn_auto, "seconds_of", lambda attn, call, rt: calls.append(attn) or 0.1)  # 100 ms each
+    attn_auto.measure(workload(training=False), CPU, IMPLEMENTATIONS, budget_s=0.01)
     rounds = len(calls) // len(set(calls))
     assert rounds == 1 and len(calls) % len(set(calls)) == 0  # at least one round, whatever the budget
 
@@ -97,10 +104,12 @@ def test_a_bad_budget_is_one_sentence_at_the_command_line_of_every_script_that_m
             configure(vars(script), [f"--attn_auto_budget={budget}"], script.LIMITS)
 
 
-def test_a_failure_while_measuring_is_one_line_and_the_run_falls_back_to_sdpa(capsys, tmp_path):
+def test_a_failure_while_measuring_is_one_line_and_the_run_falls_back_to_sdpa(capsys, tmp_path, monkeypatch):
     def broken(w, rt, implementations, budget_s):
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
-    decision = attn_auto.choose_across_ranks(workload(), CPU, IMPLEMENTATIONS, 1.0, path=tmp_path / "a.json", measure_fn=broken)
+    monkeypatch.setattr(attn_auto, "cache_file", lambda: tmp_path / "a.json")
+    monkeypatch.setattr(attn_auto, "measure", broken)
+    decision = attn_auto.choose_across_ranks(workload(), CPU, IMPLEMENTATIONS, 1.0)
     assert decision.pick == "sdpa"
     assert capsys.readouterr().out == ("attn=auto: measuring failed (RuntimeError: CUDA error: an illegal memory "
                                        "access was encountered); running sdpa\n")
@@ -108,10 +117,7 @@ def test_a_failure_while_measuring_is_one_line_and_the_run_falls_back_to_sdpa(ca
 
 def test_a_library_user_sets_auto_on_a_model_and_it_runs_the_fastest_correct_one(capsys, monkeypatch, tmp_path):
     from model import GPT
-    real = attn_auto.measure
-    monkeypatch.setattr(attn_auto, "measure",
-                        lambda w, rt, implementations, budget: real(w, rt, implementations, budget,
-                                                                    timer=fake_timer(FAKE_MS)))
+    fake_clock(monkeypatch, FAKE_MS)
     monkeypatch.setattr(attn_auto, "cache_file", lambda: tmp_path / "attn_auto.json")  # a decision of its own
     model = GPT(GPTConfig(block_size=64, vocab_size=11, n_layer=1, n_head=2, n_embd=32))
     assert model.set_attention("auto", training=True).config.attn == "flash"  # flex: no backward on a CPU
@@ -143,10 +149,9 @@ def decide_on_rank(rank: int, folder: str) -> None:
     try:
         rt = Runtime("cpu", "float32", rank=rank, local_rank=rank, world_size=2)
         ms = FAKE_MS if rank == 0 else {**FAKE_MS, "manual": 0.1}
-        decision = attn_auto.choose_across_ranks(
-            workload(), rt, IMPLEMENTATIONS, 1.0, path=Path(folder) / f"cache{rank}.json",
-            measure_fn=lambda w, rt, candidates, budget: attn_auto.measure(w, rt, candidates, budget,
-                                                                           timer=fake_timer(ms)))
+        attn_auto.seconds_of = lambda attn, call, rt: ms[attn] / 1e3  # this spawned process's own clock and cache
+        attn_auto.cache_file = lambda: Path(folder) / f"cache{rank}.json"
+        decision = attn_auto.choose_across_ranks(workload(), rt, IMPLEMENTATIONS, 1.0)
         (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"pick": decision.pick, "line": decision.line()}))
     finally:
         torch.distributed.destroy_process_group()

@@ -403,10 +403,9 @@ def test_max_batch_does_not_swallow_errors_that_are_not_out_of_memory(monkeypatc
 @pytest.mark.slow
 def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the_cache_free_tokens(tmp_path,
                                                                                                  monkeypatch):
-    from benchmarks import bench_generate
-    from engine.generate import Decoder
+    from tools import decoding
     # untuned compiling: the same graphs in seconds (tuning and frozen weights are tested in test_generate.py)
-    monkeypatch.setattr(bench_generate, "Decoder", functools.partial(Decoder, tune=False))
+    monkeypatch.setattr(decoding, "AUTOTUNE", False)
     # 1 + 24 tokens cross block_size 16, so the cache rows refill too
     result = run_bench(tmp_path, "--mode=generate", "--attn=sdpa", "--seq_len=16", "--new_tokens=24",
                        "--gen_batch=2", "--weights=float32,int8", "--iters=1")

@@ -104,18 +104,20 @@ def cached_decision(w, rt, implementations, budget):
     '{"a workload": "sdpa"}',                         # an object whose entries are not decisions
     "\x00\x01 not json",                              # not JSON at all
 ], ids=["list", "entries", "garbage"])
-def test_a_decision_cache_of_another_shape_is_measured_again_rewritten_and_said_in_one_line(tmp_path, capsys, held):
+def test_a_decision_cache_of_another_shape_is_measured_again_rewritten_and_said_in_one_line(tmp_path, capsys, held,
+                                                                                          monkeypatch):
     path = tmp_path / "attn_auto.json"
     path.write_text(held)
+    monkeypatch.setattr(attn_auto, "cache_file", lambda: path)
+    monkeypatch.setattr(attn_auto, "measure", cached_decision)
     w = attn_auto.Workload.of(train_config(), Runtime("cpu", "float32"), 1, 16, training=False, compiled=False)
-    decision = attn_auto.choose(w, Runtime("cpu", "float32"), IMPLEMENTATIONS, 1.0, path=path,
-                                measure_fn=cached_decision)
+    decision = attn_auto.choose(w, Runtime("cpu", "float32"), IMPLEMENTATIONS, 1.0)
     assert decision.pick == "manual" and not decision.cached  # measured, not read
     note = capsys.readouterr().err
     assert note.startswith(f"note: {path} is not what this project wrote (") and note.count("\n") == 1
     assert note.endswith("; measuring again, and the file is rewritten with the result.\n")
     assert json.loads(path.read_text())[w.key()]["pick"] == "manual"  # rewritten, usable by the next run
-    assert attn_auto.choose(w, Runtime("cpu", "float32"), IMPLEMENTATIONS, 1.0, path=path, measure_fn=None).cached
+    assert attn_auto.choose(w, Runtime("cpu", "float32"), IMPLEMENTATIONS, 1.0).cached
 
 
 def train_config():

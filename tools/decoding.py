@@ -32,24 +32,28 @@ def decode_logits(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> tor
     return last_logits(model, idx, input_pos)
 
 
-def compiled_steps(model: GPT, dtype: torch.dtype, tune: bool = True) -> tuple[Step, Step]:
-    """The prefill, compiled for any prompt length, and the decode step, compiled for its one shape (fullgraph). With
-    `tune`, on CPU the decode step's matmuls are autotuned on frozen weights (~2.5x here; a changed model needs a new
-    Decoder); on CUDA it runs as a CUDA graph."""
+# a CPU's compiled decode step: its matmuls autotuned on frozen weights (~2.5x here; a changed model needs a new
+# Decoder), which takes minutes to compile; False compiles the same graphs, untuned, in seconds
+AUTOTUNE = True
+
+
+def compiled_steps(model: GPT, dtype: torch.dtype) -> tuple[Step, Step]:
+    """The prefill, compiled for any prompt length, and the decode step, compiled for its one shape (fullgraph): on
+    CUDA a CUDA graph, on a CPU autotuned (AUTOTUNE)."""
     weight = model.transformer.wpe.weight
     attn = model.config.attn
     if not decodes_with_mask(attn, IMPLEMENTATIONS[attn], weight.device.type, dtype, model.config.head_size):
         raise UserError(f"attn='{model.config.attn}' takes no mask on {weight.device.type}, and a compiled decode "
                         f"step (one shape at every position) needs one; compile with attn=sdpa or run without compile.")
     prefill = runtime.compile_isolated(prefill_logits, fullgraph=True, dynamic=True)
-    if not tune:
-        decode = runtime.compile_isolated(decode_logits, fullgraph=True)
-    elif weight.is_cuda:
+    if weight.is_cuda:
         decode = runtime.compile_isolated(decode_logits, fullgraph=True, mode="reduce-overhead")
-    else:
+    elif AUTOTUNE:
         quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables
         decode = runtime.compile_isolated(decode_logits, fullgraph=True, options={"max_autotune_gemm": True, **quiet})
-    return _compiled_step(prefill), _compiled_step(decode, freeze=tune and not weight.is_cuda)
+    else:
+        decode = runtime.compile_isolated(decode_logits, fullgraph=True)
+    return _compiled_step(prefill), _compiled_step(decode, freeze=AUTOTUNE and not weight.is_cuda)
 
 
 def _compiled_step(step: Step, freeze: bool = False) -> Step:
