@@ -127,8 +127,8 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in train()
                dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta),
                chunked_loss=cfg.chunked_loss)
-    if checkpoint is not None:  # its shape and config; its weights are restore's
-        model, source = GPT(GPTConfig.build(checkpoint.model_config, run)), "the checkpoint"
+    if checkpoint is not None:  # its shape; its weights are restore's
+        model, source = checkpoint.build_model(weights=False, **run), "the checkpoint"
     elif cfg.init_from == "scratch":
         model, source = GPT(GPTConfig.build({**cfg.as_dict(), "vocab_size": vocab_size}, run)), "a new model"
     else:

@@ -52,10 +52,12 @@ class Checkpoint:
     shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
                                          # whose model and optimizer state each rank reads in place (train.restore)
 
-    def build_model(self, **overrides) -> GPT:
-        """The model it holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
+    def build_model(self, weights: bool = True, **overrides) -> GPT:
+        """The model it holds (without `weights`: its shape, new weights); `overrides` may choose another attention,
+        masks or dropout (model.RUN_FIELDS)."""
         model = GPT(GPTConfig.build(self.model_config, overrides))
-        model.load_state_dict(self.model)
+        if weights:
+            model.load_state_dict(self.model)
         return model
 
     def resumed_settings(self, settings: dict, defaults: dict, meta: dict | None, where: str) -> dict:
