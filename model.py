@@ -64,7 +64,7 @@ def sdpa_attention(q, k, v, mask, dropout_p):
 
 
 def forced(backend: SDPBackend):
-    """SDPA with one backend forced (flash, efficient, cudnn, math): PyTorch's error where that kernel refuses."""
+    """SDPA with one backend forced (efficient, cudnn, math): PyTorch's error where that kernel refuses."""
     def attention(q, k, v, mask, dropout_p):
         # cuDNN refuses a key length of 1, which the first step of cache-free generation from a one-token prompt
         # asks for; the one key visible then takes all the weight, so its value is the exact answer
@@ -73,6 +73,27 @@ def forced(backend: SDPBackend):
         with sdpa_kernel(backend):
             return sdpa_attention(q, k, v, mask, dropout_p)
     return attention
+
+
+FLASH_KERNELS: dict = {}  # device type -> `flash`'s SDPA backends, first choice first (flash_kernels fills it)
+
+
+def flash_kernels(device: torch.device) -> tuple:
+    """The kernels attn='flash' runs on `device`, first choice first: cuDNN's flash kernel, then FlashAttention-2 for
+    what it refuses, where attention/kernels.py's cudnn_first holds (Hopper, Blackwell); FlashAttention-2 (a CPU: its flash kernel) elsewhere. Decided on the
+    host once per device type, before a compiled model traces flash_attention (GPT.check_attention asks first)."""
+    if device.type not in FLASH_KERNELS:
+        from attention.kernels import cuda_facts, cudnn_first
+        first = device.type == "cuda" and cudnn_first(*cuda_facts(device))
+        FLASH_KERNELS[device.type] = ((SDPBackend.CUDNN_ATTENTION,) if first else ()) + (SDPBackend.FLASH_ATTENTION,)
+    return FLASH_KERNELS[device.type]
+
+
+def flash_attention(q, k, v, mask, dropout_p):
+    # the fastest flash kernel the device has: SDPA tries them in flash_kernels' order
+    kernels = FLASH_KERNELS.get(q.device.type) if torch.compiler.is_compiling() else flash_kernels(q.device)
+    with sdpa_kernel(list(kernels or (SDPBackend.FLASH_ATTENTION,)), set_priority=True):
+        return sdpa_attention(q, k, v, mask, dropout_p)
 
 
 FLEX_REGION = "attention.flex_attention"  # the profiler region every eager-called flex runs in (bench's audit)
@@ -143,7 +164,7 @@ class Attention:
     devices: str = "cpu cuda mps"  # where it runs; where it takes attention dropout; where it has a backward
     dropout: str = "cpu cuda mps"
     grad: str = "cpu cuda mps"
-    backend: Optional[SDPBackend] = None  # the SDPA kernel it forces
+    backend: Optional[SDPBackend] = None  # the SDPA kernel it forces (flash: FlashAttention-2, cuDNN's before it)
     picks: bool = False        # SDPA picks the kernel (on Hopper it may pick cuDNN)
     skips: bool = False        # computes none of what causal attention leaves out
     decode: str = ""           # the implementation its decode steps run through, when another
@@ -152,16 +173,26 @@ class Attention:
     def __call__(self, q, k, v, mask, dropout_p):
         return self.fn(q, k, v, mask, dropout_p)
 
+    def kernels_on(self, device: torch.device) -> str:
+        """For a banner: the CUDA kernels it tries on `device`, first choice first, where they depend on the GPU."""
+        if self.fn is not flash_attention or device.type != "cuda":
+            return ""
+        names = {SDPBackend.CUDNN_ATTENTION: "cuDNN's flash kernel", SDPBackend.FLASH_ATTENTION: "FlashAttention-2"}
+        return ", then ".join(names[b] for b in flash_kernels(device))
+
 
 def sdpa_forcing(backend: SDPBackend, title: str, kernel: str, **record) -> Attention:
     return Attention(forced(backend), title, kernel, backend=backend, **record)
 
 
-IMPLEMENTATIONS = {  # the design card's three first, then SDPA with one backend forced, then flex and varlen
+IMPLEMENTATIONS = {  # the design card's three first, then SDPA's kernels forced (flash: the fastest), flex and varlen
     "manual": Attention(manual_attention, "the masked softmax", "none"),
     "sdpa_mask": Attention(sdpa_mask_attention, "SDPA with a mask", "flash+efficient+cudnn+math", picks=True),
     "sdpa": Attention(sdpa_attention, "SDPA", "flash+efficient+cudnn", picks=True, skips=True),
-    "flash": sdpa_forcing(SDPBackend.FLASH_ATTENTION, "the flash kernel", "flash", dropout="cuda", skips=True),
+    "flash": Attention(flash_attention, "the flash kernel", "flash+cudnn", backend=SDPBackend.FLASH_ATTENTION,
+                       dropout="cuda", skips=True),
+    "flash2": sdpa_forcing(SDPBackend.FLASH_ATTENTION, "PyTorch's FlashAttention-2", "flash", devices="cuda",
+                           skips=True),
     "efficient": sdpa_forcing(SDPBackend.EFFICIENT_ATTENTION, "the memory-efficient kernel", "efficient",
                               devices="cuda", skips=True),
     "cudnn": sdpa_forcing(SDPBackend.CUDNN_ATTENTION, "the cuDNN kernel", "cudnn", devices="cuda", skips=True),
@@ -505,9 +536,18 @@ class GPT(nn.Module):
 # -----------------------------------------------------------------------------
 # the loss over row chunks (chunked_loss, train.py's default): lm_head and cross-entropy, the (N, V) logits never whole
 
-# rows of logits per chunk: 2^26 fp32 elements (256 MB; 1334 rows of GPT-2's padded 50304, so 7 chunks for a step
-# of 8,192 tokens): small beside the whole logits, and few chunks, since each adds lm_head's weight gradient once
-LOSS_CHUNK_ELEMENTS = 2 ** 26
+# A chunk holds at most about LOSS_CHUNK_ELEMENTS logits (GPT-2's padded 50304: 4 chunks of 2048 rows for a step of
+# 8,192 tokens, 5 for 12,288): few chunks, since each adds lm_head's weight gradient once, of equal rows rounded up to
+# a multiple of LOSS_CHUNK_ROWS, which tensor-core tiles divide
+LOSS_CHUNK_ELEMENTS = 2 ** 27
+LOSS_CHUNK_ROWS = 128
+
+
+def loss_chunk_rows(rows: int, vocab: int) -> int:
+    """Rows per chunk: the fewest chunks of about LOSS_CHUNK_ELEMENTS logits each, equal but for the last."""
+    chunks = -(-rows * vocab // LOSS_CHUNK_ELEMENTS)
+    per_chunk = -(-rows // chunks)
+    return -(-per_chunk // LOSS_CHUNK_ROWS) * LOSS_CHUNK_ROWS
 
 
 def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -518,23 +558,20 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
         return ChunkedLMHeadLoss.apply(x, weight, bias, targets, dtype)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
-        for _, _, ts, log_probs in chunk_log_probs(x, weight.to(dtype), bias, targets):
-            loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")
+        for _, _, ts, logits in chunk_logits(x, weight.to(dtype), bias, targets):
+            loss += F.cross_entropy(logits, ts, ignore_index=-1, reduction="sum")
     return loss / (targets != -1).sum()
 
 
-def chunk_log_probs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor):
-    """(start, x's rows in w's dtype, their targets, their (n, V) fp32 log-softmax) for each chunk of rows (callers
-    turn autocast off). F.nll_loss over it ignores and refuses targets as F.cross_entropy(ignore_index=-1) does."""
-    rows = max(1, LOSS_CHUNK_ELEMENTS // w.size(0))
+def chunk_logits(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor):
+    """(start, x's rows in w's dtype, their targets, their (n, V) logits in fp32) for each chunk of rows (callers turn
+    autocast off). The matmul accumulates in fp32 and rounds to w's dtype, as the whole logits' F.linear does; the
+    fp32 copy feeds reductions and the gradient, which a compiled step fuses without writing it out."""
+    rows = loss_chunk_rows(x.size(0), w.size(0))
     for start in range(0, x.size(0), rows):
         xs = x[start:start + rows].to(w.dtype)
         logits = (xs @ w.t()).float()  # (n, V)
-        if bias is not None:
-            logits += bias
-        log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-        del logits  # not held while the caller works on this chunk
-        yield start, xs, targets[start:start + rows], log_probs
+        yield start, xs, targets[start:start + rows], logits if bias is None else logits + bias
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
@@ -549,14 +586,15 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        vocab_ids = torch.arange(weight.size(0), device=x.device)  # (V,)
         with torch.autocast(x.device.type, enabled=False):  # the matmuls in exactly `dtype`
-            for start, xs, ts, log_probs in chunk_log_probs(x, w, bias, targets):
-                loss += F.nll_loss(log_probs, ts, ignore_index=-1, reduction="sum")  # checks the targets
-                hit = valid[start:start + len(ts)]  # (n,)
-                ids = ts.masked_fill(~hit, 0)[:, None]  # (n, 1)
-                # d(the chunk's summed loss)/d(logits): softmax minus one-hot, in place; ignored rows add nothing
-                minus_one = torch.full_like(ids, -1, dtype=log_probs.dtype)
-                grad = log_probs.exp_().scatter_add_(1, ids, minus_one).mul_(hit[:, None]).to(dtype)
+            for start, xs, ts, logits in chunk_logits(x, w, bias, targets):
+                loss += F.cross_entropy(logits, ts, ignore_index=-1, reduction="sum")  # checks the targets too
+                hit = valid[start:start + len(ts), None]  # (n, 1)
+                # d(the chunk's summed loss)/d(logits): softmax minus one-hot, zero on ignored rows; in place over
+                # the logits (eager holds one fp32 chunk), elementwise only (compiled, one fused pass into `dtype`)
+                probs = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()  # (n, V)
+                grad = probs.sub_((vocab_ids == ts[:, None]).to(torch.uint8)).mul_(hit).to(dtype)  # one-hot: a byte an id
                 grad_x[start:start + len(ts)] = grad @ w
                 grad_weight += grad.t() @ xs  # bf16/fp16 products summed over chunks in fp32
         ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype), count)

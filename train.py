@@ -219,7 +219,9 @@ def banner(cfg: Settings, rt: Runtime, model: GPT) -> str:
     muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
     ranks = f"{rt.world_size} ranks under {'DDP' if cfg.parallel == 'ddp' else 'FSDP2'}" if rt.is_distributed else \
         "world size 1"
-    return (f"{model.get_num_params() / 1e6:.2f}M parameters, attn={model.config.attn}, {rt.dtype} on {rt.name}"
+    kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
+    kernels = f" ({kernels})" if kernels else ""
+    return (f"{model.get_num_params() / 1e6:.2f}M parameters, attn={model.config.attn}{kernels}, {rt.dtype} on {rt.name}"
             f"{muon}, {ranks}, {tokens_per_iter(cfg):,} tokens per iteration")
 
 

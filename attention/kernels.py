@@ -56,17 +56,24 @@ def cudnn_mask_hazard(impl, needs_grad: bool, masked: bool, seq_len: int, capabi
     explicit_mask = masked or (impl.picks and not impl.skips)  # SDPA handed a causal mask (sdpa_mask)
     if not (needs_grad and explicit_mask and seq_len % 128 == 64):
         return None
-    picks_cudnn = impl.backend == SDPBackend.CUDNN_ATTENTION or (impl.picks and capability[0] in (9, 10)
-                                                                 and cudnn_version > 91500)
+    picks_cudnn = "cudnn" in impl.kernels.split("+") and (impl.backend == SDPBackend.CUDNN_ATTENTION
+                                                          or cudnn_first(capability, cudnn_version))
     if not picks_cudnn:
         return None
     return (f"cuDNN's backward with an explicit mask can give NaN gradients at a length of 64 past a multiple of 128 "
             f"({seq_len}); use a block_size that is a multiple of 128")
 
 
-def cuda_facts() -> tuple[tuple[int, int], int]:
+def cuda_facts(device=None) -> tuple[tuple[int, int], int]:
     """The GPU's compute capability and cuDNN's version (0 without cuDNN)."""
-    return torch.cuda.get_device_capability(), torch.backends.cudnn.version() or 0
+    return torch.cuda.get_device_capability(device), torch.backends.cudnn.version() or 0
+
+
+def cudnn_first(capability: tuple[int, int], cudnn_version: int) -> bool:
+    """Whether SDPA ranks cuDNN's fused flash attention first on this GPU, as torch 2.13's sdp_utils.cpp does: on
+    Hopper and Blackwell (compute capability 9.x, 10.x) with cuDNN newer than 9.15. There it uses instructions
+    (TMA, wgmma) that PyTorch's FlashAttention-2 predates, so attn='flash' runs it first too (model.flash_kernels)."""
+    return capability[0] in (9, 10) and cudnn_version > 91500
 
 
 # -----------------------------------------------------------------------------
@@ -109,7 +116,7 @@ def _rules(impl, call: AttnCall) -> Optional[str]:
         return f"{impl.title} has no attention dropout{' on ' + device.upper() if impl.dropout else ''}"
     if call.needs_grad and device not in impl.grad.split():
         return f"{impl.title} has no backward pass on {device.upper()}"
-    if impl.backend == SDPBackend.CUDNN_ATTENTION:
+    if device == "cuda" and not impl.picks and "cudnn" in impl.kernels.split("+"):  # cudnn, and flash where it is first
         return cudnn_mask_hazard(impl, call.needs_grad, call.masked, call.seq_len, *cuda_facts())
     return None
 

@@ -37,6 +37,14 @@ KERNEL_OPS = {
     **{op: impl.kernels for impl in IMPLEMENTATIONS.values() for op in impl.ops},
 }
 CPU_KERNELS = {"none", "flash", "math", "flex"}  # SDPA has no efficient or cuDNN kernel off CUDA
+# On CUDA the kernels themselves say what ran, whatever op launched them (cuDNN's through attn=flash on Hopper, or
+# FA3/FA4 registered in place of PyTorch's flash op): parts of the kernel names the profiler shows, first match wins.
+# They replace the op labels where any is seen (a CPU run shows none); efficient and cuDNN run under their own ops.
+CUDA_KERNEL_NAMES = (("cudnn_generated_fort_native_sdpa", "cudnn"),  # cuDNN's fused flash kernels, forward and back
+                     ("fmha_cutlass", "efficient"),                  # the memory-efficient kernels (xFormers')
+                     ("FlashAttnFwdSm", "fa3_fa4"), ("FlashAttnBwdSm", "fa3_fa4"),  # FA3's Hopper kernels
+                     ("FlashAttentionForwardSm", "fa3_fa4"), ("FlashAttentionBackwardSm", "fa3_fa4"),  # FA4's
+                     ("flash_fwd", "flash"), ("flash_bwd", "flash"))  # PyTorch's FlashAttention-2
 T = TypeVar("T")
 
 
@@ -81,10 +89,20 @@ def ran_as_expected(kernel: str, expected: set[str]) -> bool:
     return set(kernel.split("+")) <= expected
 
 
+def cuda_kernel_label(name: str) -> Optional[str]:
+    return next((label for part, label in CUDA_KERNEL_NAMES if part in name), None)
+
+
 def kernel_of(op_names: set[str]) -> tuple[str, list[str]]:
-    """The attention kernel among the ops that ran: a label ('none' if no SDPA/flex op ran) and the op names."""
+    """The attention kernel among the ops and CUDA kernels that ran: a label ('none' if no SDPA/flex op ran), by the
+    CUDA kernels where any attention kernel is among them, and the names it was read from."""
     ops = sorted(name for name in op_names if name in KERNEL_OPS)
-    return "+".join(sorted({KERNEL_OPS[op] for op in ops})) or "none", ops
+    labels = {KERNEL_OPS[op] for op in ops}
+    kernels = sorted(name for name in op_names if cuda_kernel_label(name))
+    if kernels:  # SDPA's kernels named by what ran; flex and varlen keep their ops' labels
+        labels = {label for label in labels if label not in {"flash", "efficient", "cudnn"}}
+        labels |= {cuda_kernel_label(name) for name in kernels}
+    return "+".join(sorted(labels)) or "none", ops + kernels
 
 
 def ran_eager_flex(op_names: set[str]) -> bool:

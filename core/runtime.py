@@ -347,8 +347,9 @@ def on_master(work: Callable[[], T], device: str) -> Optional[T]:
 
 
 def sum_across_ranks_(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor summed over all ranks, in place and queued, not waited for (itself in a single process)."""
-    if dist.is_available() and dist.is_initialized():
+    """The tensor summed over all ranks, in place and queued, not waited for (itself at world size 1, torchrun's
+    single process included: no collective)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor
 

@@ -115,6 +115,24 @@ def test_a_row_is_judged_by_the_set_of_kernels_it_ran():
     assert not measure.ran_as_expected("flash+math", cuda_sdpa)  # a silent fallback next to a fused kernel
 
 
+def test_on_cuda_the_audit_names_the_kernel_that_ran_not_the_op_that_launched_it():
+    """Kernel names as the profiler shows them on Hopper: attn=flash's op may run cuDNN's kernel (its first choice
+    there), and FA3/FA4 registered in place of PyTorch's flash op would run under the same op."""
+    flash_op = "aten::_scaled_dot_product_flash_attention"
+    fa2 = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>"
+    cudnn = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_kernel0_0"
+    fa4 = "kernel_cutlass_flash_attn_FlashAttentionForwardSm90_object_at_0x7f"
+    cudnn_op = "aten::_scaled_dot_product_cudnn_attention"
+    assert measure.kernel_of({flash_op, fa2, "aten::mm"}) == ("flash", [flash_op, fa2])
+    assert measure.kernel_of({cudnn_op, cudnn})[0] == "cudnn"
+    assert measure.kernel_of({flash_op, fa4})[0] == "fa3_fa4"
+    flash = measure.expected_kernels("flash", "cuda")
+    assert measure.ran_as_expected("cudnn", flash) and measure.ran_as_expected("flash", flash)
+    assert not measure.ran_as_expected("fa3_fa4", flash)  # not what the record says it runs: flagged
+    assert measure.expected_kernels("flash2", "cuda") == {"flash"}
+    assert measure.kernel_of({"aten::_scaled_dot_product_flash_attention_for_cpu"})[0] == "flash"  # a CPU: ops only
+
+
 @pytest.mark.slow  # compiles flex with inductor
 def test_a_compiled_flex_call_is_audited_as_flex(monkeypatch):
     """CUDA always runs flex through torch.compile, whose call records no FlexAttention op: the audit reads the

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import flex_attention
 
 import model
@@ -99,9 +100,11 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
     assert "NaN gradients" in hazard(sdpa_mask, True, False, 64, h100, new_cudnn)  # its mask is explicit
     assert hazard(sdpa, True, True, 192, h100, old_cudnn) is None  # SDPA prefers cuDNN only past 9.15
     assert hazard(sdpa, True, True, 192, (8, 0), new_cudnn) is None  # nor on an A100
-    assert hazard(flash, True, True, 192, h100, new_cudnn) is None
+    assert "NaN gradients" in hazard(flash, True, True, 192, h100, new_cudnn)  # flash runs cuDNN's first there
+    assert hazard(flash, True, True, 192, (8, 0), new_cudnn) is None  # FlashAttention-2 alone on an A100
+    assert hazard(IMPLEMENTATIONS["flash2"], True, True, 192, h100, new_cudnn) is None
 
-    monkeypatch.setattr(kernels, "cuda_facts", lambda: (h100, new_cudnn))
+    monkeypatch.setattr(kernels, "cuda_facts", lambda device=None: (h100, new_cudnn))
     monkeypatch.setattr(kernels, "attention_problem", lambda *args, **kw: None)  # the probe: runs
     refuse_unless_runs("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True),
                     IMPLEMENTATIONS)
@@ -199,3 +202,48 @@ def test_varlen_packing_gives_every_document_its_own_sequence():
     assert packing.cu_seqlens.tolist() == expected and packing.cu_seqlens.dtype == torch.int32
     assert packing.max_len == max(b - a for a, b in zip(expected, expected[1:])) and packing.window == 5
     assert masks.varlen_packing(None, 0, 3, 40, "cpu").cu_seqlens.tolist() == [0, 40, 80, 120]
+
+
+# -- attn=flash: the fastest flash kernel the device has --------------------------------------------------------
+
+@pytest.mark.parametrize("capability, cudnn_version, first", [
+    ((9, 0), 91900, (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)),  # H100/H200, torch 2.11's cuDNN
+    ((10, 0), 91600, (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)),  # B200
+    ((9, 0), 91000, (SDPBackend.FLASH_ATTENTION,)),  # a cuDNN SDPA itself does not rank first
+    ((8, 0), 91900, (SDPBackend.FLASH_ATTENTION,)),  # A100: FlashAttention-2 is its kernel
+])
+def test_flash_runs_cudnns_flash_kernel_first_where_sdpa_ranks_it_first(monkeypatch, capability, cudnn_version, first):
+    monkeypatch.setattr(model, "FLASH_KERNELS", {})
+    monkeypatch.setattr(kernels, "cuda_facts", lambda device=None: (capability, cudnn_version))
+    assert model.flash_kernels(torch.device("cuda")) == first
+    assert model.flash_kernels(torch.device("cpu")) == (SDPBackend.FLASH_ATTENTION,)  # a CPU: unchanged
+
+
+def test_flash_hands_sdpa_its_kernels_in_order_and_flash2_forces_flashattention2(monkeypatch):
+    """What SDPA sees enabled, and in which priority, when attn=flash calls it (here a CPU told it is a Hopper GPU)."""
+    seen = []
+
+    def sdpa_reads_its_settings(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        order = [SDPBackend(b) for b in torch._C._get_sdp_priority_order()]
+        enabled = {SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled(),
+                   SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
+                   SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
+                   SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled()}
+        seen.append([b for b in order if enabled.get(b)])
+        return v
+    monkeypatch.setattr(model.F, "scaled_dot_product_attention", sdpa_reads_its_settings)
+    monkeypatch.setattr(model, "FLASH_KERNELS", {"cpu": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)})
+    q = torch.randn(1, 2, 8, 16)  # (B, nh, T, hs)
+    IMPLEMENTATIONS["flash"](q, q, q, None, 0.0)
+    IMPLEMENTATIONS["flash2"](q, q, q, None, 0.0)
+    assert seen == [[SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], [SDPBackend.FLASH_ATTENTION]]
+    assert torch.backends.cuda.math_sdp_enabled()  # the settings are restored after the call
+
+
+def test_the_banner_names_the_flash_kernels_on_a_gpu_and_nothing_more_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(model, "FLASH_KERNELS", {})
+    monkeypatch.setattr(kernels, "cuda_facts", lambda device=None: ((9, 0), 91900))
+    flash = IMPLEMENTATIONS["flash"]
+    assert flash.kernels_on(torch.device("cuda")) == "cuDNN's flash kernel, then FlashAttention-2"
+    assert flash.kernels_on(torch.device("cpu")) == ""
+    assert IMPLEMENTATIONS["flash2"].kernels_on(torch.device("cuda")) == ""  # its name says it

@@ -421,8 +421,11 @@ def test_the_flops_per_token_estimate_matches_what_torch_counts_in_a_training_st
 
 @pytest.fixture
 def short_chunks(monkeypatch):
-    """Chunks of 40 rows at vocab 128: the 96 rows of a (3, 32) batch end in a short chunk."""
+    """Chunks of 40 rows at vocab 128: the 96 rows of a (3, 32) batch end in a short chunk (three chunks of 32
+    rounded up to a multiple of 10)."""
     monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", 40 * 128)
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ROWS", 10)
+    assert model_module.loss_chunk_rows(96, 128) == 40
 
 
 def test_the_chunked_loss_and_gradients_match_a_float64_reference_with_padding_and_ignored_targets(short_chunks):
@@ -527,3 +530,25 @@ def test_a_compiled_training_step_takes_the_chunked_loss_without_graph_breaks(sh
     assert abs(loss.item() - expected.item()) <= 1e-5
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-4, name
+
+
+@pytest.mark.slow  # compiles with inductor
+def test_a_compiled_chunked_loss_writes_its_logits_and_gradient_in_bf16_and_no_fp32_chunk():
+    """Compiled (train.py's default), the fp32 logits, softmax and one-hot of a chunk are one fused pass: the only
+    (rows, vocab) buffers inductor allocates are the bf16 matmul's output and the bf16 gradient."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    rows, vocab, width = 256, 512, 64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=g, requires_grad=True)
+    targets = torch.randint(vocab, (rows,), generator=g)
+    loss_of = torch.compile(lambda x, w, t: model_module.ChunkedLMHeadLoss.apply(x, w, None, t, torch.bfloat16))
+    loss, code = run_and_get_code(loss_of, x, weight, targets)
+    buffers = re.findall(r"empty_strided_cpu\(\((\d+), (\d+)\), \(.*?\), (torch\.\w+)\)", "\n".join(code))
+    chunk_sized = [dtype for r, v, dtype in buffers if (int(r), int(v)) == (rows, vocab)]
+    assert chunk_sized and set(chunk_sized) == {"torch.bfloat16"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.cross_entropy(F.linear(x, weight), targets)
+    assert abs(loss.item() - expected.item()) <= 1e-2
