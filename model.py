@@ -722,6 +722,8 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
     if idx.dim() != 2 or idx.size(1) == 0:
         raise refusal(f"generation needs a prompt of at least one token per row, shape (B, T), got "
                       f"{tuple(idx.shape)}; start from a token such as end-of-text.")
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):  # NaN fails too
+        raise refusal(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}.")
     if top_k is not None and top_k < 1:
         raise refusal(f"top_k must be None (every token) or a positive number of tokens, got {top_k}.")
     block_size, cache = model.config.block_size, None

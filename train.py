@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from core import flops
 from core import files
 from core import runtime
-from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, restore_rng, rng_state
+from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, describe_tokens, restore_rng, rng_state
 from core.configurator import Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
@@ -134,8 +134,12 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     else:
         model, source = GPT.from_pretrained(cfg.init_from, dict(pad_vocab=cfg.pad_vocab, **run)), cfg.init_from
     if model.config.vocab_size != vocab_size:
-        raise UserError(f"{source} has vocab_size {model.config.vocab_size} but dataset '{cfg.dataset}' has "
-                        f"{vocab_size}; use the dataset the weights were trained on (GPT-2's: GPT-2 BPE).")
+        data = f"the data in {cfg.data_dir}" if cfg.data_dir else f"dataset '{cfg.dataset}'"
+        holds = f"{vocab_size} ({describe_tokens(meta)})" if meta else f"{vocab_size} (no meta.json: GPT-2 BPE)"
+        trained_on = f" ({describe_tokens(checkpoint.meta)})" if checkpoint is not None and checkpoint.meta else \
+            " (GPT-2 BPE)" if checkpoint is None else ""
+        raise UserError(f"{source} has vocab_size {model.config.vocab_size} but {data} has {holds}; use the data the "
+                        f"weights were trained on{trained_on}.")
     if cfg.block_size != model.config.block_size:  # GPT-2's, shorter only: crop_block_size refuses a longer one
         model.crop_block_size(cfg.block_size)
     return model
@@ -362,7 +366,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     if resuming:
         from engine.reader import load_checkpoint  # only a resume reads a checkpoint
         checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
-        vars(cfg).update(checkpoint.resumed_settings(cfg.as_dict(), globals(), meta, cfg.out_dir))
+        vars(cfg).update(checkpoint.resumed_settings(cfg.as_dict(), cfg.typed, meta, cfg.out_dir))
     saved_decision = vars(cfg).pop("attn_auto_saved", None)  # attn=auto's, read with the rest of the checkpoint
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error

@@ -185,8 +185,11 @@ def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float) ->
 
 def is_decision(entry, implementations: dict) -> bool:
     """An entry of the decision cache as choose() writes it, naming an implementation this code has."""
+    def row_ok(row) -> bool:  # every row names its status; one that ran, its timings (Decision.line reads them)
+        timed = all(type(row.get(k)) in (int, float) for k in ("ms", "ratio")) if isinstance(row, dict) else False
+        return isinstance(row, dict) and isinstance(row.get("attn"), str) and (row.get("status") != "ok" or timed)
     return (isinstance(entry, dict) and entry.get("pick") in implementations
-            and isinstance(entry.get("rows"), list) and all(isinstance(row, dict) for row in entry["rows"]))
+            and isinstance(entry.get("rows"), list) and all(row_ok(row) for row in entry["rows"]))
 
 
 def cache_file() -> Path:

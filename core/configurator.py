@@ -146,10 +146,22 @@ def check_limits(values: dict, limits: dict, defaults: dict) -> None:
 
 
 class Settings(SimpleNamespace):
-    """A script's settings, read as attributes: cfg.batch_size."""
+    """A script's settings, read as attributes: cfg.batch_size; `typed`: where each setting not left at its default
+    was set ("the command line", or a config file's path)."""
+
+    def __init__(self, typed: dict | None = None, **values):
+        super().__init__(**values)
+        object.__setattr__(self, "_typed", dict(typed or {}))
 
     def as_dict(self) -> dict:
-        return dict(vars(self))
+        return {k: v for k, v in vars(self).items() if k != "_typed"}
+
+    @property
+    def typed(self) -> dict:
+        return dict(self._typed)
+
+    def __repr__(self) -> str:
+        return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
 
 
 def closest_config(path: Path) -> str:
@@ -178,6 +190,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
         raise SystemExit(0)
     namespace = dict(namespace)
     defaults = settings(namespace)  # types are checked against these, whatever a config file set before
+    typed = {}  # key -> where it was set last
     for arg in argv:
         if arg.startswith("--"):
             key, sep, text = arg[2:].partition("=")
@@ -185,6 +198,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
                 raise UserError(f"'{arg}' has no value; write --{key}=VALUE.")
             _check_key(key, defaults)
             namespace[key] = _coerce(key, _parse_value(text), defaults[key], namespace[key])
+            typed[key] = "the command line"
             continue
         path = Path(arg)
         if not path.is_file():
@@ -197,10 +211,11 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
         for key, value in settings(scope).items():
             _check_key(key, defaults)
             namespace[key] = _coerce(key, value, defaults[key], namespace[key])
+            typed[key] = str(path)
     values = settings({k: namespace[k] for k in defaults})
     if limits is not None:
         check_limits(values, limits, defaults)
-    return Settings(**values)
+    return Settings(typed, **values)
 
 
 def as_list(value, cast=str) -> list:

@@ -59,6 +59,10 @@ def launch_variables(env) -> tuple[int, int, int]:
     if gone:
         raise UserError(f"RANK and WORLD_SIZE={world_size} are set without {' and '.join(gone)}: the ranks have "
                         f"nowhere to meet; {fix}.")
+    port = env["MASTER_PORT"].strip()
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise UserError(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1-65535); set it to a free port "
+                        f"such as 29500, or {fix}.")
     return rank, local_rank, world_size
 
 

@@ -39,6 +39,10 @@ def read_meta(data_dir: Path) -> dict | None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise UserError(f"{path} has no positive whole \"vocab_size\" (it holds {size!r}); rerun the dataset's "
                             f"prepare.py")
+        most = int(np.iinfo(TOKEN_DTYPE).max) + 1
+        if size > most:
+            raise UserError(f"{path} says vocab_size {size:,}, but train.bin and val.bin hold uint16 ids, at most "
+                            f"{most:,} of them; use a tokenizer of at most {most:,} ids (GPT-2's has 50,257).")
         return meta
     return None
 

@@ -74,6 +74,12 @@ def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
     if not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json; pass a Hugging Face GPT-2 model directory.")
     hf_config = json.loads((path / "config.json").read_text())
+    model_type = hf_config.get("model_type", "gpt2")
+    missing = [k for k in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd") if k not in hf_config]
+    if model_type != "gpt2" or missing:
+        raise UserError(f"{path} holds a Hugging Face '{model_type}' model"
+                        f"{' whose config.json lacks ' + ', '.join(missing) if missing else ''}, not GPT-2; pass a "
+                        f"GPT-2 model directory (config.json's model_type 'gpt2').")
     if (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
         state_dict = load_file(path / "model.safetensors")

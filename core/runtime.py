@@ -116,6 +116,12 @@ def start_threads(requested: int) -> tuple[Optional[CoreWatch], Optional[str]]:
         return None, None
     omp = os.environ.get("OMP_NUM_THREADS")
     if omp is not None and omp.strip().isdigit() and int(omp) > 0:
+        # set, not assumed: with MKL_NUM_THREADS set too, torch starts with MKL's count
+        torch.set_num_threads(int(omp))
+        mkl = os.environ.get("MKL_NUM_THREADS")
+        if mkl is not None and mkl.strip() != omp.strip():
+            return None, (f"note: OMP_NUM_THREADS={omp.strip()} and MKL_NUM_THREADS={mkl.strip()} disagree; using "
+                          f"{int(omp)} thread(s), OMP_NUM_THREADS's (unset MKL_NUM_THREADS, or make them equal)")
         return None, None
     ignored = (f"note: OMP_NUM_THREADS={omp!r} is not a positive whole number and is ignored: threads are chosen "
                f"as without it (set it to 1 or more, or unset it)") if omp is not None else None

@@ -8,6 +8,7 @@ The checkpoint train.py writes: ckpt.pt, the full state gathered on rank 0, tens
 import dataclasses
 import math
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from core import files
 from core import runtime
 from core.errors import UserError
-from model import GPT, GPTConfig
+from model import GPT, RUN_FIELDS, GPTConfig
 from core.runtime import Runtime
 
 POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (tools/sharded.py)
@@ -28,7 +29,8 @@ TRAIN = "train"  # a sharded step's key for everything but the tensors of the mo
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-SHAPE_SETTINGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab", "gelu")  # a resume keeps these
+# what the weights fix and a resume keeps: GPTConfig's fields but what a run chooses and the data's vocabulary
+SHAPE_SETTINGS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_FIELDS, "vocab_size"))
 TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
 
 
@@ -60,20 +62,24 @@ class Checkpoint:
             model.load_state_dict(self.model)
         return model
 
-    def resumed_settings(self, settings: dict, defaults: dict, meta: dict | None, where: str) -> dict:
-        """`settings` as a resume of this checkpoint runs them, the one read of what it says beside its tensors: the
-        weights' shape whatever the defaults said, and attn=auto's decision (`attn_auto_saved`). A shape setting
-        chosen otherwise (not the script's default), another optimizer, or a dataset whose ids mean other text, is one
-        sentence."""
+    def resumed_settings(self, settings: dict, typed: dict, meta: dict | None, where: str) -> dict:
+        """`settings` as a resume of this checkpoint runs them: the weights' shape, and attn=auto's decision
+        (`attn_auto_saved`). `typed`: where each setting was set (configure's Settings.typed). A shape setting typed
+        on the command line that differs from the checkpoint, another optimizer, or a dataset whose ids mean other
+        text, is one sentence; one from a config file gives way to the checkpoint, with a note (nanoGPT's habit)."""
         optimizer = self.settings.get("optimizer", "adamw")
         if optimizer != settings["optimizer"]:
             raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")
         for key in SHAPE_SETTINGS:
             saved = self.model_config.get(key, settings[key])
-            if settings[key] != saved and settings[key] != defaults[key]:
-                raise UserError(f"{key}={settings[key]!r} differs from the checkpoint in {where} ({key}={saved!r}), "
+            if settings[key] == saved or typed.get(key) is None:
+                continue
+            if typed[key] == "the command line":
+                raise UserError(f"--{key}={settings[key]!r} differs from the checkpoint in {where} ({key}={saved!r}), "
                                 f"and a resumed run keeps the checkpoint's shape; drop --{key}= (or pass "
                                 f"--{key}={saved!r}), or start a new run in another --out_dir=.")
+            print(f"note: {key}={settings[key]!r} from {typed[key]} is not the checkpoint's ({key}={saved!r}); the "
+                  f"resumed run keeps the checkpoint's shape.", file=sys.stderr)
         # vocabularies of other sizes are build_model's sentence; one of the same size may still mean other text
         same_size = self.meta and meta and self.meta.get("vocab_size") == meta.get("vocab_size")
         if same_size and [self.meta.get(k) for k in TOKENS] != [meta.get(k) for k in TOKENS]:

@@ -85,6 +85,19 @@ def test_a_cached_decision_measures_nothing_and_a_changed_shape_or_refresh_measu
     assert measured == [64, 48, 64] and len(json.loads(path.read_text())) == 2
 
 
+def test_a_cached_decision_whose_rows_lack_their_timings_is_a_note_and_a_fresh_measurement(tmp_path, monkeypatch,
+                                                                                             capsys):
+    fake_clock(monkeypatch, FAKE_MS)
+    path = tmp_path / "attn_auto.json"
+    monkeypatch.setattr(attn_auto, "cache_file", lambda: path)
+    path.write_text(json.dumps({workload().key(): {"pick": "flash", "rows": [{"attn": "flash", "status": "ok"}]}}))
+    decision = attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0)
+    assert not decision.cached and "flash (1.00) < sdpa (2.00)" in decision.line()
+    assert capsys.readouterr().err.startswith(f"note: {path} is not what this project wrote (1 of its 1 entries are "
+                                              f"not decisions attn=auto wrote); measuring again")
+    assert attn_auto.choose(workload(), CPU, IMPLEMENTATIONS, 1.0).cached  # the file rewritten whole
+
+
 def test_the_budget_bounds_the_rounds(monkeypatch):
     calls = []
     monkeypatch.setattr(attn_auto, "seconds_of", lambda attn, call, rt: calls.append(attn) or 0.1)  # 100 ms each

@@ -351,3 +351,17 @@ def test_a_meta_json_without_a_whole_vocab_size_is_one_sentence(tmp_path, vocab_
         {"tokenizer": "char", "chars": list("ab"), **({} if vocab_size == "missing" else {"vocab_size": vocab_size})}))
     with pytest.raises(UserError, match=r"meta.json has no positive whole \"vocab_size\" .*rerun the dataset's"):
         files.read_meta(tmp_path)
+
+
+def test_a_vocabulary_too_large_for_uint16_token_files_is_refused_before_training(char_data, tmp_path):
+    """cl100k's 100,277 ids cannot be stored in the uint16 train.bin: the data folder is refused, not trained on."""
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "cl100k_base", "vocab_size": 100277}))
+    with pytest.raises(UserError, match=rf"^{data / 'meta.json'} says vocab_size 100,277, but train.bin and val.bin "
+                                        rf"hold uint16 ids, at most 65,536 of them; use a tokenizer"):
+        train.main(TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"])
+    assert not (tmp_path / "out").exists()
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 65536, "chars": ["a"]}))
+    from core import files
+    assert files.read_meta(data)["vocab_size"] == 65536  # every uint16 id: still fits

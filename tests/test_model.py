@@ -29,7 +29,7 @@ TINY = dict(block_size=32, vocab_size=101, n_layer=2, n_head=4, n_embd=32)
 
 def test_on_a_cpu_every_implementation_but_the_cuda_only_ones_runs_and_flex_only_for_inference():
     """torch 2.13's CPU kernels, as the registry's own check finds them: what the tests below parametrize over."""
-    cuda_only = ("efficient", "cudnn", "varlen")
+    cuda_only = ("flash2", "efficient", "cudnn", "varlen")
     assert runnable_on_cpu(training=False) == [a for a in IMPLEMENTATIONS if a not in cuda_only]
     assert runnable_on_cpu(training=True) == [a for a in IMPLEMENTATIONS if a not in (*cuda_only, "flex")]
 
@@ -552,3 +552,10 @@ def test_a_compiled_chunked_loss_writes_its_logits_and_gradient_in_bf16_and_no_f
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = F.cross_entropy(F.linear(x, weight), targets)
     assert abs(loss.item() - expected.item()) <= 1e-2
+
+
+def test_from_pretrained_on_another_model_type_names_it_before_reading_weights(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}')
+    with pytest.raises(UserError, match=rf"^{tmp_path} holds a Hugging Face 'llama' model whose config.json lacks "
+                                        rf"n_positions, vocab_size, n_layer, n_head, n_embd, not GPT-2; pass a GPT-2"):
+        GPT.from_pretrained(str(tmp_path))  # no weights there: refused on its config alone

@@ -238,6 +238,10 @@ def test_a_compiled_runs_nanogpt_checkpoint_resumes_as_nanogpts_scripts_load_it(
     (lambda m: m.generate(torch.zeros(1, 3, dtype=torch.long), 4, top_k=0), "top_k must be None .* got 0"),
     (lambda m: m.generate(torch.zeros(2, 0, dtype=torch.long), 4), r"at least one token per row.*\(2, 0\)"),
     (lambda m: m.generate(torch.zeros(3, dtype=torch.long), 4), r"shape \(B, T\), got \(3,\)"),
+    (lambda m: m.generate(torch.zeros(1, 3, dtype=torch.long), 4, temperature=float("nan")),
+     r"^temperature must be a finite number >= 0 \(0: greedy\), got nan\.$"),
+    (lambda m: m.generate(torch.zeros(1, 3, dtype=torch.long), 4, temperature=float("inf")), "got inf"),
+    (lambda m: m.generate(torch.zeros(1, 3, dtype=torch.long), 4, temperature=-0.5), "got -0.5"),
 ])
 def test_generate_refuses_what_it_cannot_sample_from_in_one_sentence(call, sentence):
     model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)).eval()

@@ -174,8 +174,9 @@ def test_a_resume_refuses_a_shape_typed_otherwise_and_saves_the_shape_it_trains(
     assert train.main(tiny(char_data, out, "--max_iters=2")) == 0  # TINY: 2 layers, width 32
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     for typed, saved in (("--n_layer=3", "n_layer=2"), ("--n_embd=64", "n_embd=32"), ("--bias=False", "bias=True"),
-                         ("--block_size=64", "block_size=32"), ("--block_size=16", "block_size=32")):
-        with pytest.raises(UserError, match=rf"^{typed[2:]} differs from the checkpoint in {out} \({saved}\), and a "
+                         ("--block_size=64", "block_size=32"), ("--block_size=16", "block_size=32"),
+                         (f"--n_layer={train.n_layer}", "n_layer=2")):  # typed, though it is train.py's default
+        with pytest.raises(UserError, match=rf"^{typed} differs from the checkpoint in {out} \({saved}\), and a "
                                             rf"resumed run keeps the checkpoint's shape; drop --"):
             train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume", typed))
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
@@ -186,12 +187,30 @@ def test_a_resume_refuses_a_shape_typed_otherwise_and_saves_the_shape_it_trains(
     assert resumed.model_config["n_layer"] == resumed.settings["n_layer"] == 2 != train.n_layer
 
 
+def test_a_shape_from_a_config_file_gives_way_to_the_checkpoint_with_a_note_saying_where_it_came_from(
+        char_data, tmp_path, capsys):
+    """nanoGPT's habit: resuming with the config file that trained another shape (nanoGPT's CPU overrides on the
+    command line, say) trains the checkpoint's shape; the note names the file, nothing typed is blamed."""
+    out, config = tmp_path / "run", tmp_path / "bigger.py"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0  # 2 layers
+    config.write_text("n_layer = 6\nn_embd = 384\n")
+    args = [a for a in tiny(char_data, out, "--max_iters=4", "--init_from=resume")
+            if not a.startswith(("--n_layer", "--n_embd"))]
+    assert train.main([str(config)] + args) == 0
+    err = capsys.readouterr().err
+    assert f"note: n_layer=6 from {config} is not the checkpoint's (n_layer=2); the resumed run keeps the " \
+           f"checkpoint's shape." in err and f"n_embd=384 from {config}" in err
+    assert load_checkpoint(out / "ckpt.pt").model_config["n_layer"] == 2
+    with pytest.raises(UserError, match=r"^--n_layer=6 differs"):  # the same value typed is a choice: refused
+        train.main([str(config)] + args + ["--n_layer=6"])
+
+
 def test_a_sharded_resume_keeps_the_checkpoints_block_size_too(char_data, tmp_path):
     out = tmp_path / "run"
     assert train.main(tiny(char_data, out, "--max_iters=2", "--checkpoint_format=sharded")) == 0
-    with pytest.raises(UserError, match=r"^block_size=16 differs from the checkpoint"):
+    with pytest.raises(UserError, match=r"^--block_size=1024 differs from the checkpoint"):  # train.py's default
         train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume", "--checkpoint_format=sharded",
-                        "--block_size=16"))
+                        "--block_size=1024"))
     args = [a for a in tiny(char_data, out, "--max_iters=4", "--init_from=resume", "--checkpoint_format=sharded")
             if not a.startswith("--block_size")]  # left at the default: the checkpoint's 32 trains on
     assert train.main(args) == 0

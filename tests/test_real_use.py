@@ -168,6 +168,9 @@ def test_a_signal_during_a_sharded_save_is_an_interruption_and_leaves_no_partial
     (dict(RANK="0", WORLD_SIZE="1"), "RANK is set but LOCAL_RANK is not, as torchrun would set them"),
     (dict(RANK="0"), "RANK is set but LOCAL_RANK and WORLD_SIZE are not"),
     (dict(RANK="3", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="x", MASTER_PORT="1"), "cannot be one of torchrun's"),
+    (dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="x", MASTER_PORT="abc"),
+     r"MASTER_PORT='abc' is not a port number \(1-65535\); set it to a free port such as 29500"),
+    (dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="x", MASTER_PORT="70000"), "not a port number"),
     (dict(RANK="zero", LOCAL_RANK="0", WORLD_SIZE="2"), "must be whole numbers"),
 ])
 def test_torchruns_variables_without_torchrun_are_one_sentence_before_anything_is_written(char_data, tmp_path,

@@ -306,7 +306,14 @@ def test_the_users_threads_win_over_the_look(monkeypatch):
     threads = torch.get_num_threads()
     try:
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        assert runtime.start_threads(0) == (None, None)  # OMP_NUM_THREADS: torch's own reading of it stands
+        assert runtime.start_threads(0) == (None, None) and torch.get_num_threads() == 2  # OMP_NUM_THREADS's count
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        monkeypatch.setenv("MKL_NUM_THREADS", "2")  # torch would start with MKL's 2: OMP's 1 is set, and said
+        assert runtime.start_threads(0) == (None, "note: OMP_NUM_THREADS=1 and MKL_NUM_THREADS=2 disagree; using 1 "
+                                                  "thread(s), OMP_NUM_THREADS's (unset MKL_NUM_THREADS, or make them "
+                                                  "equal)")
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("MKL_NUM_THREADS")
         monkeypatch.delenv("OMP_NUM_THREADS")
         assert runtime.start_threads(1) == (None, None) and torch.get_num_threads() == 1  # --threads=1
         monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 0.0)

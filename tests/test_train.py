@@ -391,7 +391,9 @@ def test_vocab_mismatch_between_data_and_checkpoint_is_refused(char_data, tmp_pa
         (other / name).write_bytes((char_data / name).read_bytes())
     (other / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"]}))
     before = (tmp_path / "ckpt.pt").read_bytes()
-    with pytest.raises(UserError, match="the checkpoint has vocab_size .* but dataset"):
+    with pytest.raises(UserError, match=rf"^the checkpoint has vocab_size 25 but the data in {other} has 3 \(char, "
+                                        rf"3 characters from 'abc'\); use the data the weights were trained on \(char, "
+                                        rf"25 characters from .*\)\.$"):
         train.main(TINY + [f"--data_dir={other}", "--init_from=resume", f"--out_dir={tmp_path}"])
     assert (tmp_path / "ckpt.pt").read_bytes() == before
 
