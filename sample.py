@@ -62,15 +62,15 @@ LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature"
 # -----------------------------------------------------------------------------
 # model, tokenizer, prompt
 
-def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str, dict]:
+def load_model(init_from: str, out_dir: str, attn: Optional[str] = None) -> tuple[GPT, Tokenizer, str, dict]:
     """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the settings it was
-    trained with (empty for GPT-2 weights)."""
+    trained with (empty for GPT-2 weights); `attn`: the one typed (None: the checkpoint's)."""
     settings = {}
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
         checkpoint = load_checkpoint(path)
         path = sharded_folder(path) or path  # what was read: ckpt.pt, or the newer sharded step
-        model = checkpoint.build_model()
+        model = checkpoint.build_model(**({} if attn is None else {"attn": "sdpa" if attn == "auto" else attn}))
         tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")
         source = f"{path} (iter {checkpoint.iter_num})"
         settings = checkpoint.settings
@@ -128,7 +128,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from benchmarks import compare  # the comparison: only when it is asked for
         compare.attention_names(cfg.compare)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
-    model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir)
+    model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
     prompt = encode_prompt(tok, read_prompt(cfg.start))
     runtime.cpu_threads(rt, cfg.threads)  # after every refusal: a note, then an error, would be two lines for one
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)

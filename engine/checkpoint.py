@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from core import files
 from core import runtime
 from core.errors import UserError
-from model import GPT, RUN_FIELDS, GPTConfig
+from model import GPT, IMPLEMENTATIONS, RUN_FIELDS, GPTConfig
 from core.runtime import Runtime
 
 POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (tools/sharded.py)
@@ -57,7 +57,12 @@ class Checkpoint:
     def build_model(self, weights: bool = True, **overrides) -> GPT:
         """The model it holds (without `weights`: its shape, new weights); `overrides` may choose another attention,
         masks or dropout (model.RUN_FIELDS)."""
-        model = GPT(GPTConfig.build(self.model_config, overrides))
+        shape = self.model_config
+        if "attn" not in overrides and shape.get("attn") not in IMPLEMENTATIONS:  # every one computes the same
+            print(f"note: the checkpoint was trained with attn={shape.get('attn')!r}, which this version does not "
+                  f"have; it is read through attn='sdpa' (--attn= picks another).", file=sys.stderr)
+            shape = {**shape, "attn": "sdpa"}
+        model = GPT(GPTConfig.build(shape, overrides))
         if weights:
             model.load_state_dict(self.model)
         return model

@@ -15,6 +15,7 @@ import torch
 from core import files
 from core.errors import UserError
 from engine.checkpoint import POINTER, Checkpoint, sharded_folder
+from model import GPT, GPTConfig
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
 
@@ -67,9 +68,39 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
     if missing:
         raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
                         f"checkpoint written by train.py.")
+    check_shapes(contents, path)
     known = {f.name for f in dataclasses.fields(Checkpoint)}  # earlier files' `version` field is read no more
     return Checkpoint(**{"model": None, **{k: v for k, v in contents.items() if k in known}},
                       shards=str(shards) if shards and for_training else None)
+
+
+def check_shapes(contents: dict, path: Path) -> None:
+    """A damaged checkpoint is one sentence, not a traceback where it is loaded: its model_config must be a model
+    GPTConfig accepts, and its weights and optimizer state (where read) must have that model's names and shapes."""
+    damaged = f"{path} is damaged: its"
+    fix = "restore it from a copy or train again"
+    try:  # attention does not change the shape, and an older file may name one this version lacks
+        config = GPTConfig.build(dict(contents["model_config"]), {"attn": "sdpa"})
+    except (UserError, TypeError, ValueError) as e:
+        raise UserError(f"{damaged} model_config is not a model this version can build ({str(e).rstrip('.')}); "
+                        f"{fix}.") from None
+    with torch.device("meta"):  # shapes only, no memory
+        shapes = {name: tuple(t.shape) for name, t in GPT(config).state_dict().items()}
+    weights = contents.get("model")
+    if isinstance(weights, dict):
+        found = {name: tuple(t.shape) if torch.is_tensor(t) else None for name, t in weights.items()}
+        wrong = sorted(set(shapes) ^ set(found)) or sorted(n for n in shapes if shapes[n] != found[n])
+        if wrong:
+            name = wrong[0]
+            said = f"{name} is {found.get(name, 'missing')}" if name in shapes else f"{name} is not one of its tensors"
+            raise UserError(f"{damaged} weights do not fit its model_config ({config.n_layer} layers of width "
+                            f"{config.n_embd}: {said}, {len(wrong)} such); {fix}.")
+    state = contents.get("optimizer", {}).get("state", {}) if isinstance(contents.get("optimizer"), dict) else {}
+    for name, tensors in state.items():
+        misfit = [k for k, t in tensors.items() if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != shapes.get(name)]
+        if name not in shapes or misfit:
+            raise UserError(f"{damaged} optimizer state does not fit its model ({name}"
+                            f"{' ' + misfit[0] if misfit else ''} is not a parameter of that shape); {fix}.")
 
 
 def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:

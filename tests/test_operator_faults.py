@@ -393,3 +393,66 @@ def test_threads_follow_physical_cores_as_torchs_default_does(tmp_path):
         assert runtime.choose_threads(watch).startswith("note: using 1 of 2 CPU threads")
     finally:
         torch.set_num_threads(threads)
+
+
+# -- damaged or older checkpoints --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_checkpoint(char_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    return out / "ckpt.pt"
+
+
+def damaged(contents: dict, kind: str) -> dict:
+    if kind == "nonsense size":
+        contents["model_config"]["n_layer"] = -1
+    elif kind == "config against weights":
+        contents["model_config"]["n_layer"] = 3  # the weights hold 2 layers
+    elif kind == "optimizer against weights":
+        name = next(iter(contents["optimizer"]["state"]))
+        contents["optimizer"]["state"][name]["exp_avg"] = torch.zeros(7)
+    return contents
+
+
+@pytest.mark.parametrize("kind, sentence", [
+    ("nonsense size", r"model_config is not a model this version can build \(n_layer must be a positive integer, "
+                      r"got -1\); restore it from a copy or train again\.$"),
+    ("config against weights", r"weights do not fit its model_config \(3 layers of width 32: transformer\.h\.2\.\S+ "
+                               r"is missing, 12 such\); restore it"),
+    ("optimizer against weights", r"optimizer state does not fit its model \(\S+ exp_avg is not a parameter of that "
+                                  r"shape\); restore it"),
+])
+def test_a_damaged_checkpoint_is_called_damaged_in_one_sentence_by_train_sample_and_export(
+        one_checkpoint, char_data, tmp_path, kind, sentence):
+    import export_hf
+    out = tmp_path / "run"
+    out.mkdir()
+    torch.save(damaged(torch.load(one_checkpoint, weights_only=True), kind), out / "ckpt.pt")
+    before = (out / "ckpt.pt").read_bytes()
+    calls = [lambda: train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume"))]
+    if kind != "optimizer against weights":  # sample and export read the weights only
+        calls += [lambda: sample.main([f"--out_dir={out}", "--max_new_tokens=2", "--num_samples=1"]),
+                  lambda: export_hf.main([f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"])]
+    for call in calls:
+        with pytest.raises(UserError, match=rf"^{out / 'ckpt.pt'} is damaged: its {sentence}"):
+            call()
+    assert (out / "ckpt.pt").read_bytes() == before and not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_of_an_attention_this_version_lacks_is_read_through_sdpa_with_a_note(
+        one_checkpoint, char_data, tmp_path, capsys):
+    """Every implementation computes the same attention: a name an older or newer version had does not make the
+    weights unreadable (export, where attention does not matter, included)."""
+    import export_hf
+    out = tmp_path / "run"
+    out.mkdir()
+    contents = torch.load(one_checkpoint, weights_only=True)
+    contents["model_config"]["attn"] = contents["settings"]["attn"] = "ring"
+    torch.save(contents, out / "ckpt.pt")
+    assert export_hf.main([f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"]) == 0
+    assert "note: the checkpoint was trained with attn='ring', which this version does not have; it is read " \
+           "through attn='sdpa' (--attn= picks another)." in capsys.readouterr().err
+    assert sample.main([f"--out_dir={out}", "--max_new_tokens=2", "--num_samples=1", "--attn=manual"]) == 0
+    assert "note: the checkpoint" not in capsys.readouterr().err  # --attn= typed: nothing to say
+    assert train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume", "--attn=sdpa")) == 0
