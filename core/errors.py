@@ -89,8 +89,9 @@ def deferred_signals() -> Iterator[Deferred]:
     deferred = Deferred()
 
     def note(signum, frame):
-        if deferred.pending is None:
-            deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        for s in STOP_SIGNALS:  # a second one ends the process at once, as _stop_once's does
+            signal.signal(s, signal.SIG_DFL)
     try:
         with handlers({s: note for s in STOP_SIGNALS}):
             yield deferred

@@ -456,3 +456,45 @@ def test_a_checkpoint_of_an_attention_this_version_lacks_is_read_through_sdpa_wi
     assert sample.main([f"--out_dir={out}", "--max_new_tokens=2", "--num_samples=1", "--attn=manual"]) == 0
     assert "note: the checkpoint" not in capsys.readouterr().err  # --attn= typed: nothing to say
     assert train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume", "--attn=sdpa")) == 0
+
+
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "stopped by SIGTERM")], ids=["ctrl-c", "sigterm"])
+def test_a_signal_while_a_sharded_step_is_written_reads_as_the_signal_not_a_full_disk(char_data, tmp_path,
+                                                                                      monkeypatch, capfd, sig, code,
+                                                                                      said):
+    """DCP writes each tensor through torch.save into a Python stream; a signal raised there came out as 'unexpected
+    pos' (a full disk, said the sentence). A scheduler's preemption is a preemption: its exit code and the resume."""
+    from torch.distributed.checkpoint import filesystem
+    out = tmp_path / "run"
+    assert train.main(tiny(char_data, out, "--max_iters=2", "--checkpoint_format=sharded")) == 0
+    kept = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "metrics.jsonl"}
+    capfd.readouterr()
+    real, items = filesystem._write_item, []
+
+    class Signalling:  # the step file's stream: the signal lands inside torch.save's write of a tensor's bytes
+        def __init__(self, stream):
+            self.stream = stream
+
+        def write(self, data):
+            items.append(len(data))
+            if len(items) == 3:
+                os.kill(os.getpid(), sig)
+            return self.stream.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    def signalled(transforms, stream, *args, **kwargs):
+        return real(transforms, Signalling(stream), *args, **kwargs)
+    monkeypatch.setattr(filesystem, "_write_item", signalled)
+    resume = tiny(char_data, out, "--max_iters=4", "--init_from=resume", "--checkpoint_format=sharded")
+    assert errors.exit_code(lambda: train.main(resume)) == code
+    assert len(items) > 3  # nothing raised inside DCP's write: the step was written through, then dropped
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and "disk is full" not in "\n".join(err)
+    assert err[-2].startswith("stopped at iter 4; the checkpoint kept in") and err[-1] == said
+    now = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "metrics.jsonl"}
+    assert now == kept  # the half-written step removed, the pointer still on step 2
+    monkeypatch.setattr(filesystem, "_write_item", real)
+    assert train.main(resume) == 0  # the resume the hint names

@@ -93,7 +93,9 @@ class ShardedSaver:
                  TRAIN: fields}
         if not self.use_async:
             try:
-                with errors.held_signals():  # a SIGTERM during the write raises here, on the rank it reached
+                # a signal is noted and raised once DCP returns: raised inside DCP's stream write, torch.save turns
+                # it into 'unexpected pos', which would read as a full disk
+                with errors.deferred_signals():
                     dcp.save(state, checkpoint_id=folder)
             except (CheckpointException, KeyboardInterrupt) as e:
                 # DCP's failures reach every rank alike; a signal reaches each rank at its own point (torchrun sends
