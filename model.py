@@ -80,8 +80,9 @@ FLASH_KERNELS: dict = {}  # device type -> `flash`'s SDPA backends, first choice
 
 def flash_kernels(device: torch.device) -> tuple:
     """The kernels attn='flash' runs on `device`, first choice first: cuDNN's flash kernel, then FlashAttention-2 for
-    what it refuses, where attention/kernels.py's cudnn_first holds (Hopper, Blackwell); FlashAttention-2 (a CPU: its flash kernel) elsewhere. Decided on the
-    host once per device type, before a compiled model traces flash_attention (GPT.check_attention asks first)."""
+    what it refuses, where attention/kernels.py's cudnn_first holds (Hopper, Blackwell); elsewhere FlashAttention-2
+    (on a CPU, its flash kernel). Decided on the host once per device type, before a compiled model traces
+    flash_attention (GPT.check_attention asks first)."""
     if device.type not in FLASH_KERNELS:
         from attention.kernels import cuda_facts, cudnn_first
         first = device.type == "cuda" and cudnn_first(*cuda_facts(device))
@@ -124,8 +125,9 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         q = q.clone(memory_format=torch.contiguous_format)
     block_mask = mask if isinstance(mask, BlockMask) else None
     score_mod = mask if mask is not None and block_mask is None else None
-    if mask is None and q.size(-2) > 1:
-        block_mask = causal_block_mask(q.size(-2), k.size(-2), str(q.device))
+    if mask is None and q.size(-2) > 1:  # a trace builds it into the graph: the cache is for eager calls
+        build = causal_block_mask.__wrapped__ if torch.compiler.is_compiling() else causal_block_mask
+        block_mask = build(q.size(-2), k.size(-2), str(q.device))
     if torch.compiler.is_compiling():  # inside a compiled model dynamo traces flex itself
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
     compile_it = q.is_cuda or COMPILE_FLEX_OFF_CUDA
@@ -594,7 +596,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                 # d(the chunk's summed loss)/d(logits): softmax minus one-hot, zero on ignored rows; in place over
                 # the logits (eager holds one fp32 chunk), elementwise only (compiled, one fused pass into `dtype`)
                 probs = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()  # (n, V)
-                grad = probs.sub_((vocab_ids == ts[:, None]).to(torch.uint8)).mul_(hit).to(dtype)  # one-hot: a byte an id
+                one_hot = (vocab_ids == ts[:, None]).to(torch.uint8)  # (n, V), a byte an id
+                grad = probs.sub_(one_hot).mul_(hit).to(dtype)
                 grad_x[start:start + len(ts)] = grad @ w
                 grad_weight += grad.t() @ xs  # bf16/fp16 products summed over chunks in fp32
         ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype), count)

@@ -178,14 +178,25 @@ def sample(model: GPT, attn: str, tok: Tokenizer, rt: Runtime, sampling: Samplin
                 bandwidth_gb_s=read["bandwidth_gb_s"])
 
 
+OVERHEAD_BOUND = 0.25  # below this share of the read bandwidth, a decode step's fixed costs bind, not memory
+
+
 def roofline(model: GPT, rt: Runtime, steps_per_s: float) -> dict:
     """Batch-1 decoding reads every weight once a step: the GB/s the weights were read at, against the read
-    bandwidth measured on this machine at that footprint (kept beside the peak FLOP/s in flops.peak_flops_cache)."""
+    bandwidth measured on this machine at that footprint (kept beside the peak FLOP/s in flops.peak_flops_cache). Far
+    below it, what bounds the speed is each token's fixed overhead (Python, dispatch, launches): the line says so."""
     from core import flops
-    gb_per_s = weight_bytes(model) * steps_per_s / 1e9
-    bandwidth = (flops.memory_bandwidth(rt, weight_bytes(model)) or 0.0) / 1e9
-    share = f" ({100 * gb_per_s / bandwidth:.0f}% of the {bandwidth:.1f} GB/s measured here)" if bandwidth else ""
-    return dict(gb_per_s=gb_per_s, bandwidth_gb_s=bandwidth or None, line=f"weights read at {gb_per_s:.1f} GB/s{share}")
+    nbytes = weight_bytes(model)
+    gb_per_s = nbytes * steps_per_s / 1e9
+    bandwidth = (flops.memory_bandwidth(rt, nbytes) or 0.0) / 1e9
+    line = f"weights read at {gb_per_s:.1f} GB/s"
+    if bandwidth and gb_per_s >= OVERHEAD_BOUND * bandwidth:
+        line += f" ({100 * gb_per_s / bandwidth:.0f}% of the {bandwidth:.1f} GB/s measured here at that size)"
+    elif bandwidth:
+        line += (f": a read of the {nbytes / 1e6:,.1f} MB of weights takes {1e3 * nbytes / 1e9 / bandwidth:.2f} ms at "
+                 f"the {bandwidth:.1f} GB/s measured here at that size, a step {1e3 / steps_per_s:.2f} ms, so each "
+                 f"token's fixed overhead bounds this speed, not memory")
+    return dict(gb_per_s=gb_per_s, bandwidth_gb_s=bandwidth or None, line=line)
 
 
 def write_json(path: Path, report: dict) -> None:

@@ -225,7 +225,8 @@ def banner(cfg: Settings, rt: Runtime, model: GPT) -> str:
         "world size 1"
     kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
     kernels = f" ({kernels})" if kernels else ""
-    return (f"{model.get_num_params() / 1e6:.2f}M parameters, attn={model.config.attn}{kernels}, {rt.dtype} on {rt.name}"
+    return (f"{model.get_num_params() / 1e6:.2f}M parameters, attn={model.config.attn}{kernels}, {rt.dtype} on "
+            f"{rt.name}"
             f"{muon}, {ranks}, {tokens_per_iter(cfg):,} tokens per iteration")
 
 
@@ -342,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, rt, resuming, data_dir, lock = start(argv)
     failed = True
     try:
-        train(cfg, rt, resuming, data_dir, sys.argv[1:] if argv is None else argv)
+        train(cfg, rt, resuming, data_dir, sys.argv[1:] if argv is None else argv,
+              made_out_dir=lock is not None and lock.made_dir)
         failed = False
     finally:
         if lock is not None:
@@ -350,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list[str]) -> None:
+def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list[str],
+          made_out_dir: bool = False) -> None:
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
         from tools.sharded import ShardedSaver
@@ -407,6 +410,8 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     try:
         train_loop(run, resumed_at)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a save: what is kept, and how to go on
+        if rt.is_master and run.saved_at is None and made_out_dir:  # nothing to resume: the folder goes, as it came
+            (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
         if rt.is_master:
             print(resume_hint(cfg, run, argv), file=sys.stderr)
         raise
@@ -421,9 +426,10 @@ def resume_hint(cfg: Settings, run: TrainingRun, argv: list[str]) -> str:
         launch = "torchrun <your torchrun options>"
     kept = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))]
     command = f"{launch} {shlex.join(['train.py', *kept])}"
-    if run.saved_at is None:
+    if run.saved_at is None:  # --overwrite=True only where a new run would otherwise be refused: this one's log
+        replace = " --overwrite=True" if (Path(cfg.out_dir) / "metrics.jsonl").exists() else ""
         return (f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}; start again with: "
-                f"{command} --overwrite=True")
+                f"{command}{replace}")
     return (f"stopped at iter {run.iter_num}; the checkpoint kept in {cfg.out_dir} is iter {run.saved_at}; "
             f"continue with: {command} --init_from=resume")
 

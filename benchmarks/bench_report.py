@@ -134,7 +134,7 @@ GENERATE_COLUMNS = {
     "prefill ms": lambda r: f"{r['prefill_ms']:.1f}",
     "ms/token": lambda r: f"{r['ms_per_token']:.2f}",
     "GB/s": lambda r: f"{r['gb_per_s']:,.1f}" if "gb_per_s" in r else "-",
-    "% of bandwidth": lambda r: (f"{100 * r['bandwidth_share']:.0f}% of {r['bandwidth_gb_s']:,.0f}"
+    "% of bandwidth": lambda r: (f"{100 * r['bandwidth_share']:.0f}% of {r['bandwidth_gb_s']:,.0f} GB/s"
                                  if "bandwidth_share" in r else "-"),
     "vs nanoGPT (sdpa, no cache)": lambda r: f"{r.get('speedup_vs_nanogpt', float('nan')):.1f}x",
     "= no cache": lambda r: {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_no_cache"]],

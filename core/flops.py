@@ -109,7 +109,7 @@ def cpu_share(cpu_seconds: float, wall_seconds: float) -> float:
 def memory_bandwidth(rt: Runtime, nbytes: int, repeats: int = 5) -> Optional[float]:
     """Bytes/s this machine reads streaming over a buffer of about `nbytes` (a footprint the caches of the CPU or
     GPU hold reads faster than one they do not): the best ever measured alone, kept beside the peak FLOP/s."""
-    return measured_bandwidth(rt, 2 ** max(26, math.ceil(math.log2(max(nbytes, 1)))), repeats)  # 64 MiB at least
+    return measured_bandwidth(rt, 2 ** max(20, math.ceil(math.log2(max(nbytes, 1)))), repeats)  # 1 MiB at least
 
 
 @functools.lru_cache(maxsize=None)

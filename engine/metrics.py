@@ -55,8 +55,9 @@ class MetricsLog:
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return
-        text = "  ".join(f"{k} {100 * v:.2f}%" if k == "mfu" else f"{k} {v:.4g}" if isinstance(v, float)
-                         else f"{k} {v}" for k, v in metrics.items())  # mfu: a percent, as bench's (JSON: a fraction)
+        text = "  ".join(f"{k} {100 * v:.2f}%" if k == "mfu" else f"{k} {v:,.0f}" if k == "tokens_per_s"
+                         else f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in metrics.items())  # mfu: a percent, as bench's (JSON: a fraction)
         print(text, flush=True)
         if self.path is not None:
             try:

@@ -97,7 +97,8 @@ def check_shapes(contents: dict, path: Path) -> None:
                             f"{config.n_embd}: {said}, {len(wrong)} such); {fix}.")
     state = contents.get("optimizer", {}).get("state", {}) if isinstance(contents.get("optimizer"), dict) else {}
     for name, tensors in state.items():
-        misfit = [k for k, t in tensors.items() if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != shapes.get(name)]
+        misfit = [k for k, t in tensors.items()
+                  if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != shapes.get(name)]
         if name not in shapes or misfit:
             raise UserError(f"{damaged} optimizer state does not fit its model ({name}"
                             f"{' ' + misfit[0] if misfit else ''} is not a parameter of that shape); {fix}.")

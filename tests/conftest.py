@@ -6,12 +6,17 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# inductor's compiled code in a folder of the tests' own (set before torch is imported, inherited by the processes
+# the tests start): another process clearing the shared /tmp/torchinductor_<user> meanwhile fails compiled tests
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(Path(tempfile.gettempdir()) / f"nanogpt_attn_tests_inductor_{os.getuid()}"))
 RANK_PROBE = REPO / "tests" / "rank_probe.py"
 # a 2-layer model, fp32, eager, one micro-step: seconds per run
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--compile=False",

@@ -119,7 +119,7 @@ def test_on_cuda_the_audit_names_the_kernel_that_ran_not_the_op_that_launched_it
     """Kernel names as the profiler shows them on Hopper: attn=flash's op may run cuDNN's kernel (its first choice
     there), and FA3/FA4 registered in place of PyTorch's flash op would run under the same op."""
     flash_op = "aten::_scaled_dot_product_flash_attention"
-    fa2 = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>"
+    fa2 = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, bf16>>"
     cudnn = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_kernel0_0"
     fa4 = "kernel_cutlass_flash_attn_FlashAttentionForwardSm90_object_at_0x7f"
     cudnn_op = "aten::_scaled_dot_product_cudnn_attention"

@@ -134,6 +134,7 @@ def test_removing_a_half_written_file_is_never_cut_short(tmp_path):
 def test_ctrl_c_before_the_first_checkpoint_names_a_command_that_starts_again(char_data, tmp_path, monkeypatch,
                                                                                 capsys):
     out = tmp_path / "run"
+    out.mkdir()  # the user's folder: its log stays, and the hint says how to replace it
     args = tiny(char_data, out, "--max_iters=4", "--eval_interval=4")
     ctrl_c_at_step(monkeypatch, 2)
     assert errors.exit_code(lambda: train.main(args)) == 130
@@ -141,8 +142,24 @@ def test_ctrl_c_before_the_first_checkpoint_names_a_command_that_starts_again(ch
     assert hint.startswith(f"stopped at iter 1; no checkpoint was saved in {out}; start again with: python train.py ")
     with pytest.raises(UserError, match="a run that saved no checkpoint; replace it with --overwrite=True"):
         train.main(args)  # the same command: refused, naming the way on, which works
+    assert hint.endswith(" --overwrite=True")  # it replaces the metrics.jsonl this run began, nothing else
     monkeypatch.undo()
     assert train.main(args + ["--overwrite=True"]) == 0 and load_checkpoint(out / "ckpt.pt").iter_num == 4
+
+
+def test_ctrl_c_before_anything_was_written_names_no_overwrite(char_data, tmp_path, monkeypatch, capsys):
+    """Copied by habit later, --overwrite=True would replace a real run: it is named only where something would be
+    replaced. A run stopped before its first checkpoint in a folder it made takes the folder away, as a refused run
+    does."""
+    out = tmp_path / "new"
+    args = tiny(char_data, out, "--max_iters=4", "--eval_interval=4")
+    ctrl_c_at_step(monkeypatch, 1)  # the first step: no log line yet
+    assert errors.exit_code(lambda: train.main(args)) == 130
+    hint = capsys.readouterr().err.strip().splitlines()[-2]
+    assert hint.startswith("stopped at iter 0; no checkpoint was saved") and "--overwrite" not in hint
+    assert not out.exists()
+    monkeypatch.undo()
+    assert train.main(args) == 0  # the command as the hint names it
 
 
 def test_under_torchrun_the_resume_hint_is_a_torchrun_command(monkeypatch):

@@ -570,3 +570,13 @@ def test_a_refused_run_prints_no_thread_note_before_its_error(char_data, tmp_pat
     assert "note:" not in capsys.readouterr().err
     assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'ok'}", "--max_iters=1"]) == 0
     assert "note: OMP_NUM_THREADS='abc' is not a positive whole number" in capsys.readouterr().err
+
+
+def test_the_log_line_writes_tokens_per_s_as_a_plain_number(tmp_path, capsys):
+    from types import SimpleNamespace
+    from engine.metrics import MetricsLog
+    log = MetricsLog(SimpleNamespace(out_dir=str(tmp_path), wandb_log=False), {}, enabled=True)
+    log.log({"iter": 10, "train/loss": 1.5, "ms_per_iter": 114.85, "tokens_per_s": 17834.2, "mfu": 0.0123})
+    assert capsys.readouterr().out == ("iter 10  train/loss 1.5  ms_per_iter 114.8  tokens_per_s 17,834  "
+                                       "mfu 1.23%\n")
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["tokens_per_s"] == 17834.2  # the file: exact
