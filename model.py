@@ -48,7 +48,8 @@ def manual_attention(q, k, v, mask, dropout_p):
 
 
 def sdpa_mask_attention(q, k, v, mask, dropout_p):
-    # an explicit mask is what pushes CUDA off the fused kernels and onto the generic one
+    # an explicit mask: CUDA's flash kernel takes none, so SDPA picks another (cuDNN's on Hopper, else the efficient
+    # or the math kernel)
     if mask is None:
         mask = causal_mask(q.size(-2), k.size(-2), q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
@@ -611,7 +612,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
 
 # -----------------------------------------------------------------------------
-# decoding: the KV cache beside the layers (gpt-fast's), and the one generation loop
+# decoding: one KV cache for the model, beside the layers (gpt-fast keeps one in each attention module), and the one
+# generation loop
 
 class KVCache(nn.Module):
     """Every layer's keys and values for positions [0, block_size), in fixed buffers (one shape at every position,
@@ -648,7 +650,8 @@ class KVCache(nn.Module):
 
     def step(self, idx: torch.Tensor, input_pos: torch.Tensor, attn: str):
         """A decode step writes idx (B, 1) at input_pos (1,) and sees [max(document start, pos - window + 1), pos];
-        an end-of-text it writes opens a document. Returns the mask of the keys it sees, made once for all layers."""
+        an end-of-text it writes opens a document. Returns the mask of the keys it sees, made once for all layers, or
+        None where the step reads exactly those keys, unmasked (FlashAttention-2 takes no mask)."""
         if self.doc_start is not None:
             self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
         from attention.masks import span_mask  # the row in attn's form

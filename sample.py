@@ -152,8 +152,11 @@ def choose_attention(model: GPT, rt: Runtime, cfg, prompt_len: int) -> tuple[dic
     """attn='auto': the table and the fastest implementation for this sampling (its batch, prompt, dtype, mask,
     compile), measured or read from the cache of earlier decisions (attn_auto.py)."""
     from attention.attn_auto import Workload, choose
-    workload = Workload.of(model.config, rt, cfg.num_samples, min(prompt_len, model.config.block_size),
-                           training=False, compiled=cfg.compile)
+    # the keys a decode step sees midway through the text, for as many steps as it has new tokens: a generation's
+    # cost, not a one-token call's
+    midway = min(prompt_len + cfg.max_new_tokens // 2, model.config.block_size)
+    workload = Workload.of(model.config, rt, cfg.num_samples, midway, training=False, compiled=cfg.compile,
+                           new_tokens=cfg.max_new_tokens)
     decision = choose(workload, rt, IMPLEMENTATIONS, cfg.attn_auto_budget, cfg.attn_auto_refresh)
     print(decision.line())
     return decision.metrics(), decision.pick

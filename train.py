@@ -318,7 +318,7 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
 def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
     """Everything a resumed run takes from its checkpoint's tensors and counters, in one place, once the model and
     optimizers are placed: weights, optimizer state, RNG streams (the data position among them), step, best val loss
-    and training time (eval_only: the weights and step). Its settings, attn=auto's decision among them, were read
+    and training time (eval_only: all but the optimizer state). Its settings, attn=auto's decision among them, were read
     before the model was built (Checkpoint.resumed_settings). Returns the step it resumes at."""
     model, optimizers = run.trainer.model, run.trainer.optimizers
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)

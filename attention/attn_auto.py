@@ -34,7 +34,7 @@ class Workload:
     device_name: str      # the CPU with its capability, or the GPU (Runtime.name)
     torch_version: str
     batch_size: int
-    seq_len: int          # training: block_size; sampling: the prompt's length (the cache holds block_size)
+    seq_len: int          # training: block_size; sampling: the keys a decode step sees midway through the text
     block_size: int
     n_head: int
     head_size: int
@@ -43,13 +43,15 @@ class Workload:
     window: int
     dropout: float
     compiled: bool
-    training: bool        # forward and backward; else a prefill and one decode step
+    training: bool        # forward and backward; else a prefill and decode steps
+    new_tokens: int = 0   # sampling: the decode steps timed with the prefill (at least one)
 
     @classmethod
-    def of(cls, config, rt: Runtime, batch_size: int, seq_len: int, training: bool, compiled: bool) -> "Workload":
+    def of(cls, config, rt: Runtime, batch_size: int, seq_len: int, training: bool, compiled: bool,
+           new_tokens: int = 0) -> "Workload":
         return cls(rt.name, torch.__version__, batch_size, seq_len, config.block_size, config.n_head,
                    config.head_size, rt.dtype, config.doc_mask, config.window,
-                   config.dropout if training else 0.0, compiled, training)
+                   config.dropout if training else 0.0, compiled, training, new_tokens)
 
     def key(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -57,8 +59,9 @@ class Workload:
     def describe(self) -> str:
         mask = " and ".join(["documents"] * self.documents + [f"window {self.window}"] * bool(self.window))
         dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+        steps = f" ({self.new_tokens} decode steps)" if self.new_tokens else ""
         return (f"B={self.batch_size} T={self.seq_len} hs={self.head_size} {dtype}, {mask or 'causal'}"
-                f"{', compiled' if self.compiled else ''}, {'training' if self.training else 'sampling'}")
+                f"{', compiled' if self.compiled else ''}, {'training' if self.training else 'sampling'}{steps}")
 
 
 @dataclass
@@ -99,8 +102,9 @@ def inputs(w: Workload, device: str, seed: int = 0) -> dict:
 
 def attention_call(fn: Callable, form: str, w: Workload, data: dict) -> Callable[[], torch.Tensor]:
     """One timed call of `fn` (an implementation's, maybe compiled; `form`: its mask's): forward and backward for
-    training; for sampling a prefill of the prompt and a decode step over its written keys, as eager decoding reads
-    them. Returns the prefill's or the forward's output."""
+    training; for sampling a prefill and as many decode steps over exactly the T keys as the text has new tokens
+    (eager decoding reads a span rounded up to 128 keys behind a mask row instead: close, not the same). Returns the
+    prefill's or the forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
     mask = None
     if w.documents or w.window:
@@ -114,7 +118,8 @@ def attention_call(fn: Callable, form: str, w: Workload, data: dict) -> Callable
 
     def sample_step() -> torch.Tensor:
         y = prefill()
-        decode_step()
+        for _ in range(max(1, w.new_tokens)):
+            decode_step()
         return y
     return sample_step
 

@@ -2,7 +2,8 @@
 Whether an attention implementation runs here, asked once per set of facts (GPT.check_attention, attn=auto, bench),
 and the one sentence of a refusal: what was asked, why it cannot run, and what can.
 
-    problem = attention_problem("flash", AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1), fn)
+    problem = attention_problem("flash", AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1),
+                                model.IMPLEMENTATIONS["flash"])
     refuse_unless_runs("flash", call, model.IMPLEMENTATIONS)   # raises UserError naming what runs instead
 """
 
@@ -139,7 +140,7 @@ def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def probe(impl, call: AttnCall) -> Optional[str]:
-    """Run `fn` on what the model passes it (kernels' limits differ between layouts): q, k, v as strided views of one
+    """Run the implementation `impl` on what the model passes it (kernels' limits differ between layouts): q, k, v as strided views of one
     projection (with backward when training), and for inference a one-query decode step over the written keys, or
     (decode_step="whole_cache") over a longer cache behind a mask row."""
     T, hs, device, dtype = call.seq_len, call.head_size, call.device_type, call.dtype

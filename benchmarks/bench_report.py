@@ -196,6 +196,10 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     ok = [r for r in rows if r["status"] == "ok"]
     bars = {label: {r["attn"]: r for r in ok if all(r[k] == v for k, v in match.items())}
             for label, match in series.items()}
+    empty = [label for label, by_attn in bars.items() if not by_attn]  # every row failed or was left out
+    if empty and len(empty) < len(bars):  # no legend entry without bars: the title says why it is missing
+        bars = {label: by_attn for label, by_attn in bars.items() if by_attn}
+        title += f"\n{', '.join(empty)}: no row measured (the table says why)"
     groups = [a for a in cfg.attn if any(a in by_attn for by_attn in bars.values())]
     # one row per implementation, top to bottom in the sweep's order: names of any length stay legible side by
     # side (nine under each other, where columns ran into each other), each bar labelled with its value

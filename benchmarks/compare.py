@@ -303,7 +303,8 @@ def print_comparison(comparison: Comparison, report: dict) -> None:
         column: (lambda r, dt=dt, i=i: f"{r[dt][0]:.2e}" if i == 0 else str(r[dt][1])) for dt in dts
         for i, column in enumerate((f"{short[dt]} max|dy|", f"{short[dt]} allclose"))}}))
     print("(the post's Appendix A: the same attention scaled in different places rounds differently; allclose is "
-          "torch.allclose's default rtol 1e-5, atol 1e-8, so False at ~1e-7 is rounding, not other attention)")
+          "torch.allclose's default rtol 1e-5, atol 1e-8, so in fp32 False at 1e-7 to 1e-5, fp32's rounding grown "
+          "over a head's sums, is rounding, not other attention)")
 
 
 def tokens_cell(name: str, gens: dict, first: str) -> str:

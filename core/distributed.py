@@ -117,7 +117,7 @@ def wrap(model: torch.nn.Module, parallel: str, compile: bool, rt) -> torch.nn.M
 
 def wrap_ddp(model: torch.nn.Module, rt) -> torch.nn.Module:
     """DDP without its broadcast of buffers before every forward: the only one (the padded-vocab bias) is derived
-    and alike on every rank (~13 MB at GPT-2 size). torch 2.13 renamed the switch."""
+    and alike on every rank (0.2 MB at GPT-2 size). torch 2.13 renamed the switch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
     no_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}

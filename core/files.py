@@ -72,8 +72,9 @@ def eot_token_of(meta: dict | None) -> int:
 @contextlib.contextmanager
 def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                    advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
-    """The one way files are written here: temporary paths to write, renamed over the real names only when the block
-    finishes without an error, so a crash or a full disk keeps the previous files whole. A failure is one sentence."""
+    """How checkpoints, prepared data and reports are written: temporary paths to write, renamed over the real names
+    only when the block finishes without an error, so a crash or a full disk keeps the previous files whole. A failure
+    is one sentence."""
     out_dir = Path(out_dir)
     tmp = {name: out_dir / f"{name}.tmp" for name in names}
     with errors.held_signals():  # a SIGTERM raises in the block, and its clean-up runs
@@ -178,7 +179,7 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
 
 class OutDirLock:
     """One run per out_dir: flock on out_dir/.lock for the run's life, released by the OS when the process dies.
-    Readers take no lock: every file is renamed into place whole."""
+    Readers take no lock: a checkpoint is renamed into place whole (metrics.jsonl is appended to, line by line)."""
 
     def __init__(self, out_dir: Path, made_dir: bool):
         import fcntl

@@ -81,7 +81,8 @@ def gradient_sync(model: torch.nn.Module, sync: bool):
 @dataclass
 class Trainer:
     """One model's training step: forward and backward per micro-batch (reduced across ranks on the last), gradients
-    unscaled and clipped, each optimizer stepped, gradients dropped. Nothing is read back from the device."""
+    unscaled and clipped, each optimizer stepped, gradients dropped. Nothing is read back from the device but fp16's
+    GradScaler overflow check."""
     model: GPT                               # the weights: what checkpoints, set_attention and MFU read
     optimizers: list[torch.optim.Optimizer]  # AdamW; or Muon and AdamW
     scaler: torch.amp.GradScaler

@@ -147,7 +147,8 @@ def test_sample_py_decides_once_says_so_in_one_line_and_reads_the_decision_back(
             "--max_new_tokens=4", "--device=cpu", "--dtype=float32", f"--json={tmp_path / 's.json'}"]
     assert sample.main(args) == 0
     first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attn=auto: ")]
-    assert len(first) == 1 and "; B=1 T=" in first[0] and ", sampling; measured in " in first[0]
+    # the prompt's 1 token and midway through 4 new ones: a generation's keys and decode steps, not a 1-token call
+    assert len(first) == 1 and "; B=1 T=3 " in first[0] and ", sampling (4 decode steps); measured in " in first[0]
     report = json.loads((tmp_path / "s.json").read_text())
     assert report["attn"] == report["attn_auto"]["attn_auto/pick"] != "auto"  # what ran is what was picked
     assert sample.main(args) == 0

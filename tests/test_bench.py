@@ -671,3 +671,23 @@ def test_an_attention_chart_over_lengths_100x_apart_draws_speedups_per_length_no
     widths = sorted(round(bar.get_width(), 2) for bar in ax.patches)
     assert widths == [1.0, 1.0, 1.56, 3.61]  # no bar is in ms
     plt.close(fig)
+
+
+def test_a_length_with_no_measured_row_has_no_legend_entry_and_the_title_says_why():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    from benchmarks import bench_report
+    cfg = SimpleNamespace(mode="attention", mask=["causal"], attn=["manual", "sdpa"], attn_head_sizes=[32],
+                          attn_seq_lens=[256, 512, 4096])
+    rows = [dict(attn=a, status="ok", seq_len=T, head_size=32, backward=True, ms_per_iter=ms, ms_p25=ms, ms_p75=ms,
+                 speedup_vs_manual=speedup)
+            for a, T, ms, speedup in (("manual", 256, 2.8, 1.0), ("sdpa", 256, 1.8, 1.56), ("manual", 4096, 433.0, 1.0),
+                                      ("sdpa", 4096, 120.0, 3.61))]
+    rows += [dict(attn=a, status="oom", seq_len=512, head_size=32, backward=True) for a in ("manual", "sdpa")]
+    fig, ax = plt.subplots()
+    title = bench_report.ms_chart(ax, rows, cfg)
+    assert title.endswith("\nT=512: no row measured (the table says why)")
+    assert ax.get_legend_handles_labels()[1] == ["T=256", "T=4096"]
+    plt.close(fig)
