@@ -169,7 +169,7 @@ class Attention:
     grad: str = "cpu cuda mps"
     backend: Optional[SDPBackend] = None  # the SDPA kernel it forces (flash: FlashAttention-2, cuDNN's before it)
     picks: bool = False        # SDPA picks the kernel (on Hopper it may pick cuDNN)
-    skips: bool = False        # computes none of what causal attention leaves out
+    skips_future_keys: bool = False  # computes none of the keys causal attention leaves out
     decode: str = ""           # the implementation its decode steps run through, when another
     eager_reference: str = ""  # devices where an eager call runs PyTorch's unfused reference (flex off CUDA)
 
@@ -191,20 +191,21 @@ def sdpa_forcing(backend: SDPBackend, title: str, kernel: str, **record) -> Atte
 IMPLEMENTATIONS = {  # the design card's three first, then SDPA's kernels forced (flash: the fastest), flex and varlen
     "manual": Attention(manual_attention, "the masked softmax", "none"),
     "sdpa_mask": Attention(sdpa_mask_attention, "SDPA with a mask", "flash+efficient+cudnn+math", picks=True),
-    "sdpa": Attention(sdpa_attention, "SDPA", "flash+efficient+cudnn", picks=True, skips=True),
+    "sdpa": Attention(sdpa_attention, "SDPA", "flash+efficient+cudnn", picks=True, skips_future_keys=True),
     "flash": Attention(flash_attention, "the flash kernel", "flash+cudnn", backend=SDPBackend.FLASH_ATTENTION,
-                       dropout="cuda", skips=True),
+                       dropout="cuda", skips_future_keys=True),
     "flash2": sdpa_forcing(SDPBackend.FLASH_ATTENTION, "PyTorch's FlashAttention-2", "flash", devices="cuda",
-                           skips=True),
+                           skips_future_keys=True),
     "efficient": sdpa_forcing(SDPBackend.EFFICIENT_ATTENTION, "the memory-efficient kernel", "efficient",
-                              devices="cuda", skips=True),
-    "cudnn": sdpa_forcing(SDPBackend.CUDNN_ATTENTION, "the cuDNN kernel", "cudnn", devices="cuda", skips=True),
+                              devices="cuda", skips_future_keys=True),
+    "cudnn": sdpa_forcing(SDPBackend.CUDNN_ATTENTION, "the cuDNN kernel", "cudnn", devices="cuda",
+                          skips_future_keys=True),
     "math": sdpa_forcing(SDPBackend.MATH, "the math kernel", "math"),
     "flex": Attention(flex_causal_attention, "FlexAttention", "flex", ops=("FlexAttentionAutogradOp", FLEX_REGION),
                       mask="block", dropout="", grad="cuda", eager_reference="cpu mps"),
     "varlen": Attention(varlen_attention, "varlen_attn", "varlen",
-                        ops=("torch_attn::_varlen_attn",), mask="packed", devices="cuda", dropout="", skips=True,
-                        decode="sdpa"),
+                        ops=("torch_attn::_varlen_attn",), mask="packed", devices="cuda", dropout="",
+                        skips_future_keys=True, decode="sdpa"),
 }
 
 

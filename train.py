@@ -220,7 +220,7 @@ class TrainingRun:
 
 def banner(cfg: Settings, rt: Runtime, model: GPT) -> str:
     """The run's first line: the model, attention, precision, device, and how the ranks split the work."""
-    muon = f", Muon's Newton-Schulz in {rt.orthogonalize}" if cfg.optimizer == "muon" else ""
+    muon = f", Muon's Newton-Schulz in {rt.muon_dtype}" if cfg.optimizer == "muon" else ""
     ranks = f"{rt.world_size} ranks under {'DDP' if cfg.parallel == 'ddp' else 'FSDP2'}" if rt.is_distributed else \
         "world size 1"
     kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
@@ -386,7 +386,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
-                  "resolved_muon_dtype": rt.orthogonalize if cfg.optimizer == "muon" else None,
+                  "resolved_muon_dtype": rt.muon_dtype if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)

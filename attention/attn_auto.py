@@ -141,7 +141,7 @@ def numerics_problem(output: torch.Tensor, data: dict, w: Workload, reference_fn
 
 # -- measuring and choosing -----------------------------------------------------------------------------------
 
-def seconds_of(attn: str, call: Callable[[], object], rt: Runtime) -> float:
+def time_candidate(attn: str, call: Callable[[], object], rt: Runtime) -> float:
     """One timed call of candidate `attn`, its device work included."""
     return time_call(call, rt)[1]
 
@@ -175,7 +175,7 @@ def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float) ->
     # as many rounds as the budget left holds (by the warm-up's times), at least one and at most MAX_ROUNDS
     per_round = sum(spent.get(a, 0.0) for a in calls) or 1e-3
     rounds = max(1, min(MAX_ROUNDS, int((budget_s - (time.perf_counter() - started)) / per_round)))
-    times = runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * seconds_of(attn, calls[attn], rt))
+    times = runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * time_candidate(attn, calls[attn], rt))
     for attn, ms in times.items():
         rows[attn]["ms"] = sorted(ms)[len(ms) // 2]
     ran = [r for r in rows.values() if r["status"] == "ok"]

@@ -54,7 +54,7 @@ def cudnn_mask_hazard(impl, needs_grad: bool, masked: bool, seq_len: int, capabi
     past a multiple of 128 and a row's logsumexp is very negative. A forced `cudnn` row meets it; `sdpa` and
     `sdpa_mask` meet it where SDPA picks cuDNN for a masked call (torch 2.13 prefers cuDNN newer than 9.15 on
     compute capability 9.x and 10.x, and its checks look at the mask's shape only). The sentence, or None."""
-    explicit_mask = masked or (impl.picks and not impl.skips)  # SDPA handed a causal mask (sdpa_mask)
+    explicit_mask = masked or (impl.picks and not impl.skips_future_keys)  # SDPA handed a causal mask (sdpa_mask)
     if not (needs_grad and explicit_mask and seq_len % 128 == 64):
         return None
     picks_cudnn = "cudnn" in impl.kernels.split("+") and (impl.backend == SDPBackend.CUDNN_ATTENTION
@@ -140,9 +140,9 @@ def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def probe(impl, call: AttnCall) -> Optional[str]:
-    """Run the implementation `impl` on what the model passes it (kernels' limits differ between layouts): q, k, v as strided views of one
-    projection (with backward when training), and for inference a one-query decode step over the written keys, or
-    (decode_step="whole_cache") over a longer cache behind a mask row."""
+    """Run the implementation `impl` on what the model passes it (kernels' limits differ between layouts): q, k, v as
+    strided views of one projection (with backward when training), and for inference a one-query decode step over
+    the written keys, or (decode_step="whole_cache") over a longer cache behind a mask row."""
     T, hs, device, dtype = call.seq_len, call.head_size, call.device_type, call.dtype
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
     # forward: in exactly `dtype` whatever autocast says, with gradients when training whatever no_grad says

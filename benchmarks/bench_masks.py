@@ -62,7 +62,7 @@ def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int, devi
     impl = IMPLEMENTATIONS[attn]
     if impl.mask == "block":  # flex: the blocks its BlockMask keeps
         computed = block_fraction(masks.block_mask(None if docs is None else docs.to(device), window, T, device))
-    elif impl.mask == "packed" or (impl.skips and causal):
+    elif impl.mask == "packed" or (impl.skips_future_keys and causal):
         computed = visible
     else:
         computed = 1.0

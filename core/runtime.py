@@ -189,7 +189,7 @@ class Runtime:
     resolve_runtime, asked by every script."""
     device: str  # "cpu", "cuda:N" or "mps"
     dtype: str   # a key of DTYPES: the autocast dtype, or float32 for none
-    orthogonalize: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 only where it is native)
+    muon_dtype: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 only where it is native)
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -271,7 +271,7 @@ class Runtime:
 
     @property
     def orthogonalize_dtype(self) -> torch.dtype:
-        return DTYPES[self.orthogonalize]
+        return DTYPES[self.muon_dtype]
 
     def memory_metrics(self) -> dict:
         """Memory for the training log: on CUDA the peak of tensor memory (bench.py's mem/peak_gb); a CPU has no such
@@ -284,7 +284,7 @@ class Runtime:
         return {"mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9}
 
 
-def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: str = "auto",
+def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str = "auto",
                     distributed: bool = False) -> Runtime:
     """The one place device, autocast dtype and Muon's dtype are decided (bf16_native says where each picks bf16); a
     cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first."""
@@ -300,9 +300,9 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", orthogonalize: st
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     kind = device.split(":")[0]
-    if orthogonalize == "auto":
-        orthogonalize = "bfloat16" if bf16_native(kind) else "float32"
-    return Runtime(device, pick_dtype(dtype, device), orthogonalize, rank, local_rank, world_size)
+    if muon_dtype == "auto":
+        muon_dtype = "bfloat16" if bf16_native(kind) else "float32"
+    return Runtime(device, pick_dtype(dtype, device), muon_dtype, rank, local_rank, world_size)
 
 
 def compile_isolated(fn, recompile_limit: int = 8, **compile_options):

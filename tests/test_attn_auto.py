@@ -28,7 +28,7 @@ def workload(training=True, seq_len=64, **config) -> Workload:
 def fake_clock(monkeypatch, ms: dict) -> None:
     """The seconds each implementation 'takes', whatever it really does (its call still runs once, untimed, for
     the numerics check)."""
-    monkeypatch.setattr(attn_auto, "seconds_of", lambda attn, call, rt: ms[attn] / 1e3)
+    monkeypatch.setattr(attn_auto, "time_candidate", lambda attn, call, rt: ms[attn] / 1e3)
 
 
 @pytest.mark.slow  # multi-second end to end: the whole suite runs it
@@ -100,7 +100,7 @@ def test_a_cached_decision_whose_rows_lack_their_timings_is_a_note_and_a_fresh_m
 
 def test_the_budget_bounds_the_rounds(monkeypatch):
     calls = []
-    monkeypatch.setattr(attn_auto, "seconds_of", lambda attn, call, rt: calls.append(attn) or 0.1)  # 100 ms each
+    monkeypatch.setattr(attn_auto, "time_candidate", lambda attn, call, rt: calls.append(attn) or 0.1)  # 100 ms each
     attn_auto.measure(workload(training=False), CPU, IMPLEMENTATIONS, budget_s=0.01)
     rounds = len(calls) // len(set(calls))
     assert rounds == 1 and len(calls) % len(set(calls)) == 0  # at least one round, whatever the budget
@@ -163,7 +163,7 @@ def decide_on_rank(rank: int, folder: str) -> None:
     try:
         rt = Runtime("cpu", "float32", rank=rank, local_rank=rank, world_size=2)
         ms = FAKE_MS if rank == 0 else {**FAKE_MS, "manual": 0.1}
-        attn_auto.seconds_of = lambda attn, call, rt: ms[attn] / 1e3  # this spawned process's own clock and cache
+        attn_auto.time_candidate = lambda attn, call, rt: ms[attn] / 1e3  # this spawned process's own clock and cache
         attn_auto.cache_file = lambda: Path(folder) / f"cache{rank}.json"
         decision = attn_auto.choose_across_ranks(workload(), rt, IMPLEMENTATIONS, 1.0)
         (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"pick": decision.pick, "line": decision.line()}))

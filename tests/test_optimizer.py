@@ -144,8 +144,8 @@ def test_muon_iterates_in_bf16_only_where_bf16_is_native(monkeypatch, device_typ
     monkeypatch.setattr(runtime, "pick_device", lambda device: "cuda:0" if device_type == "cuda" else "cpu")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     rt = runtime.resolve_runtime(device_type, "float32")
-    assert rt.orthogonalize == wanted
-    assert runtime.resolve_runtime(device_type, "float32", "bfloat16").orthogonalize == "bfloat16"  # a setting wins
+    assert rt.muon_dtype == wanted
+    assert runtime.resolve_runtime(device_type, "float32", "bfloat16").muon_dtype == "bfloat16"  # a setting wins
     cfg = train.configure(vars(train), ["--optimizer=muon"], train.LIMITS)
     muon, _ = train.make_optimizers(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)), cfg,
                                     rt)
