@@ -31,8 +31,10 @@ QUIET_RANK_PAUSE_S = 1.0  # torchrun looks every 0.1 s: rank 0 ends first, and i
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (what schedulers, `timeout` and torchrun send) during a write held_signals guards, raised where Ctrl-C
-    raises KeyboardInterrupt, so the same clean-up runs (temporary files removed, half-written checkpoints dropped)."""
+    """SIGTERM (what schedulers, `timeout` and torchrun send) during a write deferred_signals guards, raised as Ctrl-C
+    raises KeyboardInterrupt, so the same clean-up runs (temporary files removed, half-written checkpoints dropped).
+    Elsewhere SIGTERM keeps its default action: the process ends at once, even while it waits in C (a device wait
+    behind a dead peer's collective, a long matmul), which no Python handler could."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -69,13 +71,6 @@ def uninterrupted():
     return handlers({s: signal.SIG_IGN for s in STOP_SIGNALS})
 
 
-def held_signals():
-    """Across a write that must end whole or not at all, SIGTERM raises Terminated once Python runs again, so the
-    write's clean-up runs. Everywhere else SIGTERM keeps its default action: the process ends at once, even while
-    it waits in C (a device wait behind a dead peer's collective, a long matmul), which no Python handler could."""
-    return handlers({signal.SIGTERM: _stop_once(Terminated)})
-
-
 class Deferred:
     """The Ctrl-C or SIGTERM that arrived inside deferred_signals, as the exception it would have raised."""
     pending: KeyboardInterrupt | None = None
@@ -88,15 +83,14 @@ def deferred_signals() -> Iterator[Deferred]:
     it can stop cleanly, and whatever is still pending is raised on the way out."""
     deferred = Deferred()
 
-    def note(signum, frame):
-        deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-        for s in STOP_SIGNALS:  # a second one ends the process at once, as _stop_once's does
-            signal.signal(s, signal.SIG_DFL)
+    def note(signum, frame):  # the first is the one raised; the write it waits for is short
+        if deferred.pending is None:
+            deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
     try:
         with handlers({s: note for s in STOP_SIGNALS}):
             yield deferred
     finally:
-        if deferred.pending is not None:  # stopped, as by _stop_once: a second signal ends the process
+        if deferred.pending is not None:  # stopping: a second signal ends the process
             for s in STOP_SIGNALS:
                 signal.signal(s, signal.SIG_DFL)
     if deferred.pending is not None:

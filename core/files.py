@@ -77,13 +77,17 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
     is one sentence."""
     out_dir = Path(out_dir)
     tmp = {name: out_dir / f"{name}.tmp" for name in names}
-    with errors.held_signals():  # a SIGTERM raises in the block, and its clean-up runs
+    # a Ctrl-C or SIGTERM in the block is noted and raised at its end, before any rename (raised inside a writer
+    # called from C, torch.save's, it would read as a failed write); a second one ends the process at once
+    with errors.deferred_signals() as stop:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             yield tmp
             for name, path in tmp.items():
                 if not path.exists():
                     raise RuntimeError(f"staged output {path} was never written")
+            if stop.pending is not None:
+                raise stop.pending
         except BaseException as e:
             with errors.uninterrupted():  # a second Ctrl-C waits the moment this takes
                 for path in tmp.values():
@@ -96,7 +100,7 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                 raise UserError(f"could not write {what or f'to {out_dir}'} ({e.strerror or e}); {kept_text} - "
                                 f"{advice}.") from None
             raise
-        for name, path in tmp.items():
+        for name, path in tmp.items():  # a signal from here on is raised once the new files are in place
             durable(path)  # the new bytes on disk before they replace the old: a node crash keeps one or the other
             os.replace(path, out_dir / name)
         durable(out_dir)  # and the renames
