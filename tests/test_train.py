@@ -580,3 +580,22 @@ def test_the_log_line_writes_tokens_per_s_as_a_plain_number(tmp_path, capsys):
     assert capsys.readouterr().out == ("iter 10  train/loss 1.5  ms_per_iter 114.8  tokens_per_s 17,834  "
                                        "mfu 1.23%\n")
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["tokens_per_s"] == 17834.2  # the file: exact
+
+
+def test_every_start_up_problem_of_a_command_is_said_at_once_with_the_cpu_recipe_for_a_gpu_sized_model(
+        char_data, tmp_path):
+    """The design card's command on a CPU met its problems one run at a time (wandb, then the data, ...): one line
+    now names them all, and on a CPU a GPU-sized model's line names the command that runs here."""
+    args = ["config/train_gpt2.py", "--wandb_log=False", "--async_save=True", "--device=cpu",
+            f"--out_dir={tmp_path / 'out'}"]
+    with pytest.raises(UserError) as refused:
+        train.main(args)
+    said = str(refused.value)
+    assert said.startswith("2 problems: (1) async_save=True writes sharded checkpoints only; add "
+                           "--checkpoint_format=sharded. (2) dataset 'openwebtext' is not prepared")
+    assert said.endswith(f"(this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU "
+                         f"recipe is {train.CPU_COMMAND})")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match=r"^async_save=True writes sharded checkpoints only; add "
+                                        r"--checkpoint_format=sharded\.$"):  # one problem, a small model: as before
+        train.main(TINY + ["--async_save=True", f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}"])
