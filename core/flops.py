@@ -128,17 +128,20 @@ def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
 def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:
     """The best bytes/s of `repeats` rounds of reading `size` bytes, two ways (a sum, and the batch-1 matmul that
     decoding does), among the rounds run alone; None if none was."""
-    rows = 4096
+    rows, passes = 4096, max(1, 2 ** 26 // size)  # a small buffer read again and again: a round of 64 MiB or more
     data = torch.ones(rows, size // 4 // rows, device=rt.device)  # fp32: (rows, size / rows / 4)
     x = torch.ones(1, rows, device=rt.device)
     rates = []
-    for read in (lambda: data.sum(), lambda: x @ data):
+    for one in (lambda: data.sum(), lambda: x @ data):
+        def read(one=one):
+            for _ in range(passes):
+                one()
         read()  # the first call pays for setup
         for _ in range(repeats):
             cpu = time.process_time()
             _, seconds = runtime.time_call(read, rt)
             if rt.is_cuda or cpu_share(time.process_time() - cpu, seconds) >= ALONE:
-                rates.append(size / seconds)
+                rates.append(size * passes / seconds)
     return max(rates, default=None)
 
 
