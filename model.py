@@ -663,18 +663,12 @@ class KVCache(nn.Module):
             start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
             return span_mask(form, start, end, self.block_size)
         # eagerly the host knows the position: the step reads the keys it sees, in a span rounded up to a multiple of
-        # DECODE_BLOCK with the rest masked, so attention meets a bounded set of shapes (cuDNN builds a plan per shape)
-        end = self.length + 1
-        first, lo, hi = decode_span(end, self.window, self.block_size)
-        self.length = end
-        if not self.takes_mask(attn):  # CUDA's flash takes no mask, and its kernel has no per-shape plan
-            self.keys = slice(first, end)
-            return None
-        self.keys = slice(lo, hi)
-        starts = torch.full((1,), first - lo, device=idx.device)  # (1,): fills, not copies from the host
-        if self.doc_start is not None:  # documents: each row from its own start
-            starts = (self.doc_start - lo).clamp(min=first - lo)  # (B,)
-        return span_mask(form, starts, torch.full((1,), end - lo, device=idx.device), hi - lo, self.dtype)
+        # 128 with the rest masked, so attention meets a bounded set of shapes (cuDNN builds a plan per shape)
+        from attention.masks import decode_step
+        self.length += 1
+        self.keys, mask = decode_step(form, self.length, self.window, self.block_size, self.takes_mask(attn),
+                                      idx.device, self.dtype, self.doc_start)
+        return mask
 
     def takes_mask(self, attn: str) -> bool:  # whether attn's decode step takes a mask row, asked once per attn
         if attn not in self.masked_decode:
@@ -688,18 +682,6 @@ class KVCache(nn.Module):
         self.length, self.keys = 0, slice(None)
         if self.doc_start is not None:
             self.doc_start.zero_()
-
-
-DECODE_BLOCK = 128  # an eager decode step's key span is a multiple of this (or the whole cache)
-
-
-def decode_span(end: int, window: int, block_size: int) -> tuple[int, int, int]:
-    """A decode step at position end - 1 sees keys [first, end) and reads cache positions [lo, hi) around them: a
-    multiple of DECODE_BLOCK (or the whole cache), so at most block_size / DECODE_BLOCK + 1 lengths in a generation."""
-    first = max(0, end - window) if window else 0
-    length = min(-(-(end - first) // DECODE_BLOCK) * DECODE_BLOCK, block_size)
-    lo = max(0, min(first, block_size - length))
-    return first, lo, lo + length
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],

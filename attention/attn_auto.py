@@ -21,7 +21,7 @@ from core.errors import UserError
 from core.flops import cache_folder
 from core import files, runtime
 from core.runtime import Runtime, compile_isolated, time_call
-from attention.kernels import AttnCall, attention_pass, attention_problem
+from attention.kernels import AttnCall, attention_pass, attention_problem, decodes_with_mask
 
 FALLBACK = "sdpa"  # what runs when measuring fails: PyTorch's own choice
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |y - ref| / max |ref| (fp32: TF32 on CUDA)
@@ -100,11 +100,12 @@ def inputs(w: Workload, device: str, seed: int = 0) -> dict:
     return dict(q=q, k=k, v=v, docs=docs)
 
 
-def attention_call(fn: Callable, form: str, w: Workload, data: dict) -> Callable[[], torch.Tensor]:
+def attention_call(fn: Callable, form: str, w: Workload, data: dict, takes_mask: bool = False
+                   ) -> Callable[[], torch.Tensor]:
     """One timed call of `fn` (an implementation's, maybe compiled; `form`: its mask's): forward and backward for
-    training; for sampling a prefill and as many decode steps over exactly the T keys as the text has new tokens
-    (eager decoding reads a span rounded up to 128 keys behind a mask row instead: close, not the same). Returns the
-    prefill's or the forward's output."""
+    training; for sampling a prefill and as many decode steps at position T as the text has new tokens, each handed
+    what an eager decode step hands it (attention/masks.py's decode_step; `takes_mask`: whether it takes a mask row).
+    Returns the prefill's or the forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
     mask = None
     if w.documents or w.window:
@@ -114,12 +115,17 @@ def attention_call(fn: Callable, form: str, w: Workload, data: dict) -> Callable
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         return attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
     prefill = attention_pass(fn, q, k, v, mask, 0.0, backward=False)
-    decode_step = attention_pass(fn, q[:, :, -1:], k, v, None, 0.0, backward=False)
+    from attention.masks import decode_step
+    B, nh, T, hs = k.shape
+    cache = torch.zeros(2, B, nh, max(T, w.block_size), hs, dtype=k.dtype, device=k.device)  # k|v, a KV cache
+    cache[0, :, :, :T], cache[1, :, :, :T] = k, v
+    keys, row = decode_step(form, T, w.window, max(T, w.block_size), takes_mask, q.device, q.dtype)
+    decode = attention_pass(fn, q[:, :, -1:], cache[0, :, :, keys], cache[1, :, :, keys], row, 0.0, backward=False)
 
     def sample_step() -> torch.Tensor:
         y = prefill()
         for _ in range(max(1, w.new_tokens)):
-            decode_step()
+            decode()
         return y
     return sample_step
 
@@ -158,7 +164,9 @@ def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float) ->
         problem = attention_problem(attn, call, fn)
         rows[attn] = dict(attn=attn, status="refused" if problem else "ok", ms=None, ratio=None, reason=problem)
         if problem is None:
-            calls[attn] = attention_call(compiled(fn.fn), fn.mask, w, data)
+            takes_mask = not w.training and decodes_with_mask(attn, fn, rt.device_type, getattr(torch, w.dtype),
+                                                              w.head_size)
+            calls[attn] = attention_call(compiled(fn.fn), fn.mask, w, data, takes_mask)
     spent = {}
     for attn, call in list(calls.items()):  # warm-up (compiles) and the numerics check, untimed by the rounds
         try:

@@ -166,8 +166,11 @@ def probe(impl, call: AttnCall) -> Optional[str]:
                     docs = (torch.arange(T, device=device) >= T // 2).long()[None]  # (1, T): two documents
                     mask = mask_form(impl.mask, docs, T // 4, 1, T, device)
                 attention_pass(impl, q, k, v, mask, call.dropout_p, call.needs_grad)()
-                if not call.needs_grad and call.decode_step:
-                    impl(q[:, :, -1:], cache[:1, :, :T], cache[1:, :, :T], None, 0.0)
+                if not call.needs_grad and call.decode_step:  # an eager decode step at position T, as it runs
+                    from attention.masks import decode_step
+                    takes_mask = probe(impl, whole_cache_call(device, dtype, hs)) is None  # as decodes_with_mask
+                    keys, row = decode_step(impl.mask, T, 0, T + 8, takes_mask, device, dtype)
+                    impl(q[:, :, -1:], cache[:1, :, keys], cache[1:, :, keys], row, 0.0)
         except (RuntimeError, NotImplementedError) as e:
             reason = refusal_reason([str(w.message) for w in caught], impl.backend) or str(e).splitlines()[0]
             return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
@@ -176,9 +179,13 @@ def probe(impl, call: AttnCall) -> Optional[str]:
 
 def decodes_with_mask(attn: str, impl, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `attn` takes a mask row for a decode step over the whole cache, as a compiled decode step (one shape at
-    every position) needs. CUDA's flash takes none."""
-    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="whole_cache")
-    return attention_problem(attn, call, impl) is None
+    every position) needs, and an eager one reads its span with (attention/masks.py's decode_step). FlashAttention-2
+    takes none."""
+    return attention_problem(attn, whole_cache_call(device_type, dtype, head_size), impl) is None
+
+
+def whole_cache_call(device_type: str, dtype: torch.dtype, head_size: int) -> AttnCall:
+    return AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="whole_cache")
 
 
 def refuse_unless_runs(attn: str, call: AttnCall, implementations: dict, problem: Optional[str] = None) -> None:

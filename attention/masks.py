@@ -7,6 +7,7 @@ One rule, `allowed`, in the form each implementation takes (mask_form picks it, 
     block_mask      a FlexAttention BlockMask: blocks where nothing is allowed are skipped
     varlen_packing  the documents as varlen_attn's cu_seqlens (and the window as its window_size)
     span_mask       a decode step's visible keys: a row over the cache, or a score mod for flex
+    decode_step     what one eager decode step hands attention: the cache positions it reads and span_mask over them
 
 Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
 """
@@ -133,3 +134,30 @@ def span_mask(form: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dt
         r = b if per_row else 0
         return torch.where((kv_idx >= first[r]) & (kv_idx < first[r] + length[r]), score, -float("inf"))
     return visible
+
+
+DECODE_BLOCK = 128  # an eager decode step's key span is a multiple of this (or the whole cache)
+
+
+def decode_span(end: int, window: int, block_size: int) -> tuple[int, int, int]:
+    """A decode step at position end - 1 sees keys [first, end) and reads cache positions [lo, hi) around them: a
+    multiple of DECODE_BLOCK (or the whole cache), so at most block_size / DECODE_BLOCK + 1 lengths in a generation."""
+    first = max(0, end - window) if window else 0
+    length = min(-(-(end - first) // DECODE_BLOCK) * DECODE_BLOCK, block_size)
+    lo = max(0, min(first, block_size - length))
+    return first, lo, lo + length
+
+
+def decode_step(form: str, end: int, window: int, block_size: int, takes_mask: bool, device,
+                dtype: Optional[torch.dtype] = None, doc_start: Optional[torch.Tensor] = None):
+    """What an eager decode step at position end - 1 hands attention, made once for every layer (KVCache.step) and
+    the same where it is probed (attention/kernels.py) and timed (attn=auto): (the cache positions it reads, the mask
+    over them). An implementation that takes a mask row reads decode_span's span behind one, each row from its
+    document's start (doc_start (B,)); one that takes none (FlashAttention-2) reads exactly the keys it sees."""
+    first, lo, hi = decode_span(end, window, block_size)
+    if not takes_mask:
+        return slice(first, end), None
+    starts = torch.full((1,), first - lo, device=device)  # (1,): fills, not copies from the host
+    if doc_start is not None:  # documents: each row from its own start
+        starts = (doc_start - lo).clamp(min=first - lo)  # (B,)
+    return slice(lo, hi), span_mask(form, starts, torch.full((1,), end - lo, device=device), hi - lo, dtype)

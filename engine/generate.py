@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
-from model import GPT, decode_span, decode_tokens, last_logits
+from attention.masks import decode_span
+from model import GPT, decode_tokens, last_logits
 
 QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only
 
@@ -78,7 +79,7 @@ def draw_samples(decoder: Decoder, prompt: list[int], rt: runtime.Runtime, sampl
 
 
 def span_warmups(model: GPT, prompt_len: int, new_tokens: int) -> list[int]:
-    """Prompt lengths whose first decode step meets each key span (model.decode_span) that a generation of new_tokens
+    """Prompt lengths whose first decode step meets each key span (attention/masks.py's decode_span) that a generation of new_tokens
     after prompt_len tokens will read, and block_size if it refills past it: on a GPU each span can be a kernel plan
     built on first use (cuDNN's), which the timed run must not pay for."""
     block_size, window = model.config.block_size, model.config.window

@@ -274,3 +274,36 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
     assert torch.allclose(model.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)
     if docs is not None:  # one sequence per document: rows 0 and 1 hold 4 each
         assert packing.cu_seqlens.tolist() == [0, 5, 6, 25, 48, 65, 88, 96]
+
+
+def test_one_function_builds_what_a_decode_step_hands_attention_where_it_runs_is_probed_and_is_timed(monkeypatch):
+    """KVCache.step, the kernel probe and attn=auto's timing all hand attention what masks.decode_step builds, so
+    what is probed and timed is what runs (the warm-ups meet its spans through the same decode_span)."""
+    import functools as ft
+    from attention import attn_auto, kernels
+    from model import IMPLEMENTATIONS, GPT, GPTConfig
+    from core.runtime import Runtime
+    calls = []
+    real = masks.decode_step
+
+    @ft.wraps(real)
+    def recorded(form, end, window, block_size, takes_mask, device, dtype=None, doc_start=None):
+        keys, row = real(form, end, window, block_size, takes_mask, device, dtype, doc_start)
+        calls.append((form, end, keys, row is not None))
+        return keys, row
+    monkeypatch.setattr(masks, "decode_step", recorded)
+    kernels.attention_problem.cache_clear()
+    model = GPT(GPTConfig(block_size=160, vocab_size=11, n_layer=1, n_head=2, n_embd=32, attn="sdpa")).eval()
+    model.generate(torch.zeros(1, 130, dtype=torch.long), 3, temperature=0.0)  # a prefill, decode steps at 130, 131
+    ran = [c for c in calls if c[1] in (131, 132)]
+    assert ran == [("dense", 131, slice(0, 160), True), ("dense", 132, slice(0, 160), True)]  # 2 x 128 > 160: all
+    calls.clear()
+    kernels.attention_problem.cache_clear()
+    assert kernels.attention_problem("sdpa", kernels.AttnCall("cpu", torch.float32, 16), IMPLEMENTATIONS["sdpa"]) \
+        is None
+    assert calls == [("dense", 64, slice(0, 72), True)]  # the probe's step at position 64 of a 72-key cache
+    calls.clear()
+    w = attn_auto.Workload("cpu", torch.__version__, 1, 24, 64, 2, 16, "float32", False, 0, 0.0, False, False, 3)
+    attn_auto.attention_call(IMPLEMENTATIONS["manual"].fn, "dense", w, attn_auto.inputs(w, "cpu"), True)
+    assert calls == [("dense", 24, slice(0, 64), True)]  # attn=auto's decode steps: the same function
+    kernels.attention_problem.cache_clear()
