@@ -383,7 +383,8 @@ class GPT(nn.Module):
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         cache = None if input_pos is None else self.cache
         if not torch.compiler.is_compiling():  # a trace cannot run the probe: set_attention checked what it traces
-            self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T)
+            self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T,
+                                 decoding=input_pos is not None)
         pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
         mask = self._attention_mask(idx, cache, input_pos)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
@@ -425,16 +426,19 @@ class GPT(nn.Module):
         return doc_window_mask(self.config, IMPLEMENTATIONS[self.config.attn].mask, idx)
 
     def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
-                        problem: Optional[str] = None) -> None:
-        """Once per new set of facts: whether the implementation runs here, else one sentence naming what does
-        (training is checked with its backward, at its own length; inference at block_size)."""
-        key = (self.config.attn, device_type, dtype, training, seq_len if training else 0)
+                        problem: Optional[str] = None, decoding: bool = True) -> None:
+        """Once per new set of facts: whether the implementation runs here, else one error line naming what does
+        (training is checked with its backward, at its own length; inference at block_size, with a decode step unless
+        `decoding` is False: a forward without a KV cache, an evaluation's)."""
+        decoding = decoding and not training
+        key = (self.config.attn, device_type, dtype, training, seq_len if training else 0, decoding)
         if key in self.checked and problem is None:
             return
         from attention.kernels import AttnCall, refuse_unless_runs  # the one decision, and the refusal's sentence
         call = AttnCall(device_type, dtype, self.config.head_size, needs_grad=training,
                         dropout_p=self.config.dropout if training else 0.0,
-                        seq_len=seq_len if training else self.config.block_size, masked=self.config.masked)
+                        seq_len=seq_len if training else self.config.block_size, masked=self.config.masked,
+                        decode_step=decoding)
         refuse_unless_runs(self.config.attn, call, IMPLEMENTATIONS, problem)
         self.checked.add(key)
 

@@ -49,7 +49,7 @@ def read_meta(data_dir: Path) -> dict | None:
 
 def token_file(path: Path, at_least: int = 1, fix: str = "") -> np.memmap:
     """A .bin file's token ids, read in place; a file that is not whole uint16 tokens, or holds fewer than
-    `at_least` of them, is one sentence (`fix`: what to do about too few, when the caller knows better)."""
+    `at_least` of them, is one error line (`fix`: what to do about too few, when the caller knows better)."""
     size = path.stat().st_size
     if size % TOKEN_BYTES:
         raise UserError(f"{path} is {size:,} bytes, not a whole number of uint16 tokens; it is truncated or not a "
@@ -74,7 +74,7 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                    advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
     """How checkpoints, prepared data and reports are written: temporary paths to write, renamed over the real names
     only when the block finishes without an error, so a crash or a full disk keeps the previous files whole. A failure
-    is one sentence."""
+    is one error line."""
     out_dir = Path(out_dir)
     tmp = {name: out_dir / f"{name}.tmp" for name in names}
     # a Ctrl-C or SIGTERM in the block is noted and raised at its end, before any rename (raised inside a writer

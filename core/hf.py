@@ -30,7 +30,7 @@ HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none
 
 
 def gelu_of(hf_config: dict, source: str) -> str:
-    """The GELU a GPT-2 config names, or one sentence on a config this model cannot reproduce."""
+    """The GELU a GPT-2 config names, or one error line on a config this model cannot reproduce."""
     activation = hf_config.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:
         raise UserError(f"{source} uses activation_function={activation!r}; this GPT-2 reads only "

@@ -71,7 +71,7 @@ class Checkpoint:
         """`settings` as a resume of this checkpoint runs them: the weights' shape, and attn=auto's decision
         (`attn_auto_saved`). `typed`: where each setting was set (configure's Settings.typed). A shape setting typed
         on the command line that differs from the checkpoint, another optimizer, or a dataset whose ids mean other
-        text, is one sentence; one from a config file gives way to the checkpoint, with a note (nanoGPT's habit)."""
+        text, is one error line; one from a config file gives way to the checkpoint, with a note (nanoGPT's habit)."""
         optimizer = self.settings.get("optimizer", "adamw")
         if optimizer != settings["optimizer"]:
             raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")

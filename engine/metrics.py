@@ -63,7 +63,7 @@ class MetricsLog:
             try:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
-            except OSError as e:  # a full disk: the line above was printed; the run stops with one sentence
+            except OSError as e:  # a full disk: the line above was printed; the run stops with one error line
                 raise UserError(f"could not append to {self.path} ({e.strerror or e}); the run stops, its last "
                                 f"checkpoint kept - free disk space or pass --out_dir= another folder.") from None
         if self.wandb is not None:

@@ -1,5 +1,5 @@
 """
-Reading a checkpoint of this project or nanoGPT's: the one path sample, export and a resume take, for every format
+Reading a checkpoint of this project or nanoGPT's: what sample, export and a resume all call, for every format
 (ckpt.pt, a sharded step read through DCP, nanoGPT's ckpt.pt). A sharded resume's tensors are read in place later,
 by tools/sharded.py; Hugging Face's files are core/hf.py's. And what an out_dir holds, which a new run claims only when
 it holds no other run's.
@@ -32,7 +32,7 @@ def describe_checkpoint(path: Path) -> str:
 
 def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | None = None) -> Checkpoint:
     """The checkpoint at `path` (ckpt.pt, or out_dir's newer sharded step; a step folder named directly), on the CPU,
-    or one sentence on why not. `for_training`: it must hold what resuming needs; `data_dir`: where nanoGPT's meta.pkl
+    or one error line on why not. `for_training`: it must hold what resuming needs; `data_dir`: where nanoGPT's meta.pkl
     is looked for first."""
     path = Path(path)
     shards = sharded_folder(path)
@@ -75,7 +75,7 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
 
 
 def check_shapes(contents: dict, path: Path) -> None:
-    """A damaged checkpoint is one sentence, not a traceback where it is loaded: its model_config must be a model
+    """A damaged checkpoint is one error line, not a traceback where it is loaded: its model_config must be a model
     GPTConfig accepts, and its weights and optimizer state (where read) must have that model's names and shapes."""
     damaged = f"{path} is damaged: its"
     fix = "restore it from a copy or train again"

@@ -1,5 +1,5 @@
 """Bad input and faults: nothing a user types costs them data (checkpoints, prepared datasets), and every mistake
-is one sentence that says what was wrong and what to do. Run in process through each script's main(argv)."""
+is one error line that says what was wrong and what to do. Run in process through each script's main(argv)."""
 
 import json
 import os

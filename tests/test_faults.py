@@ -1,7 +1,7 @@
 """Faults in what the newest features read and write, met as a failing disk or a new user would meet them: a damaged
 sharded checkpoint (through every reader), a decision cache or a measured-peak cache that is not what the project
 wrote, a bad mask setting in bench, a measuring tool's settings, an OS error under an asynchronous save. The promise
-is the scripts' own: one sentence that names what is wrong and a next step that can work, and nothing on disk lost.
+is the scripts' own: one error line that names what is wrong and a next step that can work, and nothing on disk lost.
 """
 
 import errno
@@ -281,7 +281,7 @@ def test_a_checkpoint_save_that_meets_a_full_disk_at_any_write_is_one_sentence_a
 
 def test_a_full_disk_at_metrics_jsonl_or_the_lock_file_is_one_sentence(char_data, tmp_path, monkeypatch):
     """The out_dir's lock takes the run's pid line on a best-effort basis (the lock is the flock, not the line);
-    metrics.jsonl's append is one sentence, not OSError's traceback."""
+    metrics.jsonl's append is one error line, not OSError's traceback."""
     import builtins
     real_open = builtins.open
 

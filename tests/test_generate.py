@@ -189,7 +189,7 @@ def test_batched_prompts_give_each_prompt_its_own_tokens():
 
 def test_a_kernel_without_masks_decodes_exactly_the_written_positions(monkeypatch):
     """CUDA's flash kernel takes no mask: eager decoding reads the written positions alone, with no mask (so any
-    kernel runs it), and a compiled decode step, which needs one, is refused with one sentence (run here by making
+    kernel runs it), and a compiled decode step, which needs one, is refused with one error line (run here by making
     CPU flash claim what CUDA's does)."""
     model = small_model("flash")
     expected = Decoder(model).generate(prompts(), 20, temperature=0.0, use_cache=False)

@@ -286,7 +286,7 @@ def documents_on_cuda(T: int = 1024, eot: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("mask", [dict(doc_mask=True), dict(window=128), dict(doc_mask=True, window=128)])
 def test_every_implementation_trains_every_mask_it_can_with_the_logits_and_gradients_of_fp32_manual(mask):
     # catches: varlen's packing (cu_seqlens, window_size) or flex's block mask computing other attention on CUDA, a
-    # forced kernel taking a mask it silently ignores, and a refusal that is a traceback instead of one sentence
+    # forced kernel taking a mask it silently ignores, and a refusal that is a traceback instead of one error line
     torch.manual_seed(0)
     config = GPTConfig(block_size=1024, vocab_size=512, n_layer=2, n_head=4, n_embd=256, eot_token=0,
                        chunked_loss=True, **mask)

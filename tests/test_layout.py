@@ -1,8 +1,8 @@
-"""The two houses, as README's "Where to start" states them. The read: model.py (which imports nothing of the project
-at module level), core/ (which imports only core/), engine/ and the scripts. The tools (tools/, benchmarks/): they
-import the read, and the read opens them only inside a function, at the setting that asks for one (a door). Every
-import counts, module-level or inside a function (a lazy import is still an arrow a reader follows), and none runs
-in a cycle."""
+"""The layout README's "Where to start" states. The default path: model.py (which imports nothing of the project
+at module level), core/ (which imports only core/), attention/, engine/ and the scripts. The opt-in features
+(tools/, benchmarks/): they import the default path, which imports them only inside the function that reads the
+setting asking for one. Every import counts, module-level or inside a function (a lazy import is still an arrow a reader
+follows), and none runs in a cycle."""
 import ast
 import json
 import os
@@ -49,15 +49,16 @@ def graph() -> dict[str, tuple[set[str], set[str]]]:
     return {m: tuple(found - {m} for found in imports_of(p, set(modules))) for m, p in modules.items()}
 
 
-# Each folder's one sentence (README's house table) as a rule on what its files import: (module level, inside a
+# Each folder's description (README's house table) as a rule on what its files import: (module level, inside a
 # function). The read is model.py, core/, attention/, engine/ and the scripts; the tools are tools/ and benchmarks/.
-READ = {"core", "attention", "engine", "model"}
+DEFAULT_PATH = {"core", "attention", "engine", "model"}
 FOLDERS = {
     "core": ({"core"}, {"core"}),  # the foundation: only itself
     "attention": ({"core", "attention"}, {"core", "attention"}),  # handed model's records, never importing model.py
-    "engine": (READ, READ | {"tools"}),  # runs a model for the scripts; a tool only at its door
-    "tools": (READ | {"tools"}, READ | {"tools"}),  # opt-in features: the read, never a script or a benchmark
-    "benchmarks": (READ | {"tools", "benchmarks"}, READ | {"tools", "benchmarks", "train"}),  # times train.py's runs
+    "engine": (DEFAULT_PATH, DEFAULT_PATH | {"tools"}),  # runs a model for the scripts; tools/ where a setting asks
+    "tools": (DEFAULT_PATH | {"tools"}, DEFAULT_PATH | {"tools"}),  # opt-in features: never a script or a benchmark
+    "benchmarks": (DEFAULT_PATH | {"tools", "benchmarks"},
+                   DEFAULT_PATH | {"tools", "benchmarks", "train"}),  # times train.py's runs
     "model": (set(), {"core", "attention"}),  # the single-file GPT: nothing of the project at module level
 }
 
@@ -148,7 +149,7 @@ def test_a_new_implementation_runs_in_train_sample_and_bench_from_its_record_alo
 
     def run(*argv) -> str:
         done = subprocess.run([sys.executable, "-c", WITH_ONE_MORE, *argv], cwd=REPO, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THDEFAULT_PATHS": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout
     assert "attn=mine" in run("train.py", *TINY, f"--data_dir={char_data}", f"--out_dir={out}", "--attn=mine",

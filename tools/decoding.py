@@ -88,7 +88,7 @@ def quiet_imports():
 
 
 def int8_weights():
-    """torchao's int8 weight-only (config, quantize_), or one sentence; called before any work that would need it."""
+    """torchao's int8 weight-only (config, quantize_), or one error line; called before any work that would need it."""
     try:
         with quiet_imports():
             from torchao.quantization import Int8WeightOnlyConfig, quantize_

@@ -136,7 +136,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def read_plain_pickle(path: Path):
-    """A pickle of plain dicts, lists, strings and ints, read without executing anything; else one sentence."""
+    """A pickle of plain dicts, lists, strings and ints, read without executing anything; else one error line."""
     try:
         with open(path, "rb") as f:
             value = _PlainUnpickler(f).load()
