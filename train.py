@@ -241,32 +241,29 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Option
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     resuming = cfg.init_from == "resume"
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
-    problems = []  # every start-up problem of the command, said at once (each check runs on every rank)
-
-    def check(work) -> None:
-        try:
-            work()
-        except UserError as e:  # StoppedWithRank0 on the other ranks: they go on to the next check with rank 0
-            problems.append(e)
-    if cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp":
-        problems.append(UserError("optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes each "
-                                  "whole weight matrix and FSDP2 gives every rank a shard of it; use --parallel=ddp."))
-    if cfg.async_save and cfg.checkpoint_format == "single":
-        problems.append(UserError("async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded."))
-    if cfg.gradient_accumulation_steps % rt.world_size:
-        problems.append(UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible "
-                                  f"by the {rt.world_size} ranks; make it a multiple of the world size."))
-    if cfg.wandb_log:  # before anything is written: a run that cannot log leaves no empty out_dir behind
+    problems = [UserError(text) for wrong, text in (  # every start-up problem of the command, said at once
+        (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
+         "under --parallel=fsdp: Muon orthogonalizes each whole weight matrix and FSDP2 gives every rank a shard of "
+         "it; use --parallel=ddp."),
+        (cfg.async_save and cfg.checkpoint_format == "single",
+         "async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded."),
+        (cfg.gradient_accumulation_steps % rt.world_size, f"gradient_accumulation_steps="
+         f"{cfg.gradient_accumulation_steps} is not divisible by the {rt.world_size} ranks; make it a multiple of the "
+         f"world size.")) if wrong]
+    # before anything is written: a run that cannot log, or has no data, leaves no empty out_dir behind
+    if cfg.wandb_log:
         from tools.wandb_check import check_wandb
-        check(lambda: runtime.on_master(check_wandb, rt.device))
+        problems += errors.problems_of(lambda: runtime.on_master(check_wandb, rt.device))
     data_dir = None
     try:
-        data_dir = dataset_dir(cfg.data_dir, cfg.dataset)  # missing data, likewise
+        data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
+        runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     except UserError as e:
         problems.append(e)
-    if data_dir is not None:
-        check(lambda: runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device))
-    refuse_all(problems, cfg, rt)
+    hint = cpu_hint(cfg, rt)
+    errors.refuse_all(problems, hint)  # one line for them all, with the CPU recipe where the model is GPU-sized
+    if hint and rt.is_master:
+        print(f"note: {hint}", file=sys.stderr)
     lock = None  # rank 0's hold on out_dir, for the run's life; evaluation writes nothing and takes none
     if not cfg.eval_only:
         from engine.reader import claim_out_dir  # what out_dir holds, read before anything is written
@@ -278,23 +275,12 @@ CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_s
                "--gradient_accumulation_steps=2 --batch_size=16")
 
 
-def refuse_all(problems: list[UserError], cfg: Settings, rt: Runtime) -> None:
-    """One line for every start-up problem found; on a CPU, a GPU-sized model's line (or note, where nothing else is
-    wrong) names the command that runs."""
-    quiet = next((p for p in problems if isinstance(p, errors.StoppedWithRank0)), None)
-    if quiet is not None:  # not rank 0: rank 0 prints the line
-        raise quiet
-    said = [str(p) for p in problems]
-    text = said[0] if len(said) == 1 else f"{len(said)} problems: " + " ".join(
-        f"({i}) {s}" for i, s in enumerate(said, 1))
-    cpu_hint = ""
-    if rt.device_type == "cpu" and 12 * cfg.n_layer * cfg.n_embd ** 2 > 50e6:  # GPT-2 124M and up
-        cpu_hint = (f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe "
-                    f"is {CPU_COMMAND}")
-    if said:
-        raise UserError(text + (f" ({cpu_hint})" if cpu_hint else ""))
-    if cpu_hint and rt.is_master:
-        print(f"note: {cpu_hint}", file=sys.stderr)
+def cpu_hint(cfg: Settings, rt: Runtime) -> str:
+    """On a CPU, for a GPU-sized model (GPT-2 124M and up): the command that runs here."""
+    if rt.device_type != "cpu" or 12 * cfg.n_layer * cfg.n_embd ** 2 <= 50e6:
+        return ""
+    return f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe is " \
+           f"{CPU_COMMAND}"
 
 
 def train_loop(run: TrainingRun, resumed_at: int | None) -> None:

@@ -97,6 +97,28 @@ def deferred_signals() -> Iterator[Deferred]:
         raise deferred.pending
 
 
+def problems_of(work: Callable[[], object]) -> list[UserError]:
+    """[] if work() runs, else its UserError (StoppedWithRank0 on the ranks but 0 where rank 0's failed: every rank
+    goes on to the next check, and waits there for rank 0)."""
+    try:
+        work()
+    except UserError as e:
+        return [e]
+    return []
+
+
+def refuse_all(problems: list[UserError], hint: str = "") -> None:
+    """One UserError saying every problem found, numbered, with `hint` after them; none raised when there is none.
+    A rank other than 0 stops quietly (rank 0 prints the line)."""
+    quiet = [p for p in problems if isinstance(p, StoppedWithRank0)]
+    if quiet:
+        raise quiet[0]
+    if problems:
+        text = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)) if len(problems) > 1 else str(problems[0])
+        raise UserError((f"{len(problems)} problems: " if len(problems) > 1 else "") + text
+                        + (f" ({hint})" if hint else ""))
+
+
 def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
     stderr and 2, or 130 on Ctrl-C, 143 on a SIGTERM during a held write (128 + the signal, as a shell reports it;
