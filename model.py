@@ -579,7 +579,9 @@ def chunk_logits(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
     for start in range(0, x.size(0), rows):
         xs = x[start:start + rows].to(w.dtype)
         logits = (xs @ w.t()).float()  # (n, V)
-        yield start, xs, targets[start:start + rows], logits if bias is None else logits + bias
+        if bias is not None:
+            logits += bias  # in place: one (n, V) chunk held
+        yield start, xs, targets[start:start + rows], logits
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):

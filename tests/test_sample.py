@@ -153,7 +153,7 @@ def test_compare_all_runs_every_cpu_implementation_with_identical_fp32_tokens(ch
     report = json.loads((tmp_path / "c.json").read_text())
     gens = report["implementations"]
     assert list(gens) == CPU_RUNNABLE
-    assert set(report["skipped"]) == {"efficient", "cudnn", "varlen"}
+    assert set(report["skipped"]) == {"flash2", "efficient", "cudnn", "varlen"}
     assert "=== cudnn: skipped, the cuDNN kernel is CUDA-only" in out
     assert report["numerics_tokens"] == 32  # the prompt is short: the default text, cropped to block_size
     for name, g in gens.items():
