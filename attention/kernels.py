@@ -105,7 +105,7 @@ class AttnCall:
 @functools.cache  # asked once per process: (attn, its record, call)
 def attention_problem(attn: str, call: AttnCall, impl) -> Optional[str]:
     """None if `attn` (its model.Attention record `impl`) runs `call` here, else why not."""
-    return _rules(impl, call) or probe(impl, call)
+    return _rules(impl, call) or probe(attn, impl, call)
 
 
 def _rules(impl, call: AttnCall) -> Optional[str]:
@@ -139,7 +139,7 @@ def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return run
 
 
-def probe(impl, call: AttnCall) -> Optional[str]:
+def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
     """Run the implementation `impl` on what the model passes it (kernels' limits differ between layouts): q, k, v as
     strided views of one projection (with backward when training), and for inference a one-query decode step over
     the written keys, or (decode_step="whole_cache") over a longer cache behind a mask row."""
@@ -168,7 +168,7 @@ def probe(impl, call: AttnCall) -> Optional[str]:
                 attention_pass(impl, q, k, v, mask, call.dropout_p, call.needs_grad)()
                 if not call.needs_grad and call.decode_step:  # an eager decode step at position T, as it runs
                     from attention.masks import decode_step
-                    takes_mask = probe(impl, whole_cache_call(device, dtype, hs)) is None  # as decodes_with_mask
+                    takes_mask = decodes_with_mask(attn, impl, device, dtype, hs)  # as KVCache.takes_mask asks
                     keys, row = decode_step(impl.mask, T, 0, T + 8, takes_mask, device, dtype)
                     impl(q[:, :, -1:], cache[:1, :, keys], cache[1:, :, keys], row, 0.0)
         except (RuntimeError, NotImplementedError) as e:
@@ -181,11 +181,8 @@ def decodes_with_mask(attn: str, impl, device_type: str, dtype: torch.dtype, hea
     """Whether `attn` takes a mask row for a decode step over the whole cache, as a compiled decode step (one shape at
     every position) needs, and an eager one reads its span with (attention/masks.py's decode_step). FlashAttention-2
     takes none."""
-    return attention_problem(attn, whole_cache_call(device_type, dtype, head_size), impl) is None
-
-
-def whole_cache_call(device_type: str, dtype: torch.dtype, head_size: int) -> AttnCall:
-    return AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="whole_cache")
+    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="whole_cache")
+    return attention_problem(attn, call, impl) is None
 
 
 def refuse_unless_runs(attn: str, call: AttnCall, implementations: dict, problem: Optional[str] = None) -> None:

@@ -252,7 +252,7 @@ def test_varlen_runs_inference_probes_and_a_one_query_call_over_the_written_keys
     """What CUDA would meet for every forward without gradients: the probe's one-query call against T keys."""
     monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", fake_varlen_attn)
     varlen = IMPLEMENTATIONS["varlen"]
-    assert kernels.probe(varlen, kernels.AttnCall("cpu", torch.float32, 16, seq_len=32)) is None
+    assert kernels.probe("varlen", varlen, kernels.AttnCall("cpu", torch.float32, 16, seq_len=32)) is None
     q, k, v = torch.randn(3, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1))  # (B, nh, T, hs) each
     one = varlen(q[:, :, -1:], k, v, None, 0.0)  # the last query over all 20 keys
     assert torch.allclose(one, model.manual_attention(q[:, :, -1:], k, v, None, 0.0), atol=1e-6)
