@@ -99,9 +99,12 @@ def kernel_of(op_names: set[str]) -> tuple[str, list[str]]:
     ops = sorted(name for name in op_names if name in KERNEL_OPS)
     labels = {KERNEL_OPS[op] for op in ops}
     kernels = sorted(name for name in op_names if cuda_kernel_label(name))
-    if kernels:  # SDPA's kernels named by what ran; flex and varlen keep their ops' labels
-        labels = {label for label in labels if label not in {"flash", "efficient", "cudnn"}}
-        labels |= {cuda_kernel_label(name) for name in kernels}
+    sdpa = labels & {"flash", "efficient", "cudnn"}
+    if kernels and sdpa:  # SDPA's ops named by the kernels they ran; flex and varlen keep their ops' labels
+        ran = {cuda_kernel_label(name) for name in kernels}
+        if "varlen" in labels and "flash" not in sdpa:
+            ran.discard("flash")  # FlashAttention's kernels ran for varlen's op (its varlen kernel), not for SDPA
+        labels = (labels - sdpa) | ran
     return "+".join(sorted(labels)) or "none", ops + kernels
 
 

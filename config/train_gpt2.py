@@ -1,8 +1,8 @@
 # GPT-2 (124M) on OpenWebText, nanoGPT's recipe: ~2.85 val loss after ~5 days on 8x A100 40GB.
 # torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --attn=flash
-# --attn=flash runs the fastest flash kernel the GPU has: FlashAttention-2 (the post's A100 choice), or on Hopper
-# (H100, H200) cuDNN's flash kernel first, which beat FlashAttention-2 there (21.0 vs 22.1 ms/iter compiled on an
-# H200, docs/bench.md); --attn=flash2 forces FlashAttention-2; --attn=auto measures and picks for you.
+# --attn=flash runs FlashAttention-2 (the post's A100 choice), or on Hopper (H100, H200) cuDNN's flash kernel first,
+# which beat FlashAttention-2 there; on an H200 --attn=sdpa still ran faster in this script (docs/bench.md);
+# --attn=flash2 forces FlashAttention-2; --attn=auto measures and picks for you.
 wandb_log = True
 wandb_project = "owt"
 wandb_run_name = "gpt2-124M"

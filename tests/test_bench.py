@@ -131,6 +131,11 @@ def test_on_cuda_the_audit_names_the_kernel_that_ran_not_the_op_that_launched_it
     assert not measure.ran_as_expected("fa3_fa4", flash)  # not what the record says it runs: flagged
     assert measure.expected_kernels("flash2", "cuda") == {"flash"}
     assert measure.kernel_of({"aten::_scaled_dot_product_flash_attention_for_cpu"})[0] == "flash"  # a CPU: ops only
+    # varlen runs FlashAttention's varlen kernel under its own op (seen on an H200, torch 2.11): still varlen, also
+    # beside a decode step's SDPA call through cuDNN
+    varlen = "torch_attn::_varlen_attn"
+    assert measure.kernel_of({varlen, fa2})[0] == "varlen"
+    assert measure.kernel_of({varlen, fa2, cudnn_op, cudnn})[0] == "cudnn+varlen"
 
 
 @pytest.mark.slow  # compiles flex with inductor

@@ -20,7 +20,7 @@ from core import runtime
 import sample
 import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
-from attention.kernels import AttnCall, attention_problem, decodes_with_mask
+from attention.kernels import AttnCall, attention_problem, cuda_facts, cudnn_first, decodes_with_mask
 from engine.generate import Decoder, for_inference
 from engine.generate import weight_bytes
 from model import IMPLEMENTATIONS, GPT, GPTConfig
@@ -88,10 +88,13 @@ def default_bench(tmp_path_factory) -> dict:
 def test_the_audit_names_the_cuda_kernel_each_row_really_ran(default_bench):
     # catches: a forced backend that silently runs another kernel, or an audit that misreads CUDA's op names
     rows = {(r["attn"], r["pad_vocab"]): r for r in default_bench["rows"]}
-    for attn in ("flash", "efficient", "cudnn", "math"):
+    for attn, kernel in (("flash2", "flash"), ("efficient", "efficient"), ("cudnn", "cudnn"), ("math", "math")):
         row = rows[(attn, False)]
-        assert row["status"] != "ok" or (row["kernel"] == attn and row["kernel_ok"]), row
-    assert rows[("flash", False)]["status"] == "ok"
+        assert row["status"] != "ok" or (row["kernel"] == kernel and row["kernel_ok"]), row
+    # flash runs cuDNN's flash kernel where SDPA ranks it first (Hopper, Blackwell), else FlashAttention-2
+    flash = rows[("flash", False)]
+    first = "cudnn" if cudnn_first(*cuda_facts()) else "flash"
+    assert flash["status"] == "ok" and flash["kernel_ok"] and first in flash["kernel"].split("+"), flash
     assert rows[("flex", False)]["status"] != "ok" or rows[("flex", False)]["kernel"] == "flex"  # compiled on CUDA
     assert rows[("sdpa_mask", False)]["kernel"] != "flash"  # an explicit mask rules the flash kernel out
     assert rows[("manual", False)]["kernel"] == "none"
