@@ -196,6 +196,7 @@ class TrainingRun:
     best_val_loss: float = math.inf
     watch: Optional[runtime.CoreWatch] = None  # a CPU run's look at the other processes, again at each log line
     time_before: float = 0.0             # training seconds the resumed checkpoint had behind it
+    attn_decision: dict | None = None    # attn=auto's table and pick (None: attn was named)
     saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
@@ -215,7 +216,8 @@ class TrainingRun:
         model = self.trainer.model
         self.saver.save(model, self.trainer.optimizers, dict(
             model_config=dataclasses.asdict(model.config), iter_num=self.iter_num, best_val_loss=self.best_val_loss,
-            train_time_s=train_time_s, rng=rng, settings=self.cfg.as_dict(), meta=self.meta))
+            train_time_s=train_time_s, rng=rng, settings=self.cfg.as_dict(), meta=self.meta,
+            attn_decision=self.attn_decision))
         self.saved_at = self.iter_num
 
 
@@ -341,8 +343,8 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
 def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
     """Everything a resumed run takes from its checkpoint's tensors and counters, in one place, once the model and
     optimizers are placed: weights, optimizer state, RNG streams (the data position among them), step, best val loss
-    and training time (eval_only: all but the optimizer state). Its settings, attn=auto's decision among them, were read
-    before the model was built (Checkpoint.resumed_settings). Returns the step it resumes at."""
+    and training time (eval_only: all but the optimizer state). Its settings were read before the model was built
+    (Checkpoint.resumed_settings), attn=auto's decision where attention is chosen. Returns the step it resumes at."""
     model, optimizers = run.trainer.model, run.trainer.optimizers
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
         from tools.sharded import load_into
@@ -393,15 +395,15 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         from engine.reader import load_checkpoint  # only a resume reads a checkpoint
         checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
         vars(cfg).update(checkpoint.resumed_settings(cfg.as_dict(), cfg.typed, meta, cfg.out_dir))
-    saved_decision = vars(cfg).pop("attn_auto_saved", None)  # attn=auto's, read with the rest of the checkpoint
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     # checked where it runs, in the dtype it computes in: now, not after compiling
+    decision = None  # attn=auto's table and pick, kept with each checkpoint
     if cfg.attn == "auto":  # measured on this run's shapes, rank 0 deciding for all; kept with the settings
         from attention.attn_auto import choose_for_training
-        cfg.attn_auto = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, saved_decision)
-    attn = cfg.attn_auto["attn_auto/pick"] if cfg.attn == "auto" else raw_model.config.attn
+        decision = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, checkpoint and checkpoint.attn_decision)
+    attn = decision["attn_auto/pick"] if decision else raw_model.config.attn
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
     watch = runtime.cpu_threads(rt, cfg.threads, fixed=cfg.compile)  # after every refusal: no note before an error
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
@@ -411,17 +413,18 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
                   "resolved_muon_dtype": rt.muon_dtype if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
-                  "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params()}
+                  "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params(),
+                  "attn_decision": decision}
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
     log = MetricsLog(cfg, run_config, enabled=rt.is_master, to_file=not cfg.eval_only)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, log, saver, watch=watch)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, log, saver, watch=watch, attn_decision=decision)
     resumed_at = restore(run, checkpoint) if checkpoint is not None else None
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
         log.log({"iter": run.iter_num, **estimate_loss(model, cfg, data_dir, rt, first=True)})
         log.close()
         return
-    if cfg.attn == "auto":  # the whole table beside the run's metrics (wandb has it in the run's config)
-        run.log.log({"iter": run.iter_num, **{k: v for k, v in cfg.attn_auto.items() if "workload" not in k}})
+    if decision:  # the whole table beside the run's metrics (wandb has it in the run's config)
+        run.log.log({"iter": run.iter_num, **{k: v for k, v in decision.items() if "workload" not in k}})
     del checkpoint  # free its copy of the weights and optimizer state before training
     if rt.is_master:
         print(banner(cfg, rt, raw_model))

@@ -51,6 +51,7 @@ class Checkpoint:
                                          # None in a nanoGPT checkpoint: a resume starts fresh streams)
     settings: dict = field(default_factory=dict)  # the run's settings
     meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
+    attn_decision: Optional[dict] = None  # attn=auto's table and pick, which a resume on the same shapes reuses
     shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
                                          # whose model and optimizer state each rank reads in place (train.restore)
 
@@ -68,8 +69,8 @@ class Checkpoint:
         return model
 
     def resumed_settings(self, settings: dict, typed: dict, meta: dict | None, where: str) -> dict:
-        """`settings` as a resume of this checkpoint runs them: the weights' shape, and attn=auto's decision
-        (`attn_auto_saved`). `typed`: where each setting was set (configure's Settings.typed). A shape setting typed
+        """`settings` as a resume of this checkpoint runs them: with the weights' shape. `typed`: where each setting
+        was set (configure's Settings.typed). A shape setting typed
         on the command line that differs from the checkpoint, another optimizer, or a dataset whose ids mean other
         text, is one error line; one from a config file gives way to the checkpoint, with a note (nanoGPT's habit)."""
         optimizer = self.settings.get("optimizer", "adamw")
@@ -91,8 +92,7 @@ class Checkpoint:
             raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
                             f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(self.meta)}); "
                             f"resume on that dataset, or start a new run in another --out_dir=.")
-        return {**settings, **{key: self.model_config[key] for key in SHAPE_SETTINGS if key in self.model_config},
-                "attn_auto_saved": self.settings.get("attn_auto")}
+        return {**settings, **{key: self.model_config[key] for key in SHAPE_SETTINGS if key in self.model_config}}
 
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""

@@ -188,7 +188,7 @@ def test_train_py_runs_what_auto_picked_records_it_and_a_resume_of_the_same_shap
     assert train.main(args + ["--max_iters=2", "--attn_auto_refresh=True"]) == 0
     assert capsys.readouterr().out.startswith("attn=auto: ")  # the decision's line comes first
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    pick = ckpt["settings"]["attn_auto"]["attn_auto/pick"]
+    pick = ckpt["attn_decision"]["attn_auto/pick"]
     assert ckpt["model_config"]["attn"] == pick != "auto"  # the checkpoint holds the implementation that ran
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged[0]["attn_auto/pick"] == pick and "attn_auto/manual" in logged[0]  # the table, in metrics.jsonl
