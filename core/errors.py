@@ -66,11 +66,6 @@ def handlers(new: dict) -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def uninterrupted():
-    """Ctrl-C and SIGTERM held off for a moment's work that must finish (removing a half-written file)."""
-    return handlers({s: signal.SIG_IGN for s in STOP_SIGNALS})
-
-
 class Deferred:
     """The Ctrl-C or SIGTERM that arrived inside deferred_signals, as the exception it would have raised."""
     pending: KeyboardInterrupt | None = None

@@ -88,11 +88,10 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                     raise RuntimeError(f"staged output {path} was never written")
             if stop.pending is not None:
                 raise stop.pending
-        except BaseException as e:
-            with errors.uninterrupted():  # a second Ctrl-C waits the moment this takes
-                for path in tmp.values():
-                    with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
-                        path.unlink(missing_ok=True)
+        except BaseException as e:  # still inside deferred_signals: a Ctrl-C now is noted, not raised mid-cleanup
+            for path in tmp.values():
+                with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
+                    path.unlink(missing_ok=True)
             if isinstance(e, OSError):  # a read-only folder or a full disk
                 kept = [name for name in names if (out_dir / name).exists()]
                 kept_text = f"the previous {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else \
@@ -123,18 +122,14 @@ def durable(path: Path) -> None:
 
 class _WholeWrites:
     """A file whose every write is whole or an OSError: torch.save's zip writer turns a write that raised into
-    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word. A Ctrl-C or SIGTERM
-    noted meanwhile stops the next write the same way."""
+    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word."""
 
-    def __init__(self, file, stop: errors.Deferred):
-        self.file, self.stop, self.error = file, stop, None
+    def __init__(self, file):
+        self.file, self.error = file, None
 
     def write(self, data) -> int:
         if self.error is not None:  # the zip writer closing up after a failure: the file is removed anyway
             return len(data)
-        if self.stop.pending is not None:
-            self.error = self.stop.pending
-            raise self.error
         try:
             written = self.file.write(data)
             if written is not None and written < len(data):
@@ -149,16 +144,15 @@ class _WholeWrites:
 
 
 def save_through(file, save: Callable) -> None:
-    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, wherever it came; a Ctrl-C
-    or SIGTERM meanwhile as KeyboardInterrupt or errors.Terminated once the writer has let go."""
-    with errors.deferred_signals() as stop:
-        whole = _WholeWrites(file, stop)
-        try:
-            save(whole)
-        except RuntimeError:
-            if whole.error is not None:
-                raise whole.error from None
-            raise
+    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, wherever it came. Called
+    inside staged_outputs, whose deferred signals let the writer finish and then stop before the rename."""
+    whole = _WholeWrites(file)
+    try:
+        save(whole)
+    except RuntimeError:
+        if whole.error is not None:
+            raise whole.error from None
+        raise
 
 
 def check_writable_file(path: Path, setting: str) -> None:
