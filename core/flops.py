@@ -112,17 +112,23 @@ def memory_bandwidth(rt: Runtime, nbytes: int, repeats: int = 5) -> Optional[flo
     return measured_bandwidth(rt, 2 ** max(20, math.ceil(math.log2(max(nbytes, 1)))), repeats)  # 1 MiB at least
 
 
+def bandwidth_key(rt: Runtime, size: int) -> str:
+    return f"bandwidth, {rt.name}, {size >> 20} MiB, torch {torch.__version__}"
+
+
 @functools.lru_cache(maxsize=None)
 def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
-    """memory_bandwidth at a power-of-two size, measured once per process (a sweep's rows share it)."""
-    key = f"bandwidth, {rt.name}, {size >> 20} MiB, torch {torch.__version__}"
+    """memory_bandwidth at a power-of-two size, measured once per process (a sweep's rows share it). Never below what
+    a larger footprint was read at here: fewer bytes read no slower, so a lower reading is the measurement's own
+    overhead or a busy moment, and every row's share is judged against the same ceiling or a higher one."""
     cache = peak_flops_cache()
     known = files.read_cache(cache, is_flops, "a positive number")
     measured = best_read_rate(rt, size, repeats)
-    if measured is not None and measured > known.get(key, 0.0):
-        known[key] = measured
+    if measured is not None and measured > known.get(bandwidth_key(rt, size), 0.0):
+        known[bandwidth_key(rt, size)] = measured
         files.write_cache(cache, known)
-    return known.get(key)
+    sizes = [size << i for i in range(16)]  # this size and larger ones, up to 32,768 times it
+    return max((known[k] for k in map(lambda n: bandwidth_key(rt, n), sizes) if k in known), default=None)
 
 
 def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:

@@ -77,6 +77,22 @@ def test_a_peak_measured_under_load_cannot_lower_the_one_kept_so_mfu_cannot_rise
     flops.measured_matmul_flops.cache_clear()
 
 
+def test_a_footprint_is_never_judged_against_less_bandwidth_than_a_larger_one_was_read_at(monkeypatch, tmp_path):
+    """bench and sample divide a decode step's GB/s by the bandwidth at its footprint: a 16 MiB reading below the
+    64 MiB one (a busy moment, the measurement's own overhead) would give the smaller rows a larger share."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rt, MiB = runtime.Runtime("cpu", "float32"), 2 ** 20
+    readings = {64 * MiB: 41e9, 16 * MiB: 21e9, MiB: 90e9}
+    monkeypatch.setattr(flops, "best_read_rate", lambda rt, size, repeats: readings[size])
+    flops.measured_bandwidth.cache_clear()
+    try:
+        assert flops.memory_bandwidth(rt, 64 * MiB) == 41e9
+        assert flops.memory_bandwidth(rt, 10 * MiB) == 41e9  # measured 21 at 16 MiB: 64 MiB's 41 stands
+        assert flops.memory_bandwidth(rt, MiB) == 90e9  # in cache: faster, kept
+    finally:
+        flops.measured_bandwidth.cache_clear()
+
+
 def test_a_first_run_on_a_loaded_machine_shows_no_mfu_rather_than_an_inflated_one(char_data, tmp_path, monkeypatch):
     """No peak kept yet, and every round of the measurement shared the cores with another process (cpu_share
     stood in at 0.5, what a busy neighbour per core leaves): no peak is kept and no MFU is logged; a later run
