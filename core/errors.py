@@ -71,25 +71,36 @@ class Deferred:
     pending: KeyboardInterrupt | None = None
 
 
+_DEFERRING: list[Deferred] = []  # the deferred_signals blocks open now, innermost last
+
+
 @contextlib.contextmanager
 def deferred_signals() -> Iterator[Deferred]:
     """Ctrl-C and SIGTERM noted instead of raised, for code that calls back into Python from C (torch.save's zip
-    writer turns an exception raised in its write callback into 'unexpected pos'): the code polls `pending` where
-    it can stop cleanly, and whatever is still pending is raised on the way out."""
+    writer turns an exception raised in its write callback into 'unexpected pos'): the code stops where it can stop
+    cleanly (stop_if_asked), and whatever is still pending is raised on the way out."""
     deferred = Deferred()
 
     def note(signum, frame):  # the first is the one raised; the write it waits for is short
         if deferred.pending is None:
             deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    _DEFERRING.append(deferred)
     try:
         with handlers({s: note for s in STOP_SIGNALS}):
             yield deferred
     finally:
+        _DEFERRING.remove(deferred)
         if deferred.pending is not None:  # stopping: a second signal ends the process
             for s in STOP_SIGNALS:
                 signal.signal(s, signal.SIG_DFL)
     if deferred.pending is not None:
         raise deferred.pending
+
+
+def stop_if_asked() -> None:
+    """Raise the Ctrl-C or SIGTERM the innermost deferred_signals block noted: a long write stops at its next chunk."""
+    if _DEFERRING and _DEFERRING[-1].pending is not None:
+        raise _DEFERRING[-1].pending
 
 
 def problems_of(work: Callable[[], object]) -> list[UserError]:

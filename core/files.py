@@ -122,7 +122,8 @@ def durable(path: Path) -> None:
 
 class _WholeWrites:
     """A file whose every write is whole or an OSError: torch.save's zip writer turns a write that raised into
-    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word."""
+    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word. A Ctrl-C or SIGTERM
+    noted meanwhile (errors.deferred_signals) stops the next write the same way."""
 
     def __init__(self, file):
         self.file, self.error = file, None
@@ -131,10 +132,11 @@ class _WholeWrites:
         if self.error is not None:  # the zip writer closing up after a failure: the file is removed anyway
             return len(data)
         try:
+            errors.stop_if_asked()
             written = self.file.write(data)
             if written is not None and written < len(data):
                 raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {written} of {len(data)} bytes)")
-        except OSError as e:
+        except (OSError, KeyboardInterrupt) as e:  # Terminated is a KeyboardInterrupt
             self.error = e
             raise
         return len(data)
@@ -144,8 +146,8 @@ class _WholeWrites:
 
 
 def save_through(file, save: Callable) -> None:
-    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, wherever it came. Called
-    inside staged_outputs, whose deferred signals let the writer finish and then stop before the rename."""
+    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, and a Ctrl-C or SIGTERM
+    as itself, wherever it came. Called inside staged_outputs, whose deferred signals it stops at."""
     whole = _WholeWrites(file)
     try:
         save(whole)
