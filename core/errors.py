@@ -71,7 +71,7 @@ class Deferred:
     pending: KeyboardInterrupt | None = None
 
 
-_DEFERRING: list[Deferred] = []  # the deferred_signals blocks open now, innermost last
+_DEFERRING: list[Deferred] = []  # the main thread's deferred_signals blocks open now, innermost last
 
 
 @contextlib.contextmanager
@@ -84,12 +84,15 @@ def deferred_signals() -> Iterator[Deferred]:
     def note(signum, frame):  # the first is the one raised; the write it waits for is short
         if deferred.pending is None:
             deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-    _DEFERRING.append(deferred)
+    main_thread = threading.current_thread() is threading.main_thread()  # the one signals reach
+    if main_thread:
+        _DEFERRING.append(deferred)
     try:
         with handlers({s: note for s in STOP_SIGNALS}):
             yield deferred
     finally:
-        _DEFERRING.remove(deferred)
+        if main_thread:
+            _DEFERRING.remove(deferred)
         if deferred.pending is not None:  # stopping: a second signal ends the process
             for s in STOP_SIGNALS:
                 signal.signal(s, signal.SIG_DFL)
@@ -98,8 +101,9 @@ def deferred_signals() -> Iterator[Deferred]:
 
 
 def stop_if_asked() -> None:
-    """Raise the Ctrl-C or SIGTERM the innermost deferred_signals block noted: a long write stops at its next chunk."""
-    if _DEFERRING and _DEFERRING[-1].pending is not None:
+    """Raise the Ctrl-C or SIGTERM the innermost deferred_signals block noted: a long write stops at its next chunk
+    (in the main thread; elsewhere the write runs on, and the block raises what it noted once it ends)."""
+    if threading.current_thread() is threading.main_thread() and _DEFERRING and _DEFERRING[-1].pending is not None:
         raise _DEFERRING[-1].pending
 
 
