@@ -77,8 +77,8 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
     is one error line."""
     out_dir = Path(out_dir)
     tmp = {name: out_dir / f"{name}.tmp" for name in names}
-    # a Ctrl-C or SIGTERM in the block is noted and raised at its end, before any rename (raised inside a writer
-    # called from C, torch.save's, it would read as a failed write); a second one ends the process at once
+    # a Ctrl-C or SIGTERM in the block is noted, stops save_through's writer at its next write (errors.stop_if_asked)
+    # and is raised before any rename, once the temporary files are removed; a later one ends the process at once
     with errors.deferred_signals() as stop:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
