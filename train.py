@@ -122,16 +122,15 @@ LIMITS = {
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------
 
 def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None) -> GPT:
-    """The model this run trains: of a resumed checkpoint's shape (restore loads its weights once it is placed), new,
-    or GPT-2's; attention, its masks and dropout are this run's settings whatever the weights were trained with."""
+    """The model this run trains: new, of a resumed checkpoint's shape (cfg holds it), or GPT-2's; attention, its
+    masks and dropout are this run's settings whatever the weights were trained with."""
     vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
     run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in train()
                dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta),
                chunked_loss=cfg.chunked_loss)
-    if checkpoint is not None:  # its shape; its weights are restore's
-        model, source = checkpoint.build_model(weights=False, **run), "the checkpoint"
-    elif cfg.init_from == "scratch":
-        model, source = GPT(GPTConfig.build({**cfg.as_dict(), "vocab_size": vocab_size}, run)), "a new model"
+    if cfg.init_from in ("scratch", "resume"):  # a resume's shape is in cfg now (resumed_settings); restore loads
+        shape = {"vocab_size": vocab_size, **cfg.as_dict()}  # its weights once the model is placed
+        model, source = GPT(GPTConfig.build(shape, run)), "the checkpoint" if checkpoint else "a new model"
     else:
         model, source = GPT.from_pretrained(cfg.init_from, dict(pad_vocab=cfg.pad_vocab, **run)), cfg.init_from
     if model.config.vocab_size != vocab_size:

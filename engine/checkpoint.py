@@ -55,24 +55,23 @@ class Checkpoint:
     shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
                                          # whose model and optimizer state each rank reads in place (train.restore)
 
-    def build_model(self, weights: bool = True, **overrides) -> GPT:
-        """The model it holds (without `weights`: its shape, new weights); `overrides` may choose another attention,
-        masks or dropout (model.RUN_FIELDS)."""
+    def build_model(self, **overrides) -> GPT:
+        """The model it holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
         shape = self.model_config
         if "attn" not in overrides and shape.get("attn") not in IMPLEMENTATIONS:  # every one computes the same
             print(f"note: the checkpoint was trained with attn={shape.get('attn')!r}, which this version does not "
                   f"have; it is read through attn='sdpa' (--attn= picks another).", file=sys.stderr)
             shape = {**shape, "attn": "sdpa"}
         model = GPT(GPTConfig.build(shape, overrides))
-        if weights:
-            model.load_state_dict(self.model)
+        model.load_state_dict(self.model)
         return model
 
     def resumed_settings(self, settings: dict, typed: dict, meta: dict | None, where: str) -> dict:
-        """`settings` as a resume of this checkpoint runs them: with the weights' shape. `typed`: where each setting
-        was set (configure's Settings.typed). A shape setting typed
-        on the command line that differs from the checkpoint, another optimizer, or a dataset whose ids mean other
-        text, is one error line; one from a config file gives way to the checkpoint, with a note (nanoGPT's habit)."""
+        """`settings` as a resume of this checkpoint runs them: with the weights' shape, vocab_size included (what
+        train.build_model builds). `typed`: where each setting was set (configure's Settings.typed). A shape setting
+        typed on the command line that differs from the checkpoint, another optimizer, or a dataset whose ids mean
+        other text, is one error line; one from a config file gives way to the checkpoint, with a note (nanoGPT's
+        habit)."""
         optimizer = self.settings.get("optimizer", "adamw")
         if optimizer != settings["optimizer"]:
             raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")
@@ -92,7 +91,8 @@ class Checkpoint:
             raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
                             f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(self.meta)}); "
                             f"resume on that dataset, or start a new run in another --out_dir=.")
-        return {**settings, **{key: self.model_config[key] for key in SHAPE_SETTINGS if key in self.model_config}}
+        shape = {key: self.model_config[key] for key in (*SHAPE_SETTINGS, "vocab_size") if key in self.model_config}
+        return {**settings, **shape}
 
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
