@@ -251,7 +251,7 @@ def choose_for_training(model, implementations: dict, cfg, rt: Runtime, saved: O
     the workload; a resume whose checkpoint decided the same workload runs the same implementation unmeasured."""
     w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
                     compiled=cfg.compile)
-    saved = saved or {}  # a resume's decision (the checkpoint's settings['attn_auto'])
+    saved = saved or {}  # a resume's decision (the checkpoint's attn_decision)
     if saved.get("attn_auto/workload") == w.key() and saved.get("attn_auto/pick") in implementations:
         if rt.is_master:
             print(f"attn=auto: {saved['attn_auto/pick']}, as the checkpoint decided for {w.describe()}")
