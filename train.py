@@ -128,8 +128,8 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
     run = dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,  # auto: set once measured, in train()
                dropout=cfg.dropout, doc_mask=cfg.doc_mask, window=cfg.window, eot_token=files.eot_token_of(meta),
                chunked_loss=cfg.chunked_loss)
-    if cfg.init_from in ("scratch", "resume"):  # a resume's shape is in cfg now (resumed_settings); restore loads
-        shape = {"vocab_size": vocab_size, **cfg.as_dict()}  # its weights once the model is placed
+    if cfg.init_from in ("scratch", "resume"):  # a resume's shape is in cfg (resumed_settings), its weights restore's
+        shape = {"vocab_size": vocab_size, **cfg.as_dict()}
         model, source = GPT(GPTConfig.build(shape, run)), "the checkpoint" if checkpoint else "a new model"
     else:
         model, source = GPT.from_pretrained(cfg.init_from, dict(pad_vocab=cfg.pad_vocab, **run)), cfg.init_from
@@ -398,8 +398,8 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     # checked where it runs, in the dtype it computes in: now, not after compiling
-    decision = None  # attn=auto's table and pick, kept with each checkpoint
-    if cfg.attn == "auto":  # measured on this run's shapes, rank 0 deciding for all; kept with the settings
+    decision = None  # attn=auto's table and pick: measured on this run's shapes, rank 0 deciding for all, and kept
+    if cfg.attn == "auto":  # in each checkpoint, where a resume on the same shapes reuses it
         from attention.attn_auto import choose_for_training
         decision = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, checkpoint and checkpoint.attn_decision)
     attn = decision["attn_auto/pick"] if decision else raw_model.config.attn

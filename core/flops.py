@@ -127,8 +127,8 @@ def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
     if measured is not None and measured > known.get(bandwidth_key(rt, size), 0.0):
         known[bandwidth_key(rt, size)] = measured
         files.write_cache(cache, known)
-    sizes = [size << i for i in range(16)]  # this size and larger ones, up to 32,768 times it
-    return max((known[k] for k in map(lambda n: bandwidth_key(rt, n), sizes) if k in known), default=None)
+    keys = [bandwidth_key(rt, size << i) for i in range(16)]  # this size and larger ones, up to 32,768 times it
+    return max((known[k] for k in keys if k in known), default=None)
 
 
 def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:
