@@ -51,21 +51,6 @@ def _stop_once(error: type[KeyboardInterrupt]):
     return handler
 
 
-@contextlib.contextmanager
-def handlers(new: dict) -> Iterator[None]:
-    """Signal handlers in place for a block, the previous ones back after it; in the main thread only, the one that
-    may take signals (elsewhere the block runs as it is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, handler) for s, handler in new.items()}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 class Deferred:
     """The Ctrl-C or SIGTERM that arrived inside deferred_signals, as the exception it would have raised."""
     pending: KeyboardInterrupt | None = None
@@ -85,17 +70,17 @@ def deferred_signals() -> Iterator[Deferred]:
         if deferred.pending is None:
             deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
     main_thread = threading.current_thread() is threading.main_thread()  # the one signals reach
+    previous = {}
     if main_thread:
         _DEFERRING.append(deferred)
+        previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
     try:
-        with handlers({s: note for s in STOP_SIGNALS}):
-            yield deferred
+        yield deferred
     finally:
         if main_thread:
             _DEFERRING.remove(deferred)
-        if deferred.pending is not None:  # stopping: a second signal ends the process
-            for s in STOP_SIGNALS:
-                signal.signal(s, signal.SIG_DFL)
+        for s, handler in previous.items():  # the previous handlers back; stopping, a second signal ends the process
+            signal.signal(s, signal.SIG_DFL if deferred.pending is not None else handler)
     if deferred.pending is not None:
         raise deferred.pending
 
