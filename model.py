@@ -661,7 +661,7 @@ class KVCache(nn.Module):
         None where the step reads exactly those keys, unmasked (FlashAttention-2 takes no mask)."""
         if self.doc_start is not None:
             self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
-        from attention.masks import span_mask  # the row in attn's form
+        from attention.masks import decode_step, span_mask  # the row in attn's form; an eager step's keys too
         form = IMPLEMENTATIONS[attn].mask
         if torch.compiler.is_compiling():  # one shape at every position: the whole cache behind a mask row
             end = input_pos + 1  # (1,)
@@ -670,7 +670,6 @@ class KVCache(nn.Module):
             return span_mask(form, start, end, self.block_size)
         # eagerly the host knows the position: the step reads the keys it sees, in a span rounded up to a multiple of
         # 128 with the rest masked, so attention meets a bounded set of shapes (cuDNN builds a plan per shape)
-        from attention.masks import decode_step
         self.length += 1
         self.keys, mask = decode_step(form, self.length, self.window, self.block_size, self.takes_mask(attn),
                                       idx.device, self.dtype, self.doc_start)

@@ -121,11 +121,11 @@ def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
     """memory_bandwidth at a power-of-two size, measured once per process (a sweep's rows share it). Never below what
     a larger footprint was read at here: fewer bytes read no slower, so a lower reading is the measurement's own
     overhead or a busy moment, and every row's share is judged against the same ceiling or a higher one."""
-    cache = peak_flops_cache()
+    cache, key = peak_flops_cache(), bandwidth_key(rt, size)
     known = files.read_cache(cache, is_flops, "a positive number")
     measured = best_read_rate(rt, size, repeats)
-    if measured is not None and measured > known.get(bandwidth_key(rt, size), 0.0):
-        known[bandwidth_key(rt, size)] = measured
+    if measured is not None and measured > known.get(key, 0.0):
+        known[key] = measured
         files.write_cache(cache, known)
     keys = [bandwidth_key(rt, size << i) for i in range(16)]  # this size and larger ones, up to 32,768 times it
     return max((known[k] for k in keys if k in known), default=None)
