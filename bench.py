@@ -95,8 +95,7 @@ cache = "none,cache,compiled"      # none (nanoGPT's generate), the static KV ca
 # system
 device = "auto"           # auto, cpu, cuda, cuda:N, mps
 dtype = "auto"            # auto, float32, bfloat16, float16: autocast in train mode, q/k/v's dtype in attention mode
-threads = 0               # CPU threads for PyTorch; 0: one per core other processes leave free (OMP_NUM_THREADS
-                          # wins): a thread waiting on a core another process holds stalls every op
+threads = 0               # CPU threads; 0: OMP_NUM_THREADS if set, else torch's default (one per physical core)
 seed = 1337               # weights, data and prompts: the same seed gives the same rows
 # output
 out_dir = "bench_results" # <mode>.json, <mode>.png (and traces) go here; earlier results are kept beside them
@@ -106,7 +105,7 @@ profile = False           # also write a chrome trace (chrome://tracing, TensorB
 LIMITS = {"n_layer": "[1, inf) int", "n_head": "[1, inf) int", "n_embd": "[1, inf) int",
           "vocab_size": "[1, inf) int", "dropout": "[0, 1)", "batch_size": "[1, inf) int", "seq_len": "[1, inf) int",
           "warmup": "[0, inf)", "iters": "[1, inf) int", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)",
-          "attn_batch": "[1, inf) int", "attn_heads": "[1, inf) int", "threads": "[0, inf)", "seed": "[0, inf)",
+          "attn_batch": "[1, inf) int", "attn_heads": "[1, inf) int", "threads": "[0, inf) int", "seed": "[0, inf)",
           "prompt_len": "[1, inf)", "new_tokens": "[1, inf) int", "gen_batch": "[1, inf)",
           "mode": one_of("train", "attention", "generate"),
           "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"),
@@ -138,7 +137,7 @@ GENERATE_SIZES = {
 
 def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     """Settings left at None sized for the device, device/dtype picked, comma lists split and checked."""
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
+    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
     cfg.device, cfg.dtype = rt.device, rt.dtype
     generating = cfg.mode == "generate"
     sizes = (GENERATE_SIZES if generating else SIZES)["cuda" if rt.is_cuda else "cpu"]
@@ -351,7 +350,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg, rt = settings(argv)
     out = Path(cfg.out_dir)
     files.check_writable_dir(out)  # before the sweep, not after it
-    runtime.cpu_threads(rt, cfg.threads)
     env = environment(rt, argv)
     path = out / f"{cfg.mode}.json"
 

@@ -46,7 +46,7 @@ device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, 
 dtype = "auto"                    # the weights' dtype: auto (bf16 where supported, fp16 on older GPUs, else fp32), ...
 quantize = ""                     # "int8": int8 weight-only weights (torchao), a quarter of fp32's bytes per token
 compile = False                   # compile the prefill and the decode step: slow to start, faster per token
-threads = 0                       # CPU threads; 0: one per core other processes leave free (OMP_NUM_THREADS wins)
+threads = 0                       # CPU threads; 0: OMP_NUM_THREADS if set, else torch's default (one per core)
 # comparison
 compare = ""                      # "manual,sdpa,flash" or "all": compare the same weights through each of them
 json = ""                         # write every number (settings, tokens, timings, errors) to this JSON file
@@ -127,10 +127,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.compare:  # its names checked before anything is loaded
         from benchmarks import compare  # the comparison: only when it is asked for
         compare.attention_names(cfg.compare)
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype)
+    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
     model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
     prompt = encode_prompt(tok, read_prompt(cfg.start))
-    runtime.cpu_threads(rt, cfg.threads)  # after every refusal: a note, then an error, would be two lines for one
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
               "source": source, "prompt_tokens": len(prompt)}
@@ -172,34 +171,12 @@ def sample(model: GPT, attn: str, tok: Tokenizer, rt: Runtime, sampling: Samplin
     print_samples(tok, prompt, samples)
     rate = tokens_per_s(seconds, sampling)
     weights = f"{quantize} weights, " if quantize else ""
-    read = roofline(model, rt, rate / sampling.num_samples)
+    gb_per_s = weight_bytes(model) * rate / sampling.num_samples / 1e9  # batch 1 reads every weight once a token
     print(f"attn={model.config.attn}: {rate:.1f} tokens/s ({sampling.num_samples} x {sampling.max_new_tokens} new "
-          f"tokens in one batch, {weights}KV cache{', compiled' if compile else ''}), {read['line']}"
-          + (f"; compiling took {warmup_s:.1f} s, untimed" if compile else ""))
+          f"tokens in one batch, {weights}KV cache{', compiled' if compile else ''}), weights read at {gb_per_s:.1f} "
+          f"GB/s" + (f"; compiling took {warmup_s:.1f} s, untimed" if compile else ""))
     return dict(attn=model.config.attn, samples=samples, texts=[tok.decode(prompt + x) for x in samples],
-                tokens_per_s=rate, compile_s=warmup_s if compile else None, gb_per_s=read["gb_per_s"],
-                bandwidth_gb_s=read["bandwidth_gb_s"])
-
-
-OVERHEAD_BOUND = 0.25  # below this share of the read bandwidth, a decode step's fixed costs bind, not memory
-
-
-def roofline(model: GPT, rt: Runtime, steps_per_s: float) -> dict:
-    """Batch-1 decoding reads every weight once a step: the GB/s the weights were read at, against the read
-    bandwidth measured on this machine at that footprint (kept beside the peak FLOP/s in flops.peak_flops_cache). Far
-    below it, what bounds the speed is each token's fixed overhead (Python, dispatch, launches): the line says so."""
-    from core import flops
-    nbytes = weight_bytes(model)
-    gb_per_s = nbytes * steps_per_s / 1e9
-    bandwidth = (flops.memory_bandwidth(rt, nbytes) or 0.0) / 1e9
-    line = f"weights read at {gb_per_s:.1f} GB/s"
-    if bandwidth and gb_per_s >= OVERHEAD_BOUND * bandwidth:
-        line += f" ({100 * gb_per_s / bandwidth:.0f}% of the {bandwidth:.1f} GB/s measured here at that size)"
-    elif bandwidth:
-        line += (f": a read of the {nbytes / 1e6:,.1f} MB of weights takes {1e3 * nbytes / 1e9 / bandwidth:.2f} ms at "
-                 f"the {bandwidth:.1f} GB/s measured here at that size, a step {1e3 / steps_per_s:.2f} ms, so each "
-                 f"token's fixed overhead bounds this speed, not memory")
-    return dict(gb_per_s=gb_per_s, bandwidth_gb_s=bandwidth or None, line=line)
+                tokens_per_s=rate, compile_s=warmup_s if compile else None, gb_per_s=gb_per_s)
 
 
 def write_json(path: Path, report: dict) -> None:

@@ -95,8 +95,8 @@ device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, 
 dtype = "auto"                    # auto: bf16 where a bf16 step beats fp32 (CUDA from Ampere, a CPU with AMX), fp16
                                   # on older GPUs, else fp32; or float32, bfloat16, float16
 compile = True                    # torch.compile the model (FSDP: each block)
-threads = 0                       # CPU threads; 0: one per core other processes leave free, looked at again at each
-                                  # log line (OMP_NUM_THREADS, if set, wins)
+threads = 0                       # CPU threads, set once at start; 0: OMP_NUM_THREADS if set, else torch's default
+                                  # (one per physical core)
 parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank) or 'fsdp' (FSDP2, sharded)
 seed = 1337                       # weights, data order and dropout (each rank its own dropout stream)
 # -----------------------------------------------------------------------------
@@ -193,7 +193,6 @@ class TrainingRun:
     saver: object                        # checkpoint.SingleFileSaver or sharded.ShardedSaver
     iter_num: int = 0
     best_val_loss: float = math.inf
-    watch: Optional[runtime.CoreWatch] = None  # a CPU run's look at the other processes, again at each log line
     time_before: float = 0.0             # training seconds the resumed checkpoint had behind it
     attn_decision: dict | None = None    # attn=auto's table and pick (None: attn was named)
     saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
@@ -241,7 +240,7 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Option
     dataset) and the lock on out_dir (rank 0's), with all checked that needs no model before out_dir is made."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     resuming = cfg.init_from == "resume"
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True)
+    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads)
     problems = [UserError(text) for wrong, text in (  # every start-up problem of the command, said at once
         (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
          "under --parallel=fsdp: Muon orthogonalizes each whole weight matrix and FSDP2 gives every rank a shard of "
@@ -289,14 +288,14 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     run not again at resumed_at). A log point's loss is read once the next step is queued, so the device never idles."""
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
-    peak_flops = flops.peak_flops(rt)  # measured on CPU and unlisted GPUs: before the clock starts
+    peak_flops = flops.peak_flops(rt)  # a GPU's datasheet figure; None on a CPU
     if rt.is_master:
         print(flops.peak_line(rt, peak_flops))
     timer = StepTimer(rt)
     model, world = run.trainer.model, rt.world_size
-    mfu = None if peak_flops is None else (  # None: no peak this machine's load let us trust (core/flops.py)
+    mfu = None if peak_flops is None else (
         lambda tokens_per_s: model.model_flops_utilization(tokens_per_s / world, peak_flops, cfg.block_size))
-    lines = TrainingLines(run.log, timer, rt, tokens_per_iter(cfg), mfu, cfg.out_dir, run.watch)
+    lines = TrainingLines(run.log, timer, rt, tokens_per_iter(cfg), mfu, cfg.out_dir)
     steps_run, out_of_time, last = 0, False, None  # last: the newest step's StepEnd
     try:
         while True:
@@ -404,7 +403,6 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         decision = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, checkpoint and checkpoint.attn_decision)
     attn = decision["attn_auto/pick"] if decision else raw_model.config.attn
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
-    watch = runtime.cpu_threads(rt, cfg.threads, fixed=cfg.compile)  # after every refusal: no note before an error
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)
@@ -416,7 +414,7 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
                   "attn_decision": decision}
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
     log = MetricsLog(cfg, run_config, enabled=rt.is_master, to_file=not cfg.eval_only)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, log, saver, watch=watch, attn_decision=decision)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, log, saver, attn_decision=decision)
     resumed_at = restore(run, checkpoint) if checkpoint is not None else None
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
         log.log({"iter": run.iter_num, **estimate_loss(model, cfg, data_dir, rt, first=True)})

@@ -18,7 +18,6 @@ from typing import Callable, Optional
 import torch
 
 from core.errors import UserError
-from core.flops import cache_folder
 from core import files, runtime
 from core.runtime import Runtime, compile_isolated, time_call
 from attention.kernels import AttnCall, attention_pass, attention_problem, decodes_with_mask
@@ -206,7 +205,7 @@ def is_decision(entry, implementations: dict) -> bool:
 
 
 def cache_file() -> Path:
-    return cache_folder() / "attn_auto.json"
+    return files.cache_folder() / "attn_auto.json"
 
 
 def choose(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20.0, refresh: bool = False) -> Decision:

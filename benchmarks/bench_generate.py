@@ -7,9 +7,11 @@ greedy tokens from the same prompt. The baseline is nanoGPT's generate: sdpa, no
 
 import copy
 import functools
+import math
 import sys
+import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ from benchmarks.measure import (compile_health, counted, kernel_context, out_of_
 from attention.masks import decode_span
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
-from core import flops, runtime
+from core import files, runtime
 
 CACHES = {"none": "no cache", "cache": "cache", "compiled": "compiled cache"}
 WEIGHTS = ("float32", "bfloat16", "int8")
@@ -121,7 +123,7 @@ def audit_generation(rows: dict[str, Row], described: dict[str, dict], rt: Runti
         bar.update()
     # the read bandwidth at each row's footprint, largest first: a smaller one is never judged against less
     for d in sorted((d for d in described.values() if "bytes_per_step" in d), key=lambda d: -d["bytes_per_step"]):
-        d["bandwidth_gb_s"] = (flops.memory_bandwidth(rt, d["bytes_per_step"]) or float("nan")) / 1e9
+        d["bandwidth_gb_s"] = (memory_bandwidth(rt, d["bytes_per_step"]) or float("nan")) / 1e9
 
 
 def kv_read_per_step(row: Row, kv_cache_bytes: int) -> float:
@@ -220,3 +222,60 @@ def generate_chart(ax, rows: list[dict], cfg) -> str:
     ax.set_ylabel("tokens/s (median; higher is better)")
     return (f"{cfg.n_layer} layers, n_embd {cfg.n_embd}, block {cfg.seq_len}: {cfg.new_tokens} new tokens after "
             f"{cfg.prompt_len}, batch {cfg.gen_batch}, greedy")
+
+
+# -- memory bandwidth: the roofline of batch-1 decoding, which reads every weight once per token ------------------
+
+# a reading counts only if this process had the cores to itself: its threads' CPU time at least this share of wall
+# time x threads (another busy process on 2 cores leaves ~0.5)
+ALONE = 0.9
+
+
+def memory_bandwidth(rt: Runtime, nbytes: int, repeats: int = 5) -> Optional[float]:
+    """Bytes/s this machine reads streaming over a buffer of about `nbytes` (a footprint the caches hold reads faster
+    than one they do not): the best ever measured alone, kept in the cache folder's bandwidth.json."""
+    return measured_bandwidth(rt, 2 ** max(20, math.ceil(math.log2(max(nbytes, 1)))), repeats)  # 1 MiB at least
+
+
+def bandwidth_key(rt: Runtime, size: int) -> str:
+    return f"{rt.name}, {size >> 20} MiB, torch {torch.__version__}"
+
+
+@functools.lru_cache(maxsize=None)
+def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
+    """memory_bandwidth at a power-of-two size, measured once per process (a sweep's rows share it). Never below what
+    a larger footprint was read at here: fewer bytes read no slower, so a lower reading is the measurement's own
+    overhead or a busy moment, and every row's share is judged against the same ceiling or a higher one."""
+    cache, key = files.cache_folder() / "bandwidth.json", bandwidth_key(rt, size)
+    known = files.read_cache(cache, lambda v: isinstance(v, float) and math.isfinite(v) and v > 0, "a positive number")
+    measured = best_read_rate(rt, size, repeats)
+    if measured is not None and measured > known.get(key, 0.0):
+        known[key] = measured
+        files.write_cache(cache, known)
+    keys = [bandwidth_key(rt, size << i) for i in range(16)]  # this size and larger ones, up to 32,768 times it
+    return max((known[k] for k in keys if k in known), default=None)
+
+
+def cpu_share(cpu_seconds: float, wall_seconds: float) -> float:
+    """The share of torch's threads' time this process ran: 1 alone, ~0.5 beside one other busy process per core."""
+    return cpu_seconds / (wall_seconds * torch.get_num_threads())
+
+
+def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:
+    """The best bytes/s of `repeats` rounds of reading `size` bytes, two ways (a sum, and the batch-1 matmul that
+    decoding does), among the rounds run alone; None if none was."""
+    rows, passes = 4096, max(1, 2 ** 26 // size)  # a small buffer read again and again: a round of 64 MiB or more
+    data = torch.ones(rows, size // 4 // rows, device=rt.device)  # fp32: (rows, size / rows / 4)
+    x = torch.ones(1, rows, device=rt.device)
+    rates = []
+    for one in (lambda: data.sum(), lambda: x @ data):
+        def read(one=one):
+            for _ in range(passes):
+                one()
+        read()  # the first call pays for setup
+        for _ in range(repeats):
+            cpu = time.process_time()
+            _, seconds = runtime.time_call(read, rt)
+            if rt.is_cuda or cpu_share(time.process_time() - cpu, seconds) >= ALONE:
+                rates.append(size * passes / seconds)
+    return max(rates, default=None)

@@ -244,6 +244,12 @@ def node_local_locks(path: Path, mounts: Path = Path("/proc/mounts")) -> str | N
             f"on this out_dir from another node")
 
 
+def cache_folder() -> Path:
+    """The project's measurements kept between runs: $XDG_CACHE_HOME (or ~/.cache)/nanogpt-attn/ (attn=auto's
+    decisions, bench's read bandwidths)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt-attn"
+
+
 def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dict:
     """A JSON cache in the user's cache folder, as far as it can be used; what cannot is left out and said in one line,
     and the caller measures again."""

@@ -56,112 +56,23 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-class CoreWatch:
-    """How many of this process's cores other processes kept busy since the last look: /proc/stat's busy time of
-    those cores, less this process's own CPU time. None where /proc/stat cannot be read (not Linux)."""
-
-    def __init__(self):
-        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            list(range(os.cpu_count() or 1))
-        self.physical = physical_cores(self.cores)
-        self.last = self.now()
-
-    @staticmethod
-    def stat() -> str:
-        return Path("/proc/stat").read_text()
-
-    def now(self) -> Optional[tuple[float, float, float]]:
-        """(busy seconds of these cores, this process's CPU seconds, the clock)."""
-        busy = 0
-        try:
-            for line in self.stat().splitlines():
-                name, *fields = line.split()
-                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in self.cores:
-                    values = [int(v) for v in fields[:8]]
-                    busy += sum(values) - values[3] - values[4]  # all but idle and iowait
-        except (OSError, ValueError, IndexError):
-            return None
-        return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
-
-    def others(self) -> Optional[float]:
-        now = self.now()
-        last, self.last = self.last, now
-        if now is None or last is None or now[2] - last[2] < 0.05:
-            return None
-        return max(0.0, (now[0] - last[0] - (now[1] - last[1])) / (now[2] - last[2]))
+MAX_THREADS_PER_CPU = 4  # more threads than this per CPU is refused: OpenMP starts them all, or crashes
 
 
-def physical_cores(cpus: list[int], topology: Path = Path("/sys/devices/system/cpu")) -> int:
-    """How many physical cores these logical CPUs are (hyperthreads share one), as torch counts for its default
-    thread count; the CPUs themselves where the topology cannot be read."""
-    try:
-        return len({(topology / f"cpu{c}/topology/physical_package_id").read_text().strip() + "/" +
-                    (topology / f"cpu{c}/topology/core_id").read_text().strip() for c in cpus}) or len(cpus)
-    except OSError:
-        return len(cpus)
-
-
-MAX_THREADS_PER_CPU = 4  # --threads= beyond this many per CPU is refused
-
-
-def start_threads(requested: int) -> tuple[Optional[CoreWatch], Optional[str]]:
-    """A CPU run's threads at its start (choose_threads, over a tenth of a second's look), and the watch that keeps
-    looking; no watch where the threads are the user's (`requested` > 0, or OMP_NUM_THREADS)."""
+def set_threads(requested: int) -> None:
+    """A CPU run's thread count, set once at its start: --threads=N, else OMP_NUM_THREADS, else torch's default (one
+    per physical core). A count no machine runs (OMP_NUM_THREADS=10000 would start 10,000 threads) is refused."""
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    setting = f"--threads={requested}"
+    if requested == 0 and omp.isdigit() and int(omp) > 0:
+        requested, setting = int(omp), f"OMP_NUM_THREADS={omp}"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if requested > MAX_THREADS_PER_CPU * cpus:  # OpenMP crashes (a segfault) long before such counts
-        raise UserError(f"--threads={requested} is more than the {cpus} CPU(s) this process may use can run; pass "
-                        f"at most {cpus} (0: one per core other processes leave free).")
-    if requested > 0:
+    if requested > MAX_THREADS_PER_CPU * cpus:
+        raise UserError(f"{setting} is more threads than the {cpus} CPU(s) this process may use can run; pass "
+                        f"--threads= at most {MAX_THREADS_PER_CPU * cpus} ({MAX_THREADS_PER_CPU} per CPU), or 0 for "
+                        f"torch's default.")
+    if requested > 0:  # set, not assumed: with MKL_NUM_THREADS set too, torch would start with MKL's count
         torch.set_num_threads(requested)
-        return None, None
-    omp = os.environ.get("OMP_NUM_THREADS")
-    if omp is not None and omp.strip().isdigit() and int(omp) > 0:
-        # set, not assumed: with MKL_NUM_THREADS set too, torch starts with MKL's count
-        torch.set_num_threads(int(omp))
-        mkl = os.environ.get("MKL_NUM_THREADS")
-        if mkl is not None and mkl.strip() != omp.strip():
-            return None, (f"note: OMP_NUM_THREADS={omp.strip()} and MKL_NUM_THREADS={mkl.strip()} disagree; using "
-                          f"{int(omp)} thread(s), OMP_NUM_THREADS's (unset MKL_NUM_THREADS, or make them equal)")
-        return None, None
-    ignored = (f"note: OMP_NUM_THREADS={omp!r} is not a positive whole number and is ignored: threads are chosen "
-               f"as without it (set it to 1 or more, or unset it)") if omp is not None else None
-    watch = CoreWatch()
-    time.sleep(0.1)  # what the other processes do meanwhile
-    said = "\n".join(line for line in (ignored, choose_threads(watch)) if line)
-    return watch, said or None
-
-
-def cpu_threads(rt: "Runtime", requested: int, fixed: bool = False) -> Optional[CoreWatch]:
-    """A script's thread start-up, its notes printed: the watch that looks again at each log line, or None (not a
-    CPU; under torchrun, which sets OMP_NUM_THREADS; the user's count; or `fixed`: a compiled step, since dynamo guards
-    on the thread count and a change would recompile it)."""
-    if rt.device_type != "cpu" or rt.is_distributed:
-        return None
-    watch, said = start_threads(requested)
-    if said:
-        print(said, file=sys.stderr)
-    if fixed and watch is not None:
-        print(f"note: a compiled step keeps its {torch.get_num_threads()} CPU threads for the whole run "
-              f"(--threads= or OMP_NUM_THREADS chooses)", file=sys.stderr)
-        return None
-    return watch
-
-
-def choose_threads(watch: CoreWatch) -> Optional[str]:
-    """One PyTorch thread per core that other processes left free since the watch last looked: a thread waiting for a
-    core another process holds stalls every op (a step 3.7x slower beside one busy process on 2 cores, where a fair
-    share is 2x). The line saying a change, or None."""
-    others = watch.others()
-    if others is None:
-        return None
-    # a thread per physical core, as torch's default: the scheduler spreads other work over cores before it doubles up
-    cores, have = watch.physical, torch.get_num_threads()
-    want = max(1, min(cores, cores - round(others)))
-    if want == have:
-        return None
-    torch.set_num_threads(want)
-    why = f"other processes keep {cores - want} core(s) busy" if want < cores else "the cores are free again"
-    return f"note: using {want} of {cores} CPU threads: {why} (--threads= or OMP_NUM_THREADS chooses)"
 
 
 def bf16_native(device_type: str, training: bool = False) -> bool:
@@ -285,9 +196,10 @@ class Runtime:
 
 
 def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str = "auto",
-                    distributed: bool = False) -> Runtime:
-    """The one place device, autocast dtype and Muon's dtype are decided (bf16_native says where each picks bf16); a
-    cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first."""
+                    distributed: bool = False, threads: int = 0) -> Runtime:
+    """The one place device, autocast dtype, Muon's dtype and CPU threads are decided (bf16_native says where each
+    picks bf16); a cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first."""
+    set_threads(threads)
     if distributed and "RANK" in os.environ:  # before CUDA starts, which reads CUDA_VISIBLE_DEVICES once
         from core.distributed import one_mig_slice_per_rank
         said = one_mig_slice_per_rank(os.environ)

@@ -5,14 +5,10 @@ a batch of samples drawn and timed, the weights made ready for inference.
     idx = Decoder(model).generate(idx, max_new_tokens=100, temperature=0)
 """
 
-import functools
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
@@ -117,60 +113,7 @@ def for_inference(model: GPT, device: str, dtype: torch.dtype, quantize: str = "
     if quantize == "int8":
         from tools.decoding import quantize_int8  # torchao's int8 weights, asked for
         quantize_int8(model)
-    elif model.lm_head.weight.device.type == "cpu":
-        lay_out_for_gemv(model)
     return model
-
-
-# A CPU's batch-1 matmul (a GEMV: every weight read once per token) runs at very different rates by the form it is
-# asked in, and which form is fastest differs between CPU kinds and dtypes (docs/bench.md): nn.Linear's (out, in)
-# weights through addmm, the same values stored (in, out), or a matrix-vector product. Measured once per process.
-GEMV_FORMS = ("linear", "in_out", "mv")
-_gemv_choice: dict = {}
-
-
-def lay_out_for_gemv(model: GPT) -> str:
-    """Give the blocks' Linear layers the GEMV form this CPU reads fastest (by measurement, on these weights' shapes and
-    dtype), in place: the values, shapes and state_dict stay the same, and compiled code keeps nn.Linear's own."""
-    linears = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
-    key = (frozenset(m.weight.shape for m in linears), model.lm_head.weight.dtype, torch.get_num_threads())
-    if key not in _gemv_choice:
-        _gemv_choice[key] = min(GEMV_FORMS, key=lambda form: _time_form(linears, form))
-    _apply_form(linears, _gemv_choice[key])
-    return _gemv_choice[key]
-
-
-def _time_form(linears: list, form: str, repeats: int = 5) -> float:
-    """Seconds of one batch-1 pass over copies of the layers' weights in `form`, the best of `repeats`."""
-    copies = [nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=m.weight.dtype) for m in linears]
-    with torch.no_grad():
-        for c, m in zip(copies, linears):
-            c.weight.copy_(m.weight)
-    _apply_form(copies, form)
-    inputs = {m.in_features: torch.ones(1, 1, m.in_features, dtype=m.weight.dtype) for m in linears}  # (1, 1, C)
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(repeats + 1):  # the first pass pays for setup
-            t0 = time.perf_counter()
-            for c in copies:
-                c(inputs[c.in_features])
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _apply_form(linears: list, form: str) -> None:
-    for m in linears:
-        if form == "in_out":  # the same (out, in) tensor, its memory laid out (in, out)
-            m.weight.data = m.weight.data.t().contiguous().t()
-        elif form == "mv":
-            m.forward = functools.partial(_mv_forward, m)
-
-
-def _mv_forward(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() != m.in_features or torch.compiler.is_compiling():  # more rows than one, or traced: nn.Linear's
-        return F.linear(x, m.weight, m.bias)
-    y = torch.mv(m.weight, x.reshape(-1))  # (out,)
-    return (y if m.bias is None else y + m.bias).view(*x.shape[:-1], -1)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

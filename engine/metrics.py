@@ -5,7 +5,6 @@ steps only.
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 
 from core.configurator import Settings
 from core.errors import UserError
-from core.runtime import Runtime, choose_threads
+from core.runtime import Runtime
 
 
 class Progress:
@@ -77,12 +76,12 @@ class MetricsLog:
 class TrainingLines:
     """The one owner of a log point's line: its loss, copied to the host behind its step, is read once the next step
     is queued (so the device never waits) and printed with the speed over the steps timed since the last line.
-    `mfu(tokens_per_s)` or None; `watch`: a CPU run's look at the other processes, again at each line."""
+    `mfu(tokens_per_s)` or None."""
 
     def __init__(self, log: "MetricsLog", timer: "StepTimer", rt: Runtime, tokens_per_iter: int,
-                 mfu: Optional[Callable[[float], float]], out_dir: str, watch=None):
+                 mfu: Optional[Callable[[float], float]], out_dir: str):
         self.log, self.timer, self.rt, self.tokens_per_iter = log, timer, rt, tokens_per_iter
-        self.mfu, self.out_dir, self.watch, self.held = mfu, out_dir, watch, None
+        self.mfu, self.out_dir, self.held = mfu, out_dir, None
 
     def hold(self, end: "StepEnd", lr: float) -> bool:
         """Print the line held until now, and hold step end's (a log point's: values copied behind it). Returns
@@ -109,9 +108,6 @@ class TrainingLines:
             if self.mfu is not None:
                 metrics["mfu"] = self.mfu(tokens_per_s)
         self.log.log({**metrics, **self.rt.memory_metrics()})
-        said = choose_threads(self.watch) if self.watch is not None else None
-        if said and self.rt.is_master:  # another process began or ended beside this run: the next line's speed shows
-            print(said, file=sys.stderr)
         return out_of_time > 0
 
 

@@ -32,15 +32,14 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-# The suite loads the cores itself: the scripts keep the threads they start with rather than follow the load
-# (runtime.start_threads), so that a run is the same run however busy the machine is; test_runtime.py tests that
+# Each script sets its threads once at start (runtime.set_threads); the suite runs them at one per CPU
 os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                               else os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True, scope="session")
 def own_cache_folder(tmp_path_factory):
-    """Measured peaks (flops.peak_flops_cache) go to a folder of the test session's, in process and in every
+    """Measurements kept between runs (files.cache_folder) go to a folder of the test session's, in process and in every
     script a test launches, never to the user's ~/.cache."""
     saved = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
@@ -52,14 +51,10 @@ def own_cache_folder(tmp_path_factory):
 
 
 @pytest.fixture()
-def measured_alone(monkeypatch):
-    """The CPU's peak FLOP/s measured as if nothing else ran (flops.cpu_share stood in at 1): for the tests of what
-    carries MFU, which a busy test machine would otherwise leave without one (tests/test_runtime.py tests that)."""
+def datasheet_peak(monkeypatch):
+    """A CPU given a datasheet peak of 1 TFLOP/s, as a listed GPU has: for the tests of what carries MFU."""
     from core import flops
-    monkeypatch.setattr(flops, "cpu_share", lambda cpu_seconds, wall_seconds: 1.0)
-    flops.measured_matmul_flops.cache_clear()
-    yield
-    flops.measured_matmul_flops.cache_clear()
+    monkeypatch.setattr(flops, "peak_flops", lambda rt: 1e12)
 
 
 @pytest.fixture(scope="session")

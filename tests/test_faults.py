@@ -21,7 +21,6 @@ import sample
 import train
 from model import IMPLEMENTATIONS
 from conftest import REPO, SHARDED, TINY
-from core import flops
 from core.errors import UserError
 from core.runtime import Runtime
 from attention import attn_auto
@@ -146,21 +145,6 @@ def test_a_decision_naming_an_implementation_that_no_longer_exists_is_measured_a
     assert sample.main([f"--out_dir={tmp_path / 'second'}", "--attn=auto", "--attn_auto_budget=1",
                         "--max_new_tokens=2", "--num_samples=1"]) == 0
     assert capsys.readouterr().err.startswith(f"note: {cache} is not what this project wrote (it holds a JSON list")
-
-
-def test_a_peak_flops_cache_holding_anything_else_is_measured_again_and_rewritten(char_data, tmp_path, monkeypatch,
-                                                                                  capsys, measured_alone):
-    """A training run on a CPU reads it for MFU: it once died with a traceback on a list."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cache = tmp_path / "nanogpt-attn" / "peak_flops.json"
-    cache.parent.mkdir()
-    for held in ('["not", "a", "table"]', '{"a cpu": "fast"}'):
-        cache.write_text(held)
-        flops.measured_matmul_flops.cache_clear()  # measured once per process and runtime
-        tiny(char_data, tmp_path / "run", "--max_iters=2", "--overwrite=True")
-        assert capsys.readouterr().err.startswith(f"note: {cache} is not what this project wrote")
-        assert all(isinstance(v, float) and v > 0 for v in json.loads(cache.read_text()).values())
-    flops.measured_matmul_flops.cache_clear()
 
 
 # -- tools check every setting before they run --------------------------------------------------------------

@@ -424,21 +424,3 @@ def test_sampling_warms_up_every_attention_shape_its_timed_tokens_meet(masks, mo
     assert timed_run <= warmup and len(timed_run) > 3
 
 
-@pytest.mark.parametrize("form", ["linear", "in_out", "mv"])
-def test_every_gemv_form_decodes_the_tokens_and_keeps_the_state_dict(form, monkeypatch):
-    """for_inference lays the blocks' weights out in the GEMV form the CPU reads fastest (measured): whichever wins,
-    the tokens are the cache-free ones, the state_dict is unchanged, and training code sees plain nn.Linear."""
-    import engine.generate as generate
-    model = small_model()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    expected = Decoder(model).generate(prompts(), 20, temperature=0.0, use_cache=False)
-    monkeypatch.setattr(generate, "_time_form", lambda linears, f: 0.0 if f == form else 1.0)
-    generate._gemv_choice.clear()
-    model = for_inference(model, "cpu", torch.float32)
-    assert generate.lay_out_for_gemv(model) == form
-    after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) and before[k].shape == after[k].shape for k in before)
-    got = Decoder(model).generate(prompts(), 20, temperature=0.0)
-    assert torch.allclose(model(prompts())[0], small_model()(prompts())[0], atol=1e-5)
-    assert torch.equal(got, expected)
-    generate._gemv_choice.clear()

@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from core import flops
 from engine import trainer
-from benchmarks import measure
+from benchmarks import bench_generate, measure
 import bench
 from benchmarks import compare
 from core import distributed, runtime
@@ -55,73 +56,43 @@ def test_gpus_without_native_bf16_and_unlisted_gpus_have_no_datasheet_peak():
     assert flops.datasheet_peak_flops("NVIDIA GeForce RTX 3090 Ti", "bfloat16") == pytest.approx(80e12)
 
 
-def test_the_measured_peak_is_not_below_what_a_model_sized_matmul_reaches(measured_alone):
-    """MFU cannot read over 100% for lack of a real peak: the measured one is at least the rate of the kind of
-    matmul the model itself runs (here 1024 x 384 @ 384 x 1536, best of several)."""
-    rt = runtime.Runtime("cpu", "float32")
-    a, b = torch.randn(1024, 384), torch.randn(384, 1536)
-    a @ b
-    best = min(runtime.time_call(lambda: a @ b, rt)[1] for _ in range(20))
-    assert flops.measured_matmul_flops(rt) >= 0.5 * (2 * 1024 * 384 * 1536 / best)  # 0.5: a noisy machine
-
-
-def test_a_peak_measured_under_load_cannot_lower_the_one_kept_so_mfu_cannot_rise_with_load(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    rt = runtime.Runtime("cpu", "float32")
-    for measured, kept in [(100e9, 100e9), (40e9, 100e9), (150e9, 150e9)]:  # a loaded machine measures 40
-        flops.measured_matmul_flops.cache_clear()
-        monkeypatch.setattr(flops, "best_matmul_flops", lambda rt, repeats: measured)
-        assert flops.measured_matmul_flops(rt) == kept
-    saved = json.loads((tmp_path / "nanogpt-attn" / "peak_flops.json").read_text())
-    assert saved == {f"{rt.name}, float32, torch {torch.__version__}": 150e9}
-    flops.measured_matmul_flops.cache_clear()
-
-
 def test_a_footprint_is_never_judged_against_less_bandwidth_than_a_larger_one_was_read_at(monkeypatch, tmp_path):
-    """bench and sample divide a decode step's GB/s by the bandwidth at its footprint: a 16 MiB reading below the
+    """bench divides a decode step's GB/s by the bandwidth at its footprint: a 16 MiB reading below the
     64 MiB one (a busy moment, the measurement's own overhead) would give the smaller rows a larger share."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     rt, MiB = runtime.Runtime("cpu", "float32"), 2 ** 20
     readings = {64 * MiB: 41e9, 16 * MiB: 21e9, MiB: 90e9}
-    monkeypatch.setattr(flops, "best_read_rate", lambda rt, size, repeats: readings[size])
-    flops.measured_bandwidth.cache_clear()
+    monkeypatch.setattr(bench_generate, "best_read_rate", lambda rt, size, repeats: readings[size])
+    bench_generate.measured_bandwidth.cache_clear()
     try:
-        assert flops.memory_bandwidth(rt, 64 * MiB) == 41e9
-        assert flops.memory_bandwidth(rt, 10 * MiB) == 41e9  # measured 21 at 16 MiB: 64 MiB's 41 stands
-        assert flops.memory_bandwidth(rt, MiB) == 90e9  # in cache: faster, kept
+        assert bench_generate.memory_bandwidth(rt, 64 * MiB) == 41e9
+        assert bench_generate.memory_bandwidth(rt, 10 * MiB) == 41e9  # measured 21 at 16 MiB: 64 MiB's 41 stands
+        assert bench_generate.memory_bandwidth(rt, MiB) == 90e9  # in cache: faster, kept
     finally:
-        flops.measured_bandwidth.cache_clear()
+        bench_generate.measured_bandwidth.cache_clear()
 
 
-def test_a_first_run_on_a_loaded_machine_shows_no_mfu_rather_than_an_inflated_one(char_data, tmp_path, monkeypatch):
-    """No peak kept yet, and every round of the measurement shared the cores with another process (cpu_share
-    stood in at 0.5, what a busy neighbour per core leaves): no peak is kept and no MFU is logged; a later run
-    measured alone keeps its peak and logs MFU over it."""
+def test_mfu_is_against_a_datasheet_peak_and_a_cpu_or_a_mig_slice_has_none(monkeypatch):
+    """A MIG slice has a share of the GPU's SMs: the whole H100's 989 TFLOP/s would read its MFU up to 7x low; a CPU
+    has no datasheet, and its line says why no MFU is shown."""
+    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
+    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bfloat16") is None
+    cpu = runtime.Runtime("cpu", "float32")
+    assert flops.peak_flops(cpu) is None
+    assert flops.peak_line(cpu, None).startswith("mfu not shown: no datasheet peak for ")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    assert flops.peak_flops(runtime.Runtime("cuda:0", "bfloat16")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert flops.peak_flops(runtime.Runtime("cuda:0", "bfloat16")) == 989.4e12
+
+
+def test_a_cpu_training_log_has_no_mfu_and_measures_no_peak(char_data, tmp_path, capsys):
     from conftest import TINY, metrics
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    flops.measured_matmul_flops.cache_clear()
-    monkeypatch.setattr(flops, "cpu_share", lambda cpu_s, wall_s: 0.5)
-    args = TINY + [f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3"]
-    assert train.main(args + [f"--out_dir={tmp_path / 'loaded'}"]) == 0
-    assert metrics(tmp_path / "loaded", "ms_per_iter") and not metrics(tmp_path / "loaded", "mfu")
-    assert not (tmp_path / "cache" / "nanogpt-attn" / "peak_flops.json").exists()
-    flops.measured_matmul_flops.cache_clear()
-    monkeypatch.setattr(flops, "cpu_share", lambda cpu_s, wall_s: 1.0)
-    assert train.main(args + [f"--out_dir={tmp_path / 'alone'}"]) == 0
-    assert set(metrics(tmp_path / "alone", "mfu")) == set(metrics(tmp_path / "alone", "ms_per_iter"))
-    flops.measured_matmul_flops.cache_clear()
-
-
-@pytest.mark.slow
-def test_the_cpu_share_sees_a_busy_process_on_every_core(monkeypatch):
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count())]
-    try:
-        time.sleep(0.5)
-        assert flops.best_matmul_flops(runtime.Runtime("cpu", "float32"), repeats=3) is None
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
+    args = TINY + [f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3", f"--out_dir={tmp_path / 'o'}"]
+    assert train.main(args) == 0
+    assert metrics(tmp_path / "o", "ms_per_iter") and not metrics(tmp_path / "o", "mfu")
+    assert "mfu not shown: no datasheet peak for " in capsys.readouterr().out
+    assert not (Path(os.environ["XDG_CACHE_HOME"]) / "nanogpt-attn" / "peak_flops.json").exists()
 
 
 # -- device and precision ----------------------------------------------------------------------------
@@ -163,7 +134,7 @@ def test_tf32_is_set_in_one_place_that_every_script_goes_through(monkeypatch, tm
     class Resolved(Exception):
         pass
 
-    def resolve_runtime(device, dtype, muon_dtype="auto", distributed=False):
+    def resolve_runtime(device, dtype, muon_dtype="auto", distributed=False, threads=0):
         raise Resolved
     monkeypatch.setattr(runtime, "resolve_runtime", resolve_runtime)
     for script in (train, sample, bench):
@@ -280,118 +251,35 @@ def test_batches_reach_a_gpu_from_pinned_memory_without_the_host_waiting(monkeyp
     assert runtime.Runtime("cuda:0", "bfloat16").to_device(x) == (x,) and calls == []
 
 
-def test_a_mig_slice_gets_no_whole_gpus_datasheet_peak_but_its_own_measured_one(monkeypatch):
-    """A MIG slice has a share of the GPU's SMs: the whole H100's 989 TFLOP/s would read its MFU up to 7x low."""
-    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
-    assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bfloat16") is None
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 1g.10gb")
-    monkeypatch.setattr(flops, "measured_matmul_flops", lambda rt: 118e12)  # what the slice's matmuls reach
-    assert flops.peak_flops(runtime.Runtime("cuda:0", "bfloat16")) == 118e12
 
 
-class BusyBeside:
-    """A CoreWatch whose look at the other processes is given: how many cores they kept busy, look by look."""
+# -- CPU threads: set once at start -------------------------------------------------------------------
 
-    def __init__(self, cores: int, busy: list):
-        self.cores, self.physical, self.busy = list(range(cores)), cores, list(busy)
-
-    def others(self):
-        return self.busy.pop(0)
-
-
-def test_a_cpu_run_uses_the_cores_other_processes_leave_and_says_so_once_per_change(monkeypatch):
-    """One busy process beside a 2-thread step made it 3.7x slower (threads waiting on a descheduled sibling): a run
-    takes one thread per free core, looks again at each log line, and says each change in one line."""
+@pytest.fixture()
+def keep_threads():
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        watch = BusyBeside(2, [1.0, 0.97, 0.0, 0.1, None])
-        assert runtime.choose_threads(watch) == ("note: using 1 of 2 CPU threads: other processes keep 1 core(s) "
-                                                 "busy (--threads= or OMP_NUM_THREADS chooses)")
-        assert torch.get_num_threads() == 1
-        assert runtime.choose_threads(watch) is None  # still busy: nothing to say
-        assert runtime.choose_threads(watch) == ("note: using 2 of 2 CPU threads: the cores are free again "
-                                                 "(--threads= or OMP_NUM_THREADS chooses)")
-        assert runtime.choose_threads(watch) is None and runtime.choose_threads(watch) is None  # unreadable: kept
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(threads)
 
 
-def test_the_users_threads_win_over_the_look(monkeypatch):
-    threads = torch.get_num_threads()
-    try:
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        assert runtime.start_threads(0) == (None, None) and torch.get_num_threads() == 2  # OMP_NUM_THREADS's count
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        monkeypatch.setenv("MKL_NUM_THREADS", "2")  # torch would start with MKL's 2: OMP's 1 is set, and said
-        assert runtime.start_threads(0) == (None, "note: OMP_NUM_THREADS=1 and MKL_NUM_THREADS=2 disagree; using 1 "
-                                                  "thread(s), OMP_NUM_THREADS's (unset MKL_NUM_THREADS, or make them "
-                                                  "equal)")
-        assert torch.get_num_threads() == 1
-        monkeypatch.delenv("MKL_NUM_THREADS")
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        assert runtime.start_threads(1) == (None, None) and torch.get_num_threads() == 1  # --threads=1
-        monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 0.0)
-        torch.set_num_threads(runtime.CoreWatch().physical)
-        watch, said = runtime.start_threads(0)  # nothing busy beside: every core, and nothing said
-        assert watch is not None and said is None
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_the_watch_counts_other_processes_busy_time_not_this_ones(monkeypatch):
-    """/proc/stat's busy time of this process's cores less this process's CPU time, over the clock between looks."""
-    hz = os.sysconf("SC_CLK_TCK")
-    readings = iter([(0, 0.0, 0.0), (2 * hz, 1.0, 1.0)])  # busy jiffies, this process's CPU seconds, the clock
-
-    class Fake(runtime.CoreWatch):
-        def now(self):
-            jiffies, cpu, clock = next(readings)
-            return jiffies / hz, cpu, clock
-    watch = Fake()
-    watch.cores = [0, 1]
-    assert watch.others() == 1.0  # both cores busy for a second, one of them by this process
-    real = runtime.CoreWatch()
-    stat = "cpu  9 9 9 9 9 0 0 0\n" + "".join(f"cpu{c} 10 0 5 100 2 0 0 0 0 0\n" for c in real.cores) + "cpu999 1 1\n"
-    monkeypatch.setattr(runtime.CoreWatch, "stat", staticmethod(lambda: stat))
-    assert real.now()[0] == len(real.cores) * 15 / hz  # user + system, not idle or iowait, of its own cores only
-
-
-def test_train_says_it_uses_fewer_threads_beside_a_busy_process(char_data, tmp_path, monkeypatch, capsys):
-    import train
-    from conftest import TINY
-    threads = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 1.0)
-    try:
-        torch.set_num_threads(2)
-        assert train.main([*TINY, f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--max_iters=3"]) == 0
-        notes = [line for line in capsys.readouterr().err.splitlines() if "CPU threads" in line]
-        assert notes == ["note: using 1 of 2 CPU threads: other processes keep 1 core(s) busy (--threads= or "
-                         "OMP_NUM_THREADS chooses)"]
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("count", [100_000, 10 ** 9])
-def test_a_thread_count_no_machine_runs_is_one_sentence_not_a_crash(count):
-    # OpenMP segfaults when asked for 100,000 threads: the count is refused before torch sees it
-    threads = torch.get_num_threads()
-    with pytest.raises(UserError, match=rf"--threads={count} is more than the \d+ CPU\(s\).*pass at most \d+"):
-        runtime.start_threads(count)
-    assert torch.get_num_threads() == threads
-
-
-@pytest.mark.parametrize("value", ["0", "abc", "-1", ""])
-def test_an_omp_num_threads_that_is_not_a_positive_count_is_named_and_ignored(monkeypatch, value):
-    threads = torch.get_num_threads()
-    try:
+def test_threads_come_from_the_setting_then_omp_num_threads_then_torchs_default(monkeypatch, keep_threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    runtime.set_threads(0)
+    assert torch.get_num_threads() == 1  # OMP_NUM_THREADS's count, set (MKL_NUM_THREADS could say otherwise)
+    runtime.set_threads(2)
+    assert torch.get_num_threads() == 2  # --threads= wins
+    for value in ("0", "abc", "-1", ""):  # not a count: torch's own default stands
         monkeypatch.setenv("OMP_NUM_THREADS", value)
-        monkeypatch.setattr(runtime.CoreWatch, "others", lambda self: 0.0)
-        watch, said = runtime.start_threads(0)
-        assert watch is not None  # the threads are chosen as without it
-        assert said.splitlines()[0] == (f"note: OMP_NUM_THREADS={value!r} is not a positive whole number and is "
-                                        f"ignored: threads are chosen as without it (set it to 1 or more, or unset it)")
-    finally:
-        torch.set_num_threads(threads)
+        runtime.set_threads(0)
+        assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("where", ["--threads", "OMP_NUM_THREADS"])
+def test_a_thread_count_no_machine_runs_is_one_sentence_not_a_hang(where, monkeypatch, keep_threads):
+    """OpenMP starts every thread asked for (10,000 hang the run; 100,000 segfault): refused before torch sees it,
+    whether typed or in the environment."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "10000" if where == "OMP_NUM_THREADS" else "1")
+    with pytest.raises(UserError, match=rf"{where}=10000 is more threads than the \d+ CPU\(s\).*at most \d+"):
+        runtime.set_threads(10000 if where == "--threads" else 0)
+    assert torch.get_num_threads() == threads

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import re
 import math
 import subprocess
 import sys
@@ -368,19 +369,12 @@ def test_compares_speed_rows_say_why_the_cache_can_trail_no_cache_where_it_is_pr
     assert "the cache holds block_size" not in short
 
 
-def test_the_speed_line_states_the_bound_that_holds_at_the_models_size(monkeypatch):
-    """Far below the read bandwidth measured at the weights' footprint, a decode step is bound by its fixed overhead,
-    and the line says that rather than a share that suggests headroom; near it, the share."""
-    from core import flops
-    model = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=64))  # ~0.1 MB of weights
-    nbytes = sample.weight_bytes(model)
-    sizes = []
-    monkeypatch.setattr(flops, "memory_bandwidth", lambda rt, n: sizes.append(n) or 40e9)  # 40 GB/s at this size
-    rt = runtime.Runtime("cpu", "float32")
-    small = sample.roofline(model, rt, steps_per_s=750.0)  # 1.33 ms a token
-    assert sizes == [nbytes]  # measured at the footprint the step reads
-    assert small["line"] == (f"weights read at {nbytes * 750 / 1e9:.1f} GB/s: a read of the {nbytes / 1e6:,.1f} MB "
-                             f"of weights takes {1e3 * nbytes / 40e9:.2f} ms at the 40.0 GB/s measured here at that "
-                             f"size, a step 1.33 ms, so each token's fixed overhead bounds this speed, not memory")
-    near = sample.roofline(model, rt, steps_per_s=0.5 * 40e9 / nbytes)  # half the bandwidth
-    assert near["line"] == "weights read at 20.0 GB/s (50% of the 40.0 GB/s measured here at that size)"
+def test_a_default_sample_prints_one_speed_line_and_measures_nothing_else(trained_ckpt, capsys, tmp_path,
+                                                                          monkeypatch):
+    """No bandwidth probe, no layout timing, nothing written to the cache folder: GB/s against the machine's
+    bandwidth is bench.py --mode=generate's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = run_sample(capsys, f"--out_dir={trained_ckpt}", "--num_samples=1", "--max_new_tokens=4", "--device=cpu")
+    speed = [line for line in out.splitlines() if " tokens/s " in line]
+    assert len(speed) == 1 and re.search(r"weights read at [\d.]+ GB/s$", speed[0]), speed
+    assert not (tmp_path / "cache").exists()

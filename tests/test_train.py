@@ -163,7 +163,7 @@ def json_rows_at(out_dir: Path, it: int) -> dict:
     return merged
 
 
-def test_metrics_reach_wandb_keyed_by_iteration(char_data, tmp_path, monkeypatch, measured_alone):
+def test_metrics_reach_wandb_keyed_by_iteration(char_data, tmp_path, monkeypatch, datasheet_peak):
     """What train.py hands wandb, in process; the slow test below checks what a real offline wandb run records."""
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
@@ -215,7 +215,7 @@ def test_an_iterations_train_and_val_lines_show_the_same_learning_rate(char_data
 
 
 @pytest.mark.slow  # wandb starts its own service process
-def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path, monkeypatch, measured_alone):
+def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path, monkeypatch, datasheet_peak):
     pytest.importorskip("wandb")
     for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(key, value)
@@ -562,14 +562,13 @@ def test_the_banner_says_how_the_ranks_split_the_work(char_data):
     assert ", world size 1, " in train.banner(cfg, rt, model)
 
 
-def test_a_refused_run_prints_no_thread_note_before_its_error(char_data, tmp_path, monkeypatch, capsys):
-    """One error, one line: the threads are chosen (and their note said) only once every refusal has had its say."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "abc")  # a note, in a run that gets that far
-    with pytest.raises(UserError, match="attn='efficient' cannot run"):
-        train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", "--attn=efficient"])
-    assert "note:" not in capsys.readouterr().err
-    assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'ok'}", "--max_iters=1"]) == 0
-    assert "note: OMP_NUM_THREADS='abc' is not a positive whole number" in capsys.readouterr().err
+def test_omp_num_threads_past_what_the_cpus_run_is_refused_before_anything_is_made(char_data, tmp_path, monkeypatch):
+    """OMP_NUM_THREADS=10000 once started 10,000 threads and hung: the cap --threads= has holds for it too."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "10000")
+    threads = torch.get_num_threads()
+    with pytest.raises(UserError, match=r"^OMP_NUM_THREADS=10000 is more threads than the \d+ CPU"):
+        train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"])
+    assert not (tmp_path / "out").exists() and torch.get_num_threads() == threads
 
 
 def test_the_log_line_writes_tokens_per_s_as_a_plain_number(tmp_path, capsys):
