@@ -5,15 +5,11 @@ process group joined on a store of this restart's own, and the model wrapped for
 
 import inspect
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from core.errors import UserError
-
-
-STORE: list = []  # the store the ranks met on, once they have: where a refusal is compared with rank 0's
 
 
 def join(device: str) -> tuple[int, int, int, str]:
@@ -27,7 +23,6 @@ def join(device: str) -> tuple[int, int, int, str]:
     # the dead ones' addresses and hang or fail to connect
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
     store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-    STORE.append(store)
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -79,26 +74,6 @@ def one_mig_slice_per_rank(env) -> str | None:
     env["CUDA_VISIBLE_DEVICES"] = ",".join([slices[local_rank]] + slices[:local_rank] + slices[local_rank + 1:])
     return (f"note: CUDA_VISIBLE_DEVICES names {len(slices)} MIG slices and a process sees only the first named; "
             f"each rank puts its own first (local rank N runs on slice N)") if local_rank == 0 else None
-
-
-def have_met() -> bool:
-    return bool(STORE)
-
-
-def said_by_rank0(message: str, wait_s: float) -> bool:
-    """Whether rank 0 refused with this same message (every rank raised it), looked for up to wait_s; this rank's
-    refusal is left for the others to compare. A store already gone (rank 0 ended) counts as rank 0 having said it."""
-    store, rank = STORE[-1], os.environ.get("RANK", "0")
-    try:
-        store.set(f"refusal/{rank}", message)
-        deadline = time.monotonic() + wait_s
-        while rank != "0" and time.monotonic() < deadline:  # polled: a store's timed-out wait logs socket warnings
-            if store.check(["refusal/0"]):
-                return store.get("refusal/0").decode("utf-8", errors="replace") == message
-            time.sleep(0.02)
-    except dist.DistNetworkError:
-        return rank != "0"
-    return False
 
 
 def wrap(model: torch.nn.Module, parallel: str, compile: bool, rt) -> torch.nn.Module:  # rt: a runtime.Runtime

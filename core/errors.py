@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Callable, Iterator
 
 
@@ -24,10 +23,7 @@ class UserError(ValueError):
 
 class StoppedWithRank0(UserError):
     """A rank stopping because rank 0's work failed: rank 0 prints its sentence; this rank exits with 2 quietly, so
-    a torchrun console shows the error once, not after a line pointing to it."""
-
-
-QUIET_RANK_PAUSE_S = 1.0  # torchrun looks every 0.1 s: rank 0 ends first, and its report names rank 0's error
+    a torchrun console shows the error once."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -128,10 +124,8 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
         return main() or 0
     except UserError as e:
         line = refusal_line(e)
-        if line is None:
-            time.sleep(QUIET_RANK_PAUSE_S)  # the rank that says it ends first: torchrun's root cause
-            return 2
-        print(line, file=sys.stderr)
+        if line is not None:
+            print(line, file=sys.stderr)
         return 2
     except Terminated:
         print("stopped by SIGTERM", file=sys.stderr)
@@ -146,18 +140,15 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
 
 
 def refusal_line(e: UserError) -> str | None:
-    """The `error:` line this process prints, or None where another rank prints it. Under torchrun the ranks share one
-    console: a refusal they all raise is printed once (by rank 0 once the ranks have met, else by each node's local
-    rank 0), and one raised by a rank alone is printed by that rank, named."""
+    """The `error:` line this process prints, or None where rank 0 prints it. Under torchrun the ranks share one
+    console: rank 0 prints the refusals every rank meets, and another rank only one of its own (its GPU, its node's
+    files), named."""
     env = os.environ
     if isinstance(e, StoppedWithRank0):
         return None
     if "TORCHELASTIC_RUN_ID" not in env:  # one process, or a launcher that gives each rank a console of its own
         return f"error: {e}"
-    distributed = sys.modules.get("core.distributed")  # loaded only where the ranks meet
-    if distributed is not None and distributed.have_met():
-        alone = not distributed.said_by_rank0(str(e), QUIET_RANK_PAUSE_S)
-    else:
-        alone = e.own or env.get("LOCAL_RANK", "0") == "0"
     rank = env.get("RANK", "0")
-    return None if not alone else f"error: {e}" if rank == "0" else f"error: rank {rank}: {e}"
+    if rank == "0":
+        return f"error: {e}"
+    return f"error: rank {rank}: {e}" if e.own else None

@@ -178,70 +178,34 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
 
 
 class OutDirLock:
-    """One run per out_dir: flock on out_dir/.lock for the run's life, released by the OS when the process dies.
-    Readers take no lock: a checkpoint is renamed into place whole (metrics.jsonl is appended to, line by line)."""
+    """One run per out_dir: flock on out_dir/.lock (an empty file) for the run's life, released by the OS when the
+    process dies. The file stays: a lock on a file another run had already unlinked would be no lock. Readers take
+    none: a checkpoint is renamed into place whole."""
 
     def __init__(self, out_dir: Path, made_dir: bool):
         import fcntl
-        import socket
         self.out, self.path, self.made_dir = Path(out_dir), Path(out_dir) / ".lock", made_dir
-        while True:
-            self.file = open(self.path, "a+")
-            try:
-                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.file.seek(0)
-                holder = self.file.read().strip() or "another process"
-                self.file.close()
-                raise UserError(f"{self.out} is in use by another run ({holder}); wait for it to finish, or pass "
-                                f"another --out_dir=.") from None
-            except OSError as e:  # a shared filesystem without flock (Lustre without -o flock, some NFS)
-                if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK):
-                    raise
-                print(f"note: {self.out}'s filesystem has no file locks ({e.strerror}); this run goes on unlocked, "
-                      f"so start no other run on this out_dir until it ends.", file=sys.stderr)
-                break
-            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino:
-                break  # the file at the path, not one a finishing run took away while this opened it
+        self.made_lock = not self.path.exists()
+        self.file = open(self.path, "a")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             self.file.close()
-        said = node_local_locks(self.out)
-        if said:
-            print(f"note: {said}", file=sys.stderr)
-        with contextlib.suppress(OSError):  # who holds it, for a refused run's sentence; a full disk: the lock holds
-            self.file.seek(0)
-            self.file.truncate()
-            self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            self.file.flush()
+            raise UserError(f"{self.out} is in use by another run; wait for it to finish, or pass another "
+                            f"--out_dir=.") from None
+        except OSError as e:  # a shared filesystem without flock (Lustre without -o flock, some NFS)
+            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK):
+                raise
+            print(f"note: {self.out}'s filesystem has no file locks ({e.strerror}); this run goes on unlocked, "
+                  f"so start no other run on this out_dir until it ends.", file=sys.stderr)
 
     def release(self, failed: bool = False) -> None:
-        """Remove the lock file, then unlock; a refused run also takes away the folder it made, left empty."""
-        self.path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # a full disk may refuse the pid line's flush again
-            self.file.close()  # closing the file drops the lock
-        if failed and self.made_dir and self.out.is_dir() and not any(self.out.iterdir()):
+        """Unlock; a refused or failed run leaves out_dir as it found it: no .lock it made, no folder it made empty."""
+        if failed and self.made_lock:
+            self.path.unlink(missing_ok=True)
+        self.file.close()  # closing the file drops the lock
+        if failed and self.made_dir and not any(self.out.iterdir()):
             self.out.rmdir()
-
-
-def node_local_locks(path: Path, mounts: Path = Path("/proc/mounts")) -> str | None:
-    """Why out_dir's lock may hold on this node only: NFS mounted `nolock` and Lustre mounted `localflock` grant
-    flock per client without an error, so a run on another node would get the same lock. None where not so (or not
-    known: no /proc/mounts)."""
-    try:
-        entries = [line.split() for line in mounts.read_text().splitlines()]
-    except OSError:
-        return None
-    where = str(Path(path).resolve())
-    # the mount holding `where` is the longest mount point it lies under; /proc/mounts escapes a space as \040
-    mounted = [e for e in entries
-               if len(e) >= 4 and (where + "/").startswith(e[1].replace("\\040", " ").rstrip("/") + "/")]
-    if not mounted:
-        return None
-    _, point, kind, options = max(mounted, key=lambda e: len(e[1]))[:4]
-    option = next((o for o in ("nolock", "localflock") if o in options.split(",")), None)
-    if option is None or not (kind.startswith("nfs") or kind == "lustre"):
-        return None
-    return (f"{path} is on {kind} mounted {option} ({point}): its lock holds on this node only, so start no other run "
-            f"on this out_dir from another node")
 
 
 def cache_folder() -> Path:

@@ -65,7 +65,7 @@ def test_eval_only_after_resume_evaluates_at_the_resumed_step_and_writes_nothing
     # the same fixed evaluation batches as the training run's evaluation at step 2, so the same loss
     assert float(fields[fields.index("val/loss") + 1]) == pytest.approx(metrics(trained, "val/loss")[2], rel=1e-3)
     assert {name: (trained / name).read_bytes() for name in before} == before
-    assert sorted(p.name for p in trained.iterdir()) == ["ckpt.pt", "metrics.jsonl"]
+    assert sorted(p.name for p in trained.iterdir()) == [".lock", "ckpt.pt", "metrics.jsonl"]  # .lock: empty
 
 
 def test_a_new_run_into_another_runs_out_dir_is_refused_and_its_files_survive(trained, char_data):

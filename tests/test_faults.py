@@ -263,9 +263,8 @@ def test_a_checkpoint_save_that_meets_a_full_disk_at_any_write_is_one_sentence_a
             assert path.read_bytes() == kept and not list(tmp_path.glob("*.tmp")), (room, short)
 
 
-def test_a_full_disk_at_metrics_jsonl_or_the_lock_file_is_one_sentence(char_data, tmp_path, monkeypatch):
-    """The out_dir's lock takes the run's pid line on a best-effort basis (the lock is the flock, not the line);
-    metrics.jsonl's append is one error line, not OSError's traceback."""
+def test_a_full_disk_at_metrics_jsonl_is_one_sentence(char_data, tmp_path, monkeypatch):
+    """metrics.jsonl's append is one error line, not OSError's traceback."""
     import builtins
     real_open = builtins.open
 

@@ -47,9 +47,9 @@ def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path
     (["--gradient_accumulation_steps=1"], "error: gradient_accumulation_steps=1 is not divisible by the 2 ranks"),
     (["--gradient_accumulation_steps=2", "--wandb_log=True"], "error: wandb_log=True, but wandb has no login here"),
 ], ids=["every rank decides", "rank 0 decides"])
-def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0_the_root_cause(char_data, tmp_path, refusal, words):
+def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0(char_data, tmp_path, refusal, words):
     """Whether every rank decides a refusal alike or rank 0 decides for all, one `error:` line is printed (rank 0's),
-    and torchrun's report names rank 0 as the root cause, not a rank that only stopped with it."""
+    then torchrun's own report."""
     from conftest import run_train
     env = {"WANDB_API_KEY": "", "WANDB_MODE": "online", "HOME": str(tmp_path)}  # no login: wandb refuses
     result = run_train(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", *refusal], nproc=2,
@@ -58,7 +58,6 @@ def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0_the_root_cause(c
     errors_said = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors_said) == 1 and errors_said[0].startswith(words), output[-3000:]
     assert result.returncode != 0 and "Root Cause" in output, output[-3000:]
-    assert "rank      : 0 (local_rank: 0)" in output.split("Root Cause", 1)[1], output[-3000:]
 
 
 # -- resume ---------------------------------------------------------------------------------------------
