@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from core.errors import UserError
-from core.files import TOKEN_BYTES, TOKEN_DTYPE, token_file
+from core.files import TOKEN_BYTES, TOKEN_DTYPE, cache_folder, read_cache, token_file, write_cache
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
@@ -56,15 +56,27 @@ def prepare_if_missing(data_dir: Path, name: str) -> None:
                         f"python data/{name}/prepare.py to see why.")
 
 
-def max_token_id(path: Path, chunk: int = 1 << 26) -> int:
+def max_token_id(path: Path) -> int:
+    """The largest id in a token file, read through once and then remembered by its path, size and modification time
+    in the cache folder: OpenWebText's 17 GB are not read again at every start and resume."""
+    stat = path.stat()
+    key, cache = f"{path.resolve()}, {stat.st_size} bytes, mtime {stat.st_mtime_ns}", cache_folder() / "token_ids.json"
+    known = read_cache(cache, lambda v: isinstance(v, int) and not isinstance(v, bool), "token ids")
+    if key not in known:
+        known[key] = scan_max_token_id(path)
+        write_cache(cache, known)
+    return known[key]
+
+
+def scan_max_token_id(path: Path, chunk: int = 1 << 26) -> int:
     """The largest id in a token file, read in chunks (128 MB each) so no split is ever held whole in memory."""
     data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     return max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
 
 
 def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
-    """Once, when the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them,
-    and only ids the model has embeddings for."""
+    """When the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them, and only
+    ids the model has embeddings for (each file read through once, max_token_id)."""
     for split in ("train", "val"):
         path = data_dir / f"{split}.bin"
         if not path.is_file():

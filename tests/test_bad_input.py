@@ -272,7 +272,27 @@ def test_the_largest_token_id_is_found_across_read_chunks(tmp_path):
     ids = np.zeros(1000, dtype=np.uint16)
     ids[999] = 40000
     ids.tofile(tmp_path / "t.bin")
-    assert dataset.max_token_id(tmp_path / "t.bin", chunk=64) == 40000
+    assert dataset.scan_max_token_id(tmp_path / "t.bin", chunk=64) == 40000
+
+
+def test_a_token_file_is_read_through_once_and_again_only_when_it_changes(tmp_path, monkeypatch):
+    """OpenWebText's train.bin is 17 GB: the id check at each start and resume reads what it remembered, and a file
+    rewritten since is read again, so an id past the vocabulary is still refused."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    scans = []
+    real_scan = dataset.scan_max_token_id
+    monkeypatch.setattr(dataset, "scan_max_token_id", lambda path: scans.append(path.name) or real_scan(path))
+    folder = token_folder(tmp_path / "d", np.arange(100) % 5, np.arange(100) % 5, vocab_size=5)
+    for _ in range(3):
+        dataset.check_token_files(folder, vocab_size=5, block_size=8)
+    assert scans == ["train.bin", "val.bin"]
+    bad = np.arange(100, dtype=np.uint16) % 5
+    bad[50] = 9
+    bad.tofile(folder / "train.bin")
+    os.utime(folder / "train.bin", ns=(1, 1))  # the same size: the time tells it changed
+    with pytest.raises(UserError, match=r"train.bin holds token id 9 but the model's vocabulary has 5 ids"):
+        dataset.check_token_files(folder, vocab_size=5, block_size=8)
+    assert scans == ["train.bin", "val.bin", "train.bin"]
 
 
 def test_an_unknown_dataset_lists_the_datasets_that_exist(tmp_path):
