@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -19,9 +20,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
+# model.py copied alone into another project trains and generates with manual, sdpa_mask, sdpa and flash; the rest
+# (the kernel probe and its refusal, documents and windows, flex, varlen, attn=auto, from_pretrained) needs the repository
+IN_REPOSITORY = (Path(__file__).resolve().parent / "attention" / "kernels.py").is_file()
+
+
 def refusal(message: str) -> Exception:  # a setting to fix: the scripts print it as one `error:` line
+    if not IN_REPOSITORY:
+        return ValueError(message)
     from core.errors import UserError
     return UserError(message)
+
+
+def needs_repository(feature: str) -> None:
+    if not IN_REPOSITORY:
+        raise refusal(f"{feature} needs the rest of the nanoGPT-attn repository (attention/, core/), which model.py "
+                      f"copied alone does not have; copy the whole repository, or do without {feature}.")
 
 
 # -----------------------------------------------------------------------------
@@ -85,8 +99,10 @@ def flash_kernels(device: torch.device) -> tuple:
     (on a CPU, its flash kernel). Decided on the host once per device type, before a compiled model traces
     flash_attention (GPT.check_attention asks first)."""
     if device.type not in FLASH_KERNELS:
-        from attention.kernels import cuda_facts, cudnn_first
-        first = device.type == "cuda" and cudnn_first(*cuda_facts(device))
+        first = False
+        if device.type == "cuda" and IN_REPOSITORY:
+            from attention.kernels import cuda_facts, cudnn_first
+            first = cudnn_first(*cuda_facts(device))
         FLASH_KERNELS[device.type] = ((SDPBackend.CUDNN_ATTENTION,) if first else ()) + (SDPBackend.FLASH_ATTENTION,)
     return FLASH_KERNELS[device.type]
 
@@ -422,6 +438,7 @@ class GPT(nn.Module):
             cache.prefill(idx)
         if not self.config.masked:
             return None
+        needs_repository("doc_mask and window")
         from attention.masks import doc_window_mask  # documents and windows: only a run that asks for them
         return doc_window_mask(self.config, IMPLEMENTATIONS[self.config.attn].mask, idx)
 
@@ -434,6 +451,10 @@ class GPT(nn.Module):
         key = (self.config.attn, device_type, dtype, training, seq_len if training else 0, decoding)
         if key in self.checked and problem is None:
             return
+        if not IN_REPOSITORY:  # no probe: a kernel that cannot run here raises PyTorch's own error
+            if self.config.attn in ("flex", "varlen"):
+                needs_repository(f"attn='{self.config.attn}'")
+            return
         from attention.kernels import AttnCall, refuse_unless_runs  # the one decision, and the refusal's sentence
         call = AttnCall(device_type, dtype, self.config.head_size, needs_grad=training,
                         dropout_p=self.config.dropout if training else 0.0,
@@ -442,7 +463,7 @@ class GPT(nn.Module):
         refuse_unless_runs(self.config.attn, call, IMPLEMENTATIONS, problem)
         self.checked.add(key)
 
-    def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:  # all decoding keeps
+    def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:  # the one KV cache
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
 
@@ -464,6 +485,7 @@ class GPT(nn.Module):
         training = self.training if training is None else training
         dtype = dtype or self.compute_dtype()
         if attn == "auto":
+            needs_repository("attn='auto'")
             from attention.attn_auto import choose_for_model
             attn = choose_for_model(self, IMPLEMENTATIONS, training, dtype)
         previous, self.config = self.config, dataclasses.replace(self.config, attn=attn)  # checks the name
@@ -513,6 +535,7 @@ class GPT(nn.Module):
     def from_pretrained(cls, model_type: str, override_args: Optional[dict] = None) -> "GPT":
         """GPT-2's weights: a nanoGPT name (gpt2 ... gpt2-xl, from the Hugging Face hub) or a local Hugging Face
         directory. override_args may set dropout, as nanoGPT's does, and attn, pad_vocab and the masks."""
+        needs_repository("from_pretrained")
         from core import hf  # Hugging Face's format: read only here
         overrides, allowed = dict(override_args or {}), {"pad_vocab", *RUN_FIELDS}
         if set(overrides) - allowed:
@@ -661,6 +684,12 @@ class KVCache(nn.Module):
         None where the step reads exactly those keys, unmasked (FlashAttention-2 takes no mask)."""
         if self.doc_start is not None:
             self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
+        if not IN_REPOSITORY:  # model.py alone: no documents, no window, so a step sees every key written so far
+            if torch.compiler.is_compiling():
+                return (torch.arange(self.block_size, device=idx.device) <= input_pos)[None, None, None, :]
+            self.length += 1
+            self.keys = slice(0, self.length)
+            return None
         from attention.masks import decode_step, span_mask  # the row in attn's form; an eager step's keys too
         form = IMPLEMENTATIONS[attn].mask
         if torch.compiler.is_compiling():  # one shape at every position: the whole cache behind a mask row

@@ -559,3 +559,49 @@ def test_from_pretrained_on_another_model_type_names_it_before_reading_weights(t
     with pytest.raises(UserError, match=rf"^{tmp_path} holds a Hugging Face 'llama' model whose config.json lacks "
                                         rf"n_positions, vocab_size, n_layer, n_head, n_embd, not GPT-2; pass a GPT-2"):
         GPT.from_pretrained(str(tmp_path))  # no weights there: refused on its config alone
+
+
+# -- model.py lifts out --------------------------------------------------------------------------------------
+
+ALONE = '''
+import torch
+from model import GPT, GPTConfig
+for attn in ("manual", "sdpa_mask", "sdpa", "flash"):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, attn=attn))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    x = torch.randint(0, 50, (2, 16))
+    _, loss = model(x, x)
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    cached = model.generate(x[:1, :3], 20, temperature=0)  # past block_size: the cache refills
+    plain = x[:1, :3]
+    for _ in range(20):  # nanoGPT's loop: the whole context again for every token
+        logits, _ = model(plain[:, -16:])
+        plain = torch.cat((plain, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(cached, plain), attn
+    print(attn, "ok", round(loss.item(), 3))
+for extra in (dict(doc_mask=True, eot_token=0), dict(attn="flex")):
+    try:
+        GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, **extra))(x)
+    except ValueError as e:
+        print("refused:", e)
+'''
+
+
+def test_model_py_copied_alone_trains_and_generates_and_its_extras_say_they_need_the_repository(tmp_path):
+    """nanoGPT's promise: people copy model.py into their own project. Alone (torch installed, nothing else of this
+    repository) it trains a step and generates with the plain implementations; an extra says what it needs."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copy(model_module.__file__, tmp_path / "model.py")
+    done = subprocess.run([sys.executable, "-c", ALONE], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[:4]] == [[a, "ok"] for a in ("manual", "sdpa_mask", "sdpa", "flash")]
+    assert lines[4:] == [f"refused: {what} needs the rest of the nanoGPT-attn repository (attention/, core/), which "
+                         f"model.py copied alone does not have; copy the whole repository, or do without {what}."
+                         for what in ("doc_mask and window", "attn='flex'")]
