@@ -10,7 +10,6 @@ The num_samples samples are drawn together, as one batch. --compare runs compare
 that the original attention and SDPA sample alike (with --quantize=int8, also what int8 weights cost).
 """
 
-import json as jsonlib
 import sys
 from pathlib import Path
 from typing import Optional
@@ -143,7 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         report.update(sample(model, attn, tok, rt, sampling, prompt, cfg.compile, cfg.quantize))
     if cfg.json:
-        write_json(Path(cfg.json), report)
+        files.write_json(Path(cfg.json), report, "json")
+        print(f"wrote {cfg.json}")
     return 0
 
 
@@ -177,15 +177,6 @@ def sample(model: GPT, attn: str, tok: Tokenizer, rt: Runtime, sampling: Samplin
           f"GB/s" + (f"; compiling took {warmup_s:.1f} s, untimed" if compile else ""))
     return dict(attn=model.config.attn, samples=samples, texts=[tok.decode(prompt + x) for x in samples],
                 tokens_per_s=rate, compile_s=warmup_s if compile else None, gb_per_s=gb_per_s)
-
-
-def write_json(path: Path, report: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(jsonlib.dumps(report, indent=1) + "\n")
-    except OSError as e:
-        raise UserError(f"could not write {path} ({e.strerror or e}); pass --json= a writable path.") from None
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -184,8 +184,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                               f"x {base}": lambda r: r["ratio"], "iter": lambda r: r["iter"],
                               "final val": lambda r: r["final"], "wall s": lambda r: r["wall"]}))
     path = out / "time_to_loss.json"
-    path.write_text(json.dumps({"config": cfg.as_dict(), "machine": machine, "capability": runtime.cpu_capability(),
-                                "recipes": recipes, "rounds": rounds, "orders": orders}, indent=1))
+    files.write_json(path, {"config": cfg.as_dict(), "machine": machine, "capability": runtime.cpu_capability(),
+                            "recipes": recipes, "rounds": rounds, "orders": orders}, "out_dir")
     print(f"wrote {path}")
     return 0
 

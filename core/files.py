@@ -72,11 +72,11 @@ def eot_token_of(meta: dict | None) -> int:
 @contextlib.contextmanager
 def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                    advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
-    """How checkpoints, prepared data and reports are written: temporary paths to write, renamed over the real names
-    only when the block finishes without an error, so a crash or a full disk keeps the previous files whole. A failure
-    is one error line."""
+    """How every file is written (checkpoints, prepared data, reports, caches): temporary paths of this process's own
+    to write, renamed over the real names only when the block finishes without an error, so a crash, a full disk or a
+    second writer at once keeps the previous files whole. A failure is one error line."""
     out_dir = Path(out_dir)
-    tmp = {name: out_dir / f"{name}.tmp" for name in names}
+    tmp = {name: out_dir / f"{name}.{os.getpid()}.tmp" for name in names}  # two writers never share one
     # a Ctrl-C or SIGTERM in the block is noted, stops save_through's writer at its next write (errors.stop_if_asked)
     # and is raised before any rename, once the temporary files are removed; a later one ends the process at once
     with errors.deferred_signals() as stop:
@@ -236,8 +236,14 @@ def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dic
 
 def write_cache(path: Path, entries: dict) -> None:
     """Write a cache read_cache reads; a read-only home keeps the result in memory only."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(entries, indent=1))
-    except OSError:
-        pass
+    with contextlib.suppress(UserError):
+        with staged_outputs(path.parent, [path.name]) as tmp:
+            tmp[path.name].write_text(json.dumps(entries, indent=1))
+
+
+def write_json(path: Path, contents: dict, setting: str) -> None:
+    """A report written whole (sample's --json, time_to_loss's); a failure names the setting to change."""
+    path = Path(path)
+    with staged_outputs(path.parent, [path.name], what=str(path), advice=f"pass --{setting}= a writable path") as tmp:
+        tmp[path.name].write_text(json.dumps(contents, indent=1) + "\n")
+

@@ -148,14 +148,14 @@ def test_an_empty_default_folder_of_an_embedded_dataset_is_prepared_there(tmp_pa
 def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(trained, char_data):
     before = (trained / "ckpt.pt").read_bytes()
     # the temporary file is /dev/full: every write to it fails with the kernel's own "No space left on device"
-    os.symlink("/dev/full", trained / "ckpt.pt.tmp")
+    os.symlink("/dev/full", trained / f"ckpt.pt.{os.getpid()}.tmp")
     with pytest.raises(UserError, match=r"could not write the checkpoint .*No space left on device.*previous "
                                         r"ckpt.pt is kept"):
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",
                    f"--out_dir={trained}")
     assert (trained / "ckpt.pt").read_bytes() == before
     assert load_checkpoint(trained / "ckpt.pt", for_training=True).iter_num == 2
-    assert not os.path.lexists(trained / "ckpt.pt.tmp")
+    assert not os.path.lexists(trained / f"ckpt.pt.{os.getpid()}.tmp")
 
 
 # -- settings out of range --------------------------------------------------------------------------------

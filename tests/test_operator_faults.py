@@ -182,7 +182,8 @@ def test_the_new_checkpoint_reaches_the_disk_before_it_replaces_the_old(tmp_path
     monkeypatch.setattr(files.os, "replace", lambda a, b: order.append(("replace", str(a))) or real_replace(a, b))
     with files.staged_outputs(tmp_path, ["ckpt.pt"]) as tmp:
         tmp["ckpt.pt"].write_bytes(b"weights")
-    assert order == [("fsync", str(tmp_path / "ckpt.pt.tmp")), ("replace", str(tmp_path / "ckpt.pt.tmp")),
+    staged = str(tmp_path / f"ckpt.pt.{os.getpid()}.tmp")  # this process's own: two writers never share one
+    assert order == [("fsync", staged), ("replace", staged),
                      ("fsync", str(tmp_path))]  # the file's bytes, then the rename itself
 
 

@@ -94,7 +94,7 @@ def signalled_during(monkeypatch, target, name: str, sig: int) -> None:
     real = getattr(target, name)
 
     def send(*args, **kwargs):
-        if "000004" in str(args) or "ckpt.pt.tmp" in str(args):
+        if "000004" in str(args) or f"ckpt.pt.{os.getpid()}.tmp" in str(args):
             os.kill(os.getpid(), sig)
         return real(*args, **kwargs)
     monkeypatch.setattr(target, name, send)

@@ -8,10 +8,10 @@ import dataclasses
 import os
 import pickle
 import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 
+from core import files
 from core.files import GPT2_VOCAB_SIZE
 from core.errors import UserError
 from model import GPTConfig
@@ -43,17 +43,12 @@ def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_di
 
 
 def keep_original(path: Path) -> None:
-    """Keep nanoGPT's ckpt.pt beside the file this run saves over it (copied under its own name, then renamed)."""
+    """Keep nanoGPT's ckpt.pt beside the file this run saves over it, as ckpt.nanogpt.pt (written whole)."""
     kept = path.with_name("ckpt.nanogpt.pt")
     if kept.exists():
         return
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt.nanogpt.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        shutil.copy2(path, tmp)
-        os.replace(tmp, kept)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with files.staged_outputs(path.parent, [kept.name], what=str(kept)) as tmp:
+        shutil.copy2(path, tmp[kept.name])
     if os.environ.get("RANK", "0") == "0":  # torchrun's rank; one line, not one per rank
         print(f"resuming from nanoGPT's checkpoint; the original is kept as {kept}")
 
