@@ -14,6 +14,7 @@ import torch
 
 from core.configurator import Settings
 from core.errors import UserError
+from core.files import staged_outputs
 from core.runtime import Runtime
 
 
@@ -47,6 +48,7 @@ class MetricsLog:
     def __init__(self, cfg: Settings, run_config: dict, enabled: bool, to_file: bool = True):
         self.enabled, self.wandb = enabled, None
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if to_file else None
+        self.replace = cfg.init_from != "resume"  # a new run's first line replaces an old log whole (--overwrite)
         if enabled and cfg.wandb_log:
             import wandb  # mode (online/offline/disabled) comes from WANDB_MODE, never hard-coded
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run_config)
@@ -58,7 +60,12 @@ class MetricsLog:
                          else f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in metrics.items())  # mfu: a percent, as bench's (JSON: a fraction)
         print(text, flush=True)
-        if self.path is not None:
+        if self.path is not None and self.replace:  # nothing of an old log goes before this run has a line
+            with staged_outputs(self.path.parent, [self.path.name], what=str(self.path),
+                                advice="free disk space or pass --out_dir= another folder") as tmp:
+                tmp[self.path.name].write_text(json.dumps(metrics) + "\n")
+            self.replace = False
+        elif self.path is not None:
             try:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")

@@ -114,7 +114,8 @@ def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:
 
 def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLock:
     """out_dir, locked for this run (one run at a time) and writable; a new run takes no other run's out_dir unless
-    --overwrite=True (the old metrics.jsonl goes now, the old checkpoint at the first save)."""
+    --overwrite=True (the old metrics.jsonl is replaced at the new run's first line, the old checkpoint at its first
+    save: a run refused before then leaves both as they were)."""
     made = not out.exists()
     files.check_writable_dir(out)
     lock = files.OutDirLock(out, made_dir=made)
@@ -127,6 +128,4 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLoc
                             f"with --overwrite=True, or pass another --out_dir=.")
         raise UserError(f"{out} already holds another run's checkpoint ({describe_checkpoint(ckpt)}); continue it "
                         f"with --init_from=resume, pass another --out_dir=, or replace it with --overwrite=True.")
-    if overwrite and not resuming:
-        log.unlink(missing_ok=True)
     return lock

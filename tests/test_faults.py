@@ -300,3 +300,35 @@ def test_an_export_that_meets_a_full_disk_is_one_sentence_and_leaves_nothing(cha
                                         r"a writable folder with free space; nothing was left there\.$"):
         export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={hf_dir}"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# -- a refused run leaves out_dir as it found it -----------------------------------------------------------------
+
+def test_an_overwrite_refused_after_claiming_out_dir_keeps_the_old_log_and_checkpoint(char_data, tmp_path):
+    """--overwrite=True once deleted metrics.jsonl when it claimed out_dir; a later start-up check (here the attention
+    implementation) then refused the run, and the old log was gone with nothing in its place."""
+    out = tmp_path / "run"
+    tiny(char_data, out, "--max_iters=2")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(UserError, match="attn='efficient' cannot run"):
+        tiny(char_data, out, "--max_iters=2", "--overwrite=True", "--attn=efficient")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_new_run_on_a_full_disk_leaves_no_empty_log_so_the_same_command_runs_once_there_is_room(
+        char_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real_write = Path.write_text
+
+    def full(path, *args, **kwargs):
+        if "metrics.jsonl" in path.name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(path, *args, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_text", full)
+        with pytest.raises(UserError, match=rf"^could not write {out / 'metrics.jsonl'} \(No space left on device\); "
+                                            r"nothing was written - free disk space"):
+            tiny(char_data, out, "--max_iters=2")
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("*.tmp"))
+    tiny(char_data, out, "--max_iters=2")  # room again: the same command, not refused
+    assert (out / "ckpt.pt").exists()

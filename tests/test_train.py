@@ -573,7 +573,7 @@ def test_omp_num_threads_past_what_the_cpus_run_is_refused_before_anything_is_ma
 def test_the_log_line_writes_tokens_per_s_as_a_plain_number(tmp_path, capsys):
     from types import SimpleNamespace
     from engine.metrics import MetricsLog
-    log = MetricsLog(SimpleNamespace(out_dir=str(tmp_path), wandb_log=False), {}, enabled=True)
+    log = MetricsLog(SimpleNamespace(out_dir=str(tmp_path), wandb_log=False, init_from="scratch"), {}, enabled=True)
     log.log({"iter": 10, "train/loss": 1.5, "ms_per_iter": 114.85, "tokens_per_s": 17834.2, "mfu": 0.0123})
     assert capsys.readouterr().out == ("iter 10  train/loss 1.5  ms_per_iter 114.8  tokens_per_s 17,834  "
                                        "mfu 1.23%\n")
