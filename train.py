@@ -235,11 +235,19 @@ def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
 
-def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Optional[files.OutDirLock]]:
-    """Settings, runtime, whether this run resumes (decided once), the data's folder (prepared if it is an embedded
-    dataset) and the lock on out_dir (rank 0's), with all checked that needs no model before out_dir is made."""
+def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
+                                           Optional[files.OutDirLock]]:
+    """Settings, runtime, the checkpoint a resume continues (None for a new run), the data's folder (prepared if it is
+    an embedded dataset) and the lock on out_dir (rank 0's), with all checked that needs no model before out_dir is
+    made. A resume runs with its checkpoint's settings (Checkpoint.resumed_settings), so every check below is the
+    resumed run's."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    resuming = cfg.init_from == "resume"
+    checkpoint = None
+    if cfg.init_from == "resume":
+        from engine.reader import load_checkpoint  # only a resume reads a checkpoint
+        checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only,
+                                     data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
+        cfg = checkpoint.resumed_settings(cfg, LIMITS, cfg.out_dir)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads)
     problems = [UserError(text) for wrong, text in (  # every start-up problem of the command, said at once
         (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
@@ -267,12 +275,13 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, bool, Path, Option
     lock = None  # rank 0's hold on out_dir, for the run's life; evaluation writes nothing and takes none
     if not cfg.eval_only:
         from engine.reader import claim_out_dir  # what out_dir holds, read before anything is written
-        lock = runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), resuming, cfg.overwrite), rt.device)
-    return cfg, rt, resuming, data_dir, lock
+        lock = runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), checkpoint is not None, cfg.overwrite),
+                                 rt.device)
+    return cfg, rt, checkpoint, data_dir, lock
 
 
 CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py "
-               "--gradient_accumulation_steps=2 --batch_size=16")
+               "--gradient_accumulation_steps=2 --batch_size=16 --out_dir=out-ddp-cpu")
 
 
 def cpu_hint(cfg: Settings, rt: Runtime) -> str:
@@ -342,7 +351,8 @@ def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
     """Everything a resumed run takes from its checkpoint's tensors and counters, in one place, once the model and
     optimizers are placed: weights, optimizer state, RNG streams (the data position among them), step, best val loss
     and training time (eval_only: all but the optimizer state). Its settings were read before the model was built
-    (Checkpoint.resumed_settings), attn=auto's decision where attention is chosen. Returns the step it resumes at."""
+    (Checkpoint.resumed_settings, in start), attn=auto's decision where attention is chosen, before compiling.
+    Returns the step it resumes at."""
     model, optimizers = run.trainer.model, run.trainer.optimizers
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
         from tools.sharded import load_into
@@ -363,10 +373,10 @@ def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, rt, resuming, data_dir, lock = start(argv)
+    cfg, rt, checkpoint, data_dir, lock = start(argv)
     failed = True
     try:
-        train(cfg, rt, resuming, data_dir, sys.argv[1:] if argv is None else argv,
+        train(cfg, rt, checkpoint, data_dir, sys.argv[1:] if argv is None else argv,
               made_out_dir=lock is not None and lock.made_dir)
         failed = False
     finally:
@@ -375,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list[str],
+def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir: Path, argv: list[str],
           made_out_dir: bool = False) -> None:
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
@@ -386,13 +396,10 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         from tools.nanogpt import read_nanogpt_meta
         meta = read_nanogpt_meta(data_dir / "meta.pkl")
 
+    if checkpoint is not None:
+        checkpoint.check_tokens(meta, cfg.out_dir)
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
-    checkpoint = None
-    if resuming:
-        from engine.reader import load_checkpoint  # only a resume reads a checkpoint
-        checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only, data_dir=data_dir)
-        vars(cfg).update(checkpoint.resumed_settings(cfg.as_dict(), cfg.typed, meta, cfg.out_dir))
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
@@ -422,7 +429,8 @@ def train(cfg: Settings, rt: Runtime, resuming: bool, data_dir: Path, argv: list
         return
     if decision:  # the whole table beside the run's metrics (wandb has it in the run's config)
         run.log.log({"iter": run.iter_num, **{k: v for k, v in decision.items() if "workload" not in k}})
-    del checkpoint  # free its copy of the weights and optimizer state before training
+    if checkpoint is not None:  # free its copy of the weights and optimizer state before training
+        checkpoint.model = checkpoint.optimizer = None
     if rt.is_master:
         print(banner(cfg, rt, raw_model))
         if resumed_at is not None:

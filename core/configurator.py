@@ -218,6 +218,27 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
     return Settings(typed, **values)
 
 
+def with_saved(cfg: Settings, saved: dict, limits: dict, keep: tuple) -> tuple[Settings, list[str]]:
+    """A resumed run's settings: `saved` (the run's own, from its checkpoint) for every setting this command left at
+    its default, this command's where it set one (a flag or a config file), and `keep` always this command's. A saved
+    value this version refuses is left at the default. Returns them and the settings this command changed, in words."""
+    values, typed, changed = cfg.as_dict(), cfg.typed, []
+    for key, value in saved.items():
+        if key not in values or key in keep:
+            continue
+        if key in typed:
+            if values[key] != value:
+                changed.append(f"{key}={values[key]!r} (the run had {value!r}, {typed[key]})")
+            continue
+        try:
+            value = _coerce(key, value, values[key], values[key])
+            check_limits({key: value}, {key: limits[key]} if key in limits else {}, {})
+        except UserError:
+            continue  # an older version's value: this version's default stands
+        values[key] = value
+    return Settings(typed, **values), changed
+
+
 def as_list(value, cast=str) -> list:
     """A comma list from the command line: 'a,b', (512, 1024) (what --x=512,1024 parses to) or one value."""
     items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from core import files
 from core import runtime
+from core.configurator import Settings, with_saved
 from core.errors import UserError
 from model import GPT, IMPLEMENTATIONS, RUN_FIELDS, GPTConfig
 from core.runtime import Runtime
@@ -32,6 +33,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # what the weights fix and a resume keeps: GPTConfig's fields but what a run chooses and the data's vocabulary
 SHAPE_SETTINGS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_FIELDS, "vocab_size"))
 TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
+RESUME_KEEPS = ("init_from", "out_dir", "overwrite", "eval_only")  # a resume's own: never the saved run's
 
 
 def describe_tokens(meta: dict) -> str:
@@ -66,13 +68,17 @@ class Checkpoint:
         model.load_state_dict(self.model)
         return model
 
-    def resumed_settings(self, settings: dict, typed: dict, meta: dict | None, where: str) -> dict:
-        """`settings` as a resume of this checkpoint runs them: with the weights' shape, vocab_size included (what
-        train.build_model builds). `typed`: where each setting was set (configure's Settings.typed). A shape setting
-        typed on the command line that differs from the checkpoint, another optimizer, or a dataset whose ids mean
-        other text, is one error line; one from a config file gives way to the checkpoint, with a note (nanoGPT's
-        habit)."""
-        optimizer = self.settings.get("optimizer", "adamw")
+    def resumed_settings(self, cfg: Settings, limits: dict, where: str) -> Settings:
+        """The settings a resume runs, decided once: the run's own (saved here) for every setting the command leaves
+        at its default, the command's where it sets one (said in one note), and the weights' shape, vocab_size
+        included. A shape setting typed on the command line that differs, or another optimizer, is one error line; one
+        from a config file gives way to the checkpoint, with a note (nanoGPT's habit). nanoGPT's checkpoints keep only
+        their shape: their settings are nanoGPT's, not this project's."""
+        changed = []
+        if self.rng is not None:  # this project's checkpoint
+            cfg, changed = with_saved(cfg, self.settings, limits, keep=RESUME_KEEPS)
+        settings, typed = cfg.as_dict(), cfg.typed
+        optimizer = self.settings.get("optimizer", "adamw")  # nanoGPT's: AdamW
         if optimizer != settings["optimizer"]:
             raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")
         for key in SHAPE_SETTINGS:
@@ -85,14 +91,19 @@ class Checkpoint:
                                 f"--{key}={saved!r}), or start a new run in another --out_dir=.")
             print(f"note: {key}={settings[key]!r} from {typed[key]} is not the checkpoint's ({key}={saved!r}); the "
                   f"resumed run keeps the checkpoint's shape.", file=sys.stderr)
-        # vocabularies of other sizes are build_model's sentence; one of the same size may still mean other text
+            changed = [c for c in changed if not c.startswith(f"{key}=")]
+        if changed:
+            print(f"note: resuming with the run's own settings, but for {', '.join(changed)}", file=sys.stderr)
+        shape = {key: self.model_config[key] for key in (*SHAPE_SETTINGS, "vocab_size") if key in self.model_config}
+        return Settings(typed, **{**settings, **shape})
+
+    def check_tokens(self, meta: dict | None, where: str) -> None:
+        """A dataset whose vocabulary has the checkpoint's size may still map its ids to other text: one error line."""
         same_size = self.meta and meta and self.meta.get("vocab_size") == meta.get("vocab_size")
         if same_size and [self.meta.get(k) for k in TOKENS] != [meta.get(k) for k in TOKENS]:
             raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
                             f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(self.meta)}); "
                             f"resume on that dataset, or start a new run in another --out_dir=.")
-        shape = {key: self.model_config[key] for key in (*SHAPE_SETTINGS, "vocab_size") if key in self.model_config}
-        return {**settings, **shape}
 
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""

@@ -9,6 +9,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from core import errors, runtime
 from engine import metrics as train_metrics
+from engine import trainer
 import train
 from core.configurator import configure
 from conftest import REPO, TINY, TWO_RANKS, ctrl_c_at_step, metrics, straight_and_resumed
@@ -61,6 +63,28 @@ def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0(char_data, tmp_p
 
 
 # -- resume ---------------------------------------------------------------------------------------------
+
+def test_a_resume_without_the_config_runs_the_runs_own_settings_and_names_what_the_command_changes(
+        char_data, tmp_path, capsys):
+    """A resume typed as `--init_from=resume --out_dir=...` once trained with train.py's defaults (GPT-2's batch,
+    warmup and learning rate, on openwebtext) under the checkpoint's weights, without a word."""
+    out = tmp_path / "run"
+    first = TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2",
+                    "--learning_rate=2e-3", "--beta2=0.99", "--seed=7"]
+    assert train.main(first) == 0
+    capsys.readouterr()
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2"]) == 0
+    err = capsys.readouterr().err
+    assert ("note: resuming with the run's own settings, but for max_iters=4 (the run had 2, the command line)"
+            in err.splitlines()), err
+    saved = torch.load(out / "ckpt.pt", weights_only=True)
+    assert saved["iter_num"] == 4 and saved["settings"]["data_dir"] == str(char_data)
+    assert {k: saved["settings"][k] for k in ("learning_rate", "beta2", "seed", "batch_size", "compile")} == dict(
+        learning_rate=2e-3, beta2=0.99, seed=7, batch_size=4, compile=False)
+    assert metrics(out, "lr")[4] == pytest.approx(2e-3 * trainer.lr_multiplier(3, SimpleNamespace(
+        **saved["settings"])))
+
+
 
 def test_every_resume_says_where_it_resumed_and_one_at_max_iters_says_there_is_nothing_to_train(char_data, tmp_path,
                                                                                                 capsys):
