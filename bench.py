@@ -55,7 +55,7 @@ n_layer = None            # transformer blocks
 n_head = None             # attention heads per block
 n_embd = None             # the width; n_embd / n_head is the head size
 vocab_size = None         # tokens in the vocabulary; padding rounds it up to a multiple of 64
-dropout = 0.0             # > 0 shows the post's silent fallback: on CPU, sdpa's fused kernel refuses dropout
+dropout = 0.0             # > 0 shows the PyTorch blog post's silent fallback: on CPU, sdpa's fused kernel refuses dropout
 bias = True               # biases in Linear and LayerNorm, as GPT-2
 loss = "chunked"          # train mode: "chunked" (model.ChunkedLMHeadLoss: never the whole logits), "whole" (the
                           # (B*T, V) logits and F.cross_entropy, nanoGPT's) or "chunked,whole": a row of each

@@ -21,7 +21,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 
 # model.py copied alone into another project trains and generates with manual, sdpa_mask, sdpa and flash; the rest
-# (the kernel probe and its refusal, documents and windows, flex, varlen, attn=auto, from_pretrained) needs the repository
+# (the kernel probe and its error line, documents and windows, flex, varlen, attn=auto, from_pretrained) needs the
+# repository
 IN_REPOSITORY = (Path(__file__).resolve().parent / "attention" / "kernels.py").is_file()
 
 
@@ -174,7 +175,7 @@ def varlen_attention(q, k, v, mask, dropout_p):
 
 @dataclass(frozen=True)
 class Attention:
-    """An implementation, and what the rest of the house asks of it (attention/kernels.py and masks.py, bench)."""
+    """An implementation, and what the rest of the repository asks of it (attention/kernels.py and masks.py, bench)."""
     fn: Callable               # (q, k, v, mask, dropout_p) -> y, as above
     title: str                 # what a refusal calls it
     kernels: str               # the kernels bench's audit may see it run, '+' between (benchmarks/measure.py)
@@ -186,7 +187,7 @@ class Attention:
     backend: Optional[SDPBackend] = None  # the SDPA kernel it forces (flash: FlashAttention-2, cuDNN's before it)
     picks: bool = False        # SDPA picks the kernel (on Hopper it may pick cuDNN)
     skips_future_keys: bool = False  # computes none of the keys causal attention leaves out
-    decode: str = ""           # the implementation its decode steps run through, when another
+    decode: str = ""           # the kernels its decode steps run, when another's (varlen: SDPA's), for bench's audit
     eager_reference: str = ""  # devices where an eager call runs PyTorch's unfused reference (flex off CUDA)
 
     def __call__(self, q, k, v, mask, dropout_p):
@@ -204,7 +205,7 @@ def sdpa_forcing(backend: SDPBackend, title: str, kernel: str, **record) -> Atte
     return Attention(forced(backend), title, kernel, backend=backend, **record)
 
 
-IMPLEMENTATIONS = {  # the design card's three first, then SDPA's kernels forced (flash: the fastest), flex and varlen
+IMPLEMENTATIONS = {  # nanoGPT's masked softmax and SDPA's two forms first, then SDPA's kernels forced, flex and varlen
     "manual": Attention(manual_attention, "the masked softmax", "none"),
     "sdpa_mask": Attention(sdpa_mask_attention, "SDPA with a mask", "flash+efficient+cudnn+math", picks=True),
     "sdpa": Attention(sdpa_attention, "SDPA", "flash+efficient+cudnn", picks=True, skips_future_keys=True),

@@ -42,7 +42,8 @@ attn = None                       # a model.IMPLEMENTATIONS key, or 'auto' (meas
 attn_auto_budget = 20.0           # attn='auto': seconds to spend measuring (a cached decision takes none)
 attn_auto_refresh = False         # attn='auto': measure again even when an earlier run decided this workload
 device = "auto"                   # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps
-dtype = "auto"                    # the weights' dtype: auto (bf16 where supported, fp16 on older GPUs, else fp32), ...
+dtype = "auto"                    # the weights' dtype: auto (bf16 on GPUs from Ampere and CPUs with AMX, fp16 on
+                                  # older GPUs, else fp32), float32, bfloat16, float16
 quantize = ""                     # "int8": int8 weight-only weights (torchao), a quarter of fp32's bytes per token
 compile = False                   # compile the prefill and the decode step: slow to start, faster per token
 threads = 0                       # CPU threads; 0: OMP_NUM_THREADS if set, else torch's default (one per core)

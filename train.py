@@ -198,7 +198,8 @@ class TrainingRun:
     saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
-        """Log both splits' loss; stop on a NaN/inf; save when val improved (or always_save_checkpoint)."""
+        """Log the evaluation's loss (val, and train unless eval_train=False); stop on a NaN/inf; save when val
+        improved (or always_save_checkpoint)."""
         losses = estimate_loss(self.trainer.wrapped, self.cfg, self.data_dir, self.rt, first=self.saved_at is None
                                and self.iter_num == 0)
         train_time_s += self.time_before  # this run's, continuing the resumed one's
@@ -333,7 +334,7 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             loss = run.trainer.step(run.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
             steps_run += 1
             run.iter_num += 1
-            if run.iter_num % cfg.log_interval == 0:  # summed over ranks behind the step, with the clock's verdict
+            if run.iter_num % cfg.log_interval == 0:  # summed over ranks behind the step, and whether time ran out
                 flag = float(rt.is_distributed and cfg.max_seconds > 0 and timer.total >= cfg.max_seconds)
                 values = runtime.sum_across_ranks_(torch.stack([loss.detach().float(), torch.full_like(
                     loss, flag, dtype=torch.float32)]))
@@ -403,12 +404,12 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
-    # checked where it runs, in the dtype it computes in: now, not after compiling
     decision = None  # attn=auto's table and pick: measured on this run's shapes, rank 0 deciding for all, and kept
     if cfg.attn == "auto":  # in each checkpoint, where a resume on the same shapes reuses it
         from attention.attn_auto import choose_for_training
         decision = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, checkpoint and checkpoint.attn_decision)
     attn = decision["attn_auto/pick"] if decision else raw_model.config.attn
+    # checked where it runs, in the dtype it computes in: now, not after compiling
     raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place

@@ -33,7 +33,7 @@ class Workload:
     device_name: str      # the CPU with its capability, or the GPU (Runtime.name)
     torch_version: str
     batch_size: int
-    seq_len: int          # training: block_size; sampling: the keys a decode step sees midway through the text
+    seq_len: int          # training: block_size; sample.py: the keys a decode step sees midway through its text
     block_size: int
     n_head: int
     head_size: int

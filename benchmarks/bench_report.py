@@ -1,5 +1,5 @@
 """
-What bench.py prints and draws: the plain-text table of a sweep's rows and the mode's chart (the post's figure).
+What bench.py prints and draws: the plain-text table of a sweep's rows and the mode's chart (the PyTorch blog post's figure).
 """
 
 from pathlib import Path

@@ -134,7 +134,7 @@ def layer_qkv(model: GPT, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, to
 
 def formulations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
     """Appendix A: the same causal attention written three ways, each (B, nh, T, hs); SDPA twice, as PyTorch
-    dispatches it and forced onto the math backend, the one the post describes."""
+    dispatches it and forced onto the math backend, the one the PyTorch blog post describes."""
     d = q.size(-1)
     mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()  # (T, T)
 
@@ -302,7 +302,7 @@ def print_comparison(comparison: Comparison, report: dict) -> None:
     print(format_table(rows, {"": lambda r: r["label"], **{
         column: (lambda r, dt=dt, i=i: f"{r[dt][0]:.2e}" if i == 0 else str(r[dt][1])) for dt in dts
         for i, column in enumerate((f"{short[dt]} max|dy|", f"{short[dt]} allclose"))}}))
-    print("(the post's Appendix A: the same attention scaled in different places rounds differently; allclose is "
+    print("(the PyTorch blog post's Appendix A: the same attention scaled in different places rounds differently; allclose is "
           "torch.allclose's default rtol 1e-5, atol 1e-8, so in fp32 False at 1e-7 to 1e-5, fp32's rounding grown "
           "over a head's sums, is rounding, not other attention)")
 

@@ -153,7 +153,8 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class SingleFileSaver:
-    """ckpt.pt: every rank gathers the full model and optimizer state (collective), rank 0 writes them."""
+    """ckpt.pt: the full model and optimizer state gathered to rank 0's CPU (collective: every rank takes part, only
+    rank 0 receives them, cpu_offload), which writes them."""
 
     def __init__(self, out: Path, rt: Runtime):
         self.path, self.rt = Path(out) / "ckpt.pt", rt
