@@ -32,7 +32,7 @@ from core import flops
 from core import files
 from core import runtime
 from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
-from core.configurator import Settings, as_list, comma_list_of, configure, one_of
+from core.configurator import PATH, Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
 from attention.kernels import AttnCall, attention_pass, attention_problem
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
@@ -105,13 +105,14 @@ profile = False           # also write a chrome trace (chrome://tracing, TensorB
 LIMITS = {"n_layer": "[1, inf) int", "n_head": "[1, inf) int", "n_embd": "[1, inf) int",
           "vocab_size": "[1, inf) int", "dropout": "[0, 1)", "batch_size": "[1, inf) int", "seq_len": "[1, inf) int",
           "warmup": "[0, inf)", "iters": "[1, inf) int", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)",
-          "attn_batch": "[1, inf) int", "attn_heads": "[1, inf) int", "threads": "[0, inf) int", "seed": "[0, inf)",
+          "attn_batch": "[1, inf) int", "attn_heads": "[1, inf) int", "threads": "[0, inf) int", "seed": "[0, 9223372036854775808) int",
           "prompt_len": "[1, inf)", "new_tokens": "[1, inf) int", "gen_batch": "[1, inf)",
           "mode": one_of("train", "attention", "generate"),
           "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"),
           "cache": comma_list_of(*CACHES), "weights": comma_list_of(*WEIGHTS),
           "dtype": one_of("auto", *runtime.DTYPES), "mask": comma_list_of(*MASKS), "window": "[1, inf)",
-          "doc_len": "[0, inf)", "attn": comma_list_of("all", *IMPLEMENTATIONS), "attn_auto_budget": "(0, inf)"}
+          "doc_len": "[0, inf)", "attn": comma_list_of("all", *IMPLEMENTATIONS), "attn_auto_budget": "(0, inf)",
+          "out_dir": PATH}
 
 # GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary

@@ -19,7 +19,7 @@ from core import files
 from core import runtime
 from engine.checkpoint import Checkpoint
 from engine.reader import load_checkpoint
-from core.configurator import configure
+from core.configurator import PATH, configure
 from core.errors import UserError
 from core.hf import CONV1D_WEIGHTS
 from tools.decoding import quiet_imports
@@ -31,7 +31,7 @@ hf_dir = ""                       # where to write the Hugging Face directory; e
 # sampling defaults written to generation_config.json (sample.py's); pipeline(...) arguments override them
 temperature = 0.8                 # 0: greedy
 top_k = 200                       # sample among the top_k most likely tokens only
-LIMITS = {"temperature": "[0, inf)", "top_k": "[1, inf) int"}
+LIMITS = {"temperature": "[0, inf)", "top_k": "[1, inf) int", "out_dir": PATH, "hf_dir": PATH}
 
 
 def hf_config(model: GPT, meta: Optional[dict]):

@@ -23,7 +23,7 @@ import torch
 from core import files
 from core import runtime
 from benchmarks.bench_report import format_table
-from core.configurator import configure, one_of
+from core.configurator import PATH, configure, one_of
 from core.errors import UserError
 from model import IMPLEMENTATIONS
 
@@ -34,7 +34,7 @@ runs = None                   # rounds, each running every recipe once; None: 3,
 full = True                   # run each recipe to its end (for its final loss); False: stop it at the target
 extra = ""                    # train.py settings added to every recipe, e.g. a scaled-down CPU run (docs/quickstart.md)
 out_dir = "bench_results"     # time_to_loss.json goes here
-LIMITS = {"target": "(0, inf)", "runs": "[1, inf) int",
+LIMITS = {"target": "(0, inf)", "runs": "[1, inf) int", "out_dir": PATH,
           "compare": one_of("quickstart", "doc_mask", "attn", "attn_masked", "gpu")}
 
 # The recipes, as command-line arguments to train.py. nanoGPT's is its README's CPU command, flag for flag, plus

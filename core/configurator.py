@@ -76,6 +76,8 @@ def allowed_text(spec) -> str:
     """A LIMITS entry in words: 'at least 1', 'greater than 0 and less than 1', 'one of tanh, none'."""
     if isinstance(spec, Choice):
         return f"{spec.text()} {', '.join(word or repr(word) for word in spec.words)}"
+    if spec == PATH:
+        return "a path, each name at most 255 bytes"
     return interval_text(spec) or "any number"
 
 
@@ -113,6 +115,17 @@ def comma_list_of(*words: str) -> Choice:
     return Choice(tuple(words), many=True)
 
 
+PATH = "a path"  # a LIMITS entry: a file or folder name, each part short enough for the filesystem
+NAME_MAX = 255    # bytes in one file or folder name on Linux and macOS filesystems
+
+
+def check_path(key: str, value: str) -> None:
+    long = next((part for part in str(value).split("/") if len(part.encode()) > NAME_MAX), None)
+    if long is not None:
+        raise UserError(f"{key} has a name of {len(long.encode())} bytes ({long[:20]}...), more than the {NAME_MAX} a "
+                        f"file or folder name may have; pass --{key}= a shorter one.")
+
+
 def check_limits(values: dict, limits: dict, defaults: dict) -> None:
     """Every numeric setting within its interval and every choice among its words; None passes where the default is
     None or LIMITS says "or None". A numeric setting without an interval is a bug."""
@@ -126,6 +139,9 @@ def check_limits(values: dict, limits: dict, defaults: dict) -> None:
     for key, spec in limits.items():
         value = values.get(key)
         if value is None:
+            continue
+        if spec == PATH:
+            check_path(key, value)
             continue
         if isinstance(spec, Choice):
             spec.check(key, value)
@@ -197,7 +213,10 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             if not sep:
                 raise UserError(f"'{arg}' has no value; write --{key}=VALUE.")
             _check_key(key, defaults)
-            namespace[key] = _coerce(key, _parse_value(text), defaults[key], namespace[key])
+            value = _parse_value(text)
+            if isinstance(defaults[key], str) and isinstance(value, (int, float)):  # --start=2024 is the text "2024"
+                value = text
+            namespace[key] = _coerce(key, value, defaults[key], namespace[key])
             typed[key] = "the command line"
             continue
         path = Path(arg)
@@ -206,6 +225,9 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
         scope: dict = {}
         try:
             exec(compile(path.read_text(), str(path), "exec"), scope)
+        except SystemExit:
+            raise UserError(f"config file '{arg}' calls sys.exit(), and nothing ran; a config file only assigns "
+                            f"settings - remove the exit.") from None
         except Exception as e:
             raise UserError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}.") from None
         for key, value in settings(scope).items():

@@ -113,7 +113,8 @@ def refuse_all(problems: list[UserError], hint: str = "") -> None:
 def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
     stderr and 2, or 130 on Ctrl-C, 143 on a SIGTERM during a guarded write (128 + the signal, as a shell reports it;
-    elsewhere SIGTERM ends the process itself, which the shell reports as 143 too). The first Ctrl-C stops main and
+    elsewhere SIGTERM ends the process itself, which the shell reports as 143 too), or 0 quietly when the reader of
+    its output went away (`| head`). The first Ctrl-C stops main and
     a second ends the process at once (_stop_once); an `exiting` process keeps that default action after main, so a
     Ctrl-C during Python's exit (atexit callbacks) ends it without a word."""
     main_thread = threading.current_thread() is threading.main_thread()
@@ -133,6 +134,9 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the output's reader ended (`| head`): what it wanted was printed, so nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's final flush writes nowhere
+        return 0
     finally:
         if main_thread:
             for s, handler in previous.items():

@@ -30,7 +30,7 @@ from benchmarks import time_to_loss
 from conftest import REPO
 from model import IMPLEMENTATIONS
 from core import errors
-from core.configurator import _INTERVAL, Choice
+from core.configurator import _INTERVAL, PATH, Choice
 
 FAST, SLOW = 2, 10  # random examples per script and tier; the slow tier adds every pair (PAIRS)
 
@@ -67,6 +67,8 @@ def invalid_value(spec, default):
         options.append(st.just("None"))
     if isinstance(spec, Choice):
         options += [st.just("nonsense")] + ([st.just("")] if spec.many else [])
+    elif spec == PATH:  # a name longer than a filesystem takes
+        options.append(st.just("x" * 256))
     elif isinstance(spec, str):
         left, lo, hi, right, _, _ = _INTERVAL.match(spec).groups()
         options.append(st.just("abc"))
@@ -103,7 +105,8 @@ def limits_strategies(script, sizes: dict, skip: set) -> dict:
     left out (slow or outside a test: compile, a device, a dataset to download)."""
     keys = [k for k in script.LIMITS] + [k for k, v in vars(script).items()
                                          if isinstance(v, bool) and k[0].islower() and k not in script.LIMITS]
-    return {k: sizes.get(k, valid_value(script.LIMITS.get(k), getattr(script, k))) for k in keys if k not in skip}
+    return {k: sizes.get(k, valid_value(script.LIMITS.get(k), getattr(script, k))) for k in keys
+            if k not in skip and script.LIMITS.get(k) != PATH}  # paths: the test's own folders
 
 
 # -- running one command line -------------------------------------------------------------------------------
