@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from safetensors import SafetensorError
 
-from core import files
+from core import errors, files
 from core import runtime
 from engine.checkpoint import Checkpoint
 from engine.reader import load_checkpoint
@@ -125,16 +125,27 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     hf_model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id,
         do_sample=sampled, temperature=temperature if sampled else None, top_k=top_k if sampled else None)
-    staging = hf_dir.parent / f".{hf_dir.name}.{os.getpid()}.tmp"  # made as any folder is (tempfile's are 0700)
+    # a short name of this process's own (hf_dir's may be 255 bytes already), made as any folder is (tempfile's are
+    # 0700); a Ctrl-C or SIGTERM meanwhile is held until the folder is renamed or removed, so none is left behind
+    staging = hf_dir.parent / f".export-{os.getpid()}.tmp"
+    with errors.deferred_signals() as stop:
+        write_staged(hf_model, checkpoint, model.config.block_size, staging, hf_dir, stop)
+    return hf_dir
+
+
+def write_staged(hf_model, checkpoint: Checkpoint, block_size: int, staging: Path, hf_dir: Path, stop) -> None:
+    """The export written into `staging`, then renamed to hf_dir unless a signal came meanwhile (`stop.pending`)."""
     try:
         shutil.rmtree(staging, ignore_errors=True)  # a killed export's, of a process with this id
         staging.mkdir()
         hf_model.save_pretrained(staging, safe_serialization=True)
-        hf_tokenizer(checkpoint.meta, model.config.block_size, staging).save_pretrained(staging)
+        hf_tokenizer(checkpoint.meta, block_size, staging).save_pretrained(staging)
         umask = os.umask(0)
         os.umask(umask)  # reading the umask means setting it: put back at once
         for path in staging.iterdir():  # safetensors writes its file 0600 whatever the umask
             path.chmod(0o666 & ~umask)
+        if stop.pending is not None:
+            return  # raised once the staging folder is gone
         if hf_dir.exists():
             hf_dir.rmdir()  # empty, checked above
         staging.rename(hf_dir)
@@ -144,7 +155,6 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
                         f"nothing was left there.") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return hf_dir
 
 
 def main(argv: Optional[list[str]] = None) -> int:

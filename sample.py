@@ -16,7 +16,7 @@ from typing import Optional
 
 from core import files
 from core import runtime
-from engine.checkpoint import sharded_folder
+from engine.checkpoint import POINTER, sharded_folder
 from engine.reader import load_checkpoint
 from core.configurator import PATH, configure, one_of
 from core.errors import UserError
@@ -76,6 +76,11 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str] = None) -> tupl
         source = f"{path} (iter {checkpoint.iter_num})"
         settings = checkpoint.settings
     else:
+        given = Path(init_from)
+        out = given.parent if given.is_file() and given.suffix == ".pt" else given
+        if (out / "ckpt.pt").exists() or (out / POINTER).is_file():  # train.py's, not Hugging Face's
+            raise UserError(f"{init_from} is a checkpoint train.py wrote, which --init_from= does not read (it "
+                            f"takes GPT-2 weights); pass --init_from=resume --out_dir={out}.")
         model, tok, source = GPT.from_pretrained(init_from), tokenizer_from_meta(None), init_from
         if model.config.vocab_size != tok.vocab_size:  # e.g. a character model exported by export_hf.py
             raise UserError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not GPT-2's; sample.py "
@@ -101,7 +106,8 @@ def read_prompt(start: str) -> str:
         return start
     path = Path(start.removeprefix("FILE:")).expanduser()
     if not path.is_file():
-        raise UserError(f"prompt file {path} does not exist; pass --start=FILE: and an existing text file.")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise UserError(f"prompt file {path} {what}; pass --start=FILE: and an existing text file.")
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -25,7 +25,8 @@ def dataset_dir(data_dir: str, name: str) -> Path:
     """The folder the run reads: data_dir when given (it must exist), else data/<name> of a known dataset."""
     if data_dir:
         if not Path(data_dir).is_dir():
-            raise UserError(f"data_dir {data_dir} does not exist; pass --data_dir= the folder that holds "
+            what = "is a file, not a folder" if Path(data_dir).exists() else "does not exist"
+            raise UserError(f"data_dir {data_dir} {what}; pass --data_dir= the folder that holds "
                             f"train.bin and val.bin.")
         return Path(data_dir)
     if not (DATA / name / "prepare.py").exists() and not (DATA / name / "train.bin").exists():
@@ -80,7 +81,8 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
     for split in ("train", "val"):
         path = data_dir / f"{split}.bin"
         if not path.is_file():
-            raise UserError(f"{path} is missing; a dataset folder needs train.bin and val.bin "
+            what = "is a folder, not a token file" if path.is_dir() else "is missing"
+            raise UserError(f"{path} {what}; a dataset folder needs train.bin and val.bin "
                             f"(python data/<name>/prepare.py writes both).")
         token_file(path, at_least=block_size + 1, fix=f"block_size={block_size} takes {block_size + 1} a sequence: "
                                                    f"use a smaller block_size or more data")

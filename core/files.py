@@ -43,6 +43,16 @@ def read_meta(data_dir: Path) -> dict | None:
         if size > most:
             raise UserError(f"{path} says vocab_size {size:,}, but train.bin and val.bin hold uint16 ids, at most "
                             f"{most:,} of them; use a tokenizer of at most {most:,} ids (GPT-2's has 50,257).")
+        eot = meta.get("eot_token", -1)  # -1: no end-of-text token
+        if not isinstance(eot, int) or isinstance(eot, bool) or not -1 <= eot < size:
+            raise UserError(f"{path} has an \"eot_token\" that is not a token id below its vocab_size {size}, nor -1 "
+                            f"for none (it holds {eot!r}); rerun the dataset's prepare.py")
+        chars = meta.get("chars")
+        if meta["tokenizer"] == "char" and (not isinstance(chars, list) or len(chars) != size or not all(
+                isinstance(c, str) and len(c) == 1 for c in chars)):
+            have = f"{len(chars)} characters" if isinstance(chars, list) else f"{chars!r}"
+            raise UserError(f"{path} is a character vocabulary of vocab_size {size} but its \"chars\" are {have}, "
+                            f"not {size} single characters; rerun the dataset's prepare.py")
         return meta
     return None
 

@@ -122,7 +122,7 @@ def sharded_folder(path: Path) -> Path | None:
     Where the pointer names no step (empty, not text), the pointer itself: reader.load_checkpoint says what is wrong."""
     pointer = path.parent / POINTER
     if path.is_dir():
-        return path
+        return path if re.fullmatch(r"step-\d+", path.name) else None
     if pointer.is_file() and (not path.is_file() or pointer.stat().st_mtime > path.stat().st_mtime):
         name = pointer.read_bytes().decode("utf-8", errors="replace").strip()
         return path.parent / name if re.fullmatch(r"step-\d+", name) else pointer

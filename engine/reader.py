@@ -8,6 +8,7 @@ it holds no other run's.
 """
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -37,21 +38,25 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
     path = Path(path)
     shards = sharded_folder(path)
     if not path.is_file() and shards is None:
+        if path.is_dir():
+            raise UserError(f"{path} is a folder, not a checkpoint file; pass --out_dir= the folder a run wrote its "
+                            f"ckpt.pt to.")
         if path.parent.is_file():  # out_dir given as the checkpoint file itself
             raise UserError(f"out_dir {path.parent} is a file; out_dir is the folder that holds ckpt.pt: pass "
                             f"--out_dir={path.parent.parent}.")
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or pass --out_dir= the "
                         f"folder a run wrote its ckpt.pt to.")
-    if shards is not None:
-        from tools.sharded import check_step  # a sharded checkpoint's reader
-        check_step(shards, path.parent / POINTER)
-    try:  # a sharded one for training: each rank reads its tensors in place later (train.restore)
-        contents = read(path, shards, parts=set() if for_training else {"model"}, mmap=False)
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
-                        f"checkpoint of this project - restore it or train again.") from None
+    while True:
+        try:  # a sharded one for training: each rank reads its tensors in place later (train.restore)
+            contents = read(path, shards, parts=set() if for_training else {"model"}, mmap=False)
+            break
+        except UserError:
+            if shards is None or sharded_folder(path) in (shards, None):
+                raise
+            shards = sharded_folder(path)  # a live run saved a newer step and removed this one meanwhile
+        except Exception as e:
+            raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
+                            f"checkpoint of this project - restore it or train again.") from None
     if not isinstance(contents, dict):
         raise UserError(f"{path} holds a {type(contents).__name__}, not a checkpoint written by train.py.")
     if contents and all(torch.is_tensor(v) for v in contents.values()):
@@ -69,6 +74,10 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
         raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
                         f"checkpoint written by train.py.")
     check_shapes(contents, path)
+    unknown = sorted(set(contents["model_config"]) - {f.name for f in dataclasses.fields(GPTConfig)})
+    if unknown:  # a newer version's fields: the weights are read as this version's model
+        print(f"note: {path}'s model_config has field(s) this version does not know ({', '.join(unknown)}: a newer "
+              f"version's checkpoint?); the model is built without them.", file=sys.stderr)
     known = {f.name for f in dataclasses.fields(Checkpoint)}  # earlier files' `version` field is read no more
     return Checkpoint(**{"model": None, **{k: v for k, v in contents.items() if k in known}},
                       shards=str(shards) if shards and for_training else None)
@@ -105,10 +114,12 @@ def check_shapes(contents: dict, path: Path) -> None:
 
 
 def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:
-    """A checkpoint's contents on the CPU: ckpt.pt's, or a sharded step's TRAIN part and `parts` ('model')."""
+    """A checkpoint's contents on the CPU: ckpt.pt's, or a sharded step's TRAIN part and `parts` ('model'), checked
+    whole first."""
     if shards is None:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    from tools.sharded import read_step
+    from tools.sharded import check_step, read_step  # a sharded checkpoint's reader
+    check_step(shards, path.parent / POINTER)
     return read_step(shards, parts)
 
 

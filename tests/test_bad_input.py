@@ -382,6 +382,6 @@ def test_a_vocabulary_too_large_for_uint16_token_files_is_refused_before_trainin
                                         rf"hold uint16 ids, at most 65,536 of them; use a tokenizer"):
         train.main(TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"])
     assert not (tmp_path / "out").exists()
-    (data / "meta.json").write_text(json.dumps({"tokenizer": "char", "vocab_size": 65536, "chars": ["a"]}))
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "some_bpe", "vocab_size": 65536}))
     from core import files
     assert files.read_meta(data)["vocab_size"] == 65536  # every uint16 id: still fits

@@ -8,12 +8,14 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench
 import export_hf
@@ -332,3 +334,147 @@ def test_a_new_run_on_a_full_disk_leaves_no_empty_log_so_the_same_command_runs_o
     assert not (out / "metrics.jsonl").exists() and not list(out.glob("*.tmp"))
     tiny(char_data, out, "--max_iters=2")  # room again: the same command, not refused
     assert (out / "ckpt.pt").exists()
+
+
+# -- the eighth read: tracebacks, silent takes and wrong sentences ------------------------------------------------
+
+@pytest.mark.slow  # a process of its own: a pipe
+@pytest.mark.parametrize("script", ["sample", "train", "bench"])
+def test_output_piped_into_head_ends_quietly(trained_char_run, char_data, tmp_path, script):
+    args = {"sample": ["sample.py", f"--out_dir={trained_char_run}", "--max_new_tokens=200", "--num_samples=3"],
+            "train": ["train.py", *TINY, f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=50"],
+            "bench": ["bench.py", "--help"]}[script]
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does once it has its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_name_longer_than_a_filesystem_takes_and_a_seed_past_63_bits_are_one_sentence(char_data, tmp_path,
+                                                                                           trained_char_run):
+    long = tmp_path / ("x" * 256)
+    with pytest.raises(UserError, match=r"^out_dir has a name of 256 bytes \(x{20}\.\.\.\), more than the 255 a file "
+                                        r"or folder name may have; pass --out_dir= a shorter one\.$"):
+        tiny(char_data, long)
+    with pytest.raises(UserError, match=r"^json has a name of 261 bytes"):
+        sample.main([f"--out_dir={trained_char_run}", f"--json={long}.json"])
+    for main, args in ((train.main, [*TINY, f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}"]),
+                       (sample.main, [f"--out_dir={trained_char_run}"])):
+        with pytest.raises(UserError, match=r"^seed must be a whole number at least 0 and less than 9\.22337e\+18"):
+            main(args + [f"--seed={2 ** 64 + 5}"])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("meta, said", [
+    ({"eot_token": "x"}, r"has an \"eot_token\" that is not a token id below its vocab_size \d+, nor -1 for none "
+                         r"\(it holds 'x'\)"),
+    ({"eot_token": 10 ** 6}, r"has an \"eot_token\" that is not a token id below its vocab_size \d+, nor -1 for "
+                             r"none \(it holds 1000000\)"),
+    ({"chars": ["a", "b"]}, r"is a character vocabulary of vocab_size (\d+) but its \"chars\" are 2 characters, not "
+                            r"\1 single characters"),
+], ids=["eot-not-a-number", "eot-past-the-vocabulary", "fewer-chars"])
+def test_a_meta_json_that_cannot_be_right_is_refused_before_training(char_data, tmp_path, meta, said):
+    """A meta.json with fewer characters than its vocab_size once trained a checkpoint sample.py then refused."""
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    (data / "meta.json").write_text(json.dumps({**json.loads((data / "meta.json").read_text()), **meta}))
+    with pytest.raises(UserError, match=rf"^{data / 'meta.json'} {said}; rerun the dataset's prepare.py$"):
+        tiny(char_data, tmp_path / "run", f"--data_dir={data}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(char_data, tmp_path, trained_char_run):
+    with pytest.raises(UserError, match=r"data_dir .*train\.bin is a file, not a folder; pass --data_dir="):
+        tiny(char_data, tmp_path / "run", f"--data_dir={char_data / 'train.bin'}")
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    (data / "train.bin").unlink()
+    (data / "train.bin").mkdir()
+    with pytest.raises(UserError, match=r"train\.bin is a folder, not a token file; a dataset folder needs"):
+        tiny(char_data, tmp_path / "run", f"--data_dir={data}")
+    with pytest.raises(UserError, match=rf"^prompt file {tmp_path} is a folder; pass --start=FILE: and an existing"):
+        sample.main([f"--out_dir={trained_char_run}", f"--start=FILE:{tmp_path}"])
+    (tmp_path / "empty" / "ckpt.pt").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"ckpt\.pt is a folder, not a checkpoint file; pass --out_dir= the folder"):
+        sample.main([f"--out_dir={tmp_path / 'empty'}"])
+    for given in (trained_char_run, trained_char_run / "ckpt.pt"):  # the hub was named for these
+        with pytest.raises(UserError, match=rf"^{given} is a checkpoint train.py wrote, .*pass --init_from=resume "
+                                            rf"--out_dir={trained_char_run}\.$"):
+            sample.main([f"--init_from={given}"])
+
+
+def test_digits_are_a_prompt_and_a_config_file_that_exits_is_refused(trained_char_run, char_data, tmp_path, capsys):
+    assert sample.main([f"--out_dir={trained_char_run}", "--start=2024", "--num_samples=1", "--max_new_tokens=3",
+                        "--temperature=0"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("2024")
+    config = tmp_path / "exits.py"
+    config.write_text("import sys\nbatch_size = 2\nsys.exit(0)\n")
+    with pytest.raises(UserError, match=rf"^config file '{config}' calls sys.exit\(\), and nothing ran"):
+        tiny(char_data, tmp_path / "run", str(config))
+
+
+def test_a_nanogpt_meta_pkl_nested_without_end_is_refused(tmp_path):
+    from tools.nanogpt import read_nanogpt_meta
+    depth = 100_000
+    (tmp_path / "meta.pkl").write_bytes(b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b".")  # lists in lists
+    with pytest.raises(UserError, match=r"is refused: it is not a pickle of plain .*nested too deep"):
+        read_nanogpt_meta(tmp_path / "meta.pkl")
+
+
+def test_a_checkpoint_field_this_version_does_not_know_is_said(trained_char_run, tmp_path, capsys):
+    saved = torch.load(trained_char_run / "ckpt.pt", weights_only=True)
+    saved["model_config"]["rope_theta"] = 10000.0  # a newer version's
+    (tmp_path / "run").mkdir()
+    torch.save(saved, tmp_path / "run" / "ckpt.pt")
+    load_checkpoint(tmp_path / "run" / "ckpt.pt")
+    assert capsys.readouterr().err == (f"note: {tmp_path / 'run' / 'ckpt.pt'}'s model_config has field(s) this "
+                                       f"version does not know (rope_theta: a newer version's checkpoint?); the "
+                                       f"model is built without them.\n")
+
+
+def test_an_export_to_a_long_legal_name_works_and_one_stopped_leaves_nothing(trained_char_run, tmp_path,
+                                                                             monkeypatch):
+    """The staging folder's name was made from hf_dir's, so a legal 250-byte name was refused; a SIGTERM during the
+    export left the staging folder for ever."""
+    from core import errors
+    long = tmp_path / ("h" * 250)
+    assert export_hf.main([f"--out_dir={trained_char_run}", f"--hf_dir={long}"]) == 0
+    assert (long / "config.json").is_file()
+    real = export_hf.hf_tokenizer
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(export_hf, "hf_tokenizer", terminated)
+    stopped = tmp_path / "stopped"
+    assert errors.exit_code(lambda: export_hf.main([f"--out_dir={trained_char_run}", f"--hf_dir={stopped}"])) == 143
+    assert sorted(p.name for p in tmp_path.iterdir()) == [long.name]
+
+
+def test_a_sample_reading_while_the_run_replaces_its_step_reads_the_new_one(sharded_run, tmp_path, monkeypatch):
+    """keep_checkpoints=1: the run points `latest` at a new step and removes the old one while sample reads it."""
+    from tools import sharded
+    out = tmp_path / "run"
+    shutil.copytree(sharded_run, out)
+    (out / "latest").write_text("step-000002")
+    real = sharded.read_step
+
+    def run_moves_on(folder, parts):
+        if folder.name == "step-000002":
+            (out / "latest").write_text("step-000004")
+            shutil.rmtree(folder)
+        return real(folder, parts)
+    monkeypatch.setattr(sharded, "read_step", run_moves_on)
+    assert load_checkpoint(out / "ckpt.pt").iter_num == 4
+
+
+@pytest.mark.slow  # three processes at once
+def test_three_preparations_into_one_folder_at_once_each_end_whole(tmp_path):
+    """They once shared one train.bin.tmp, and one ended in a traceback."""
+    runs = [subprocess.Popen([sys.executable, str(REPO / "data" / "shakespeare_char" / "prepare.py"),
+                              f"--out_dir={tmp_path}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    assert [(p.wait(timeout=300), p.stderr.read()) for p in runs] == [(0, "")] * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "train.bin", "val.bin"]

@@ -135,10 +135,14 @@ def read_plain_pickle(path: Path):
     try:
         with open(path, "rb") as f:
             value = _PlainUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
-        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
+        plain = _is_plain(value)
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, RecursionError) as e:
+        raise UserError(f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints "
+                        f"({type(e).__name__ if isinstance(e, RecursionError) else e}: nested too deep to be a "
+                        f"meta.pkl); nothing in it was run." if isinstance(e, RecursionError) else
+                        f"{path} is refused: it is not a pickle of plain dicts, lists, strings and ints ({e}); "
                         f"nothing in it was run.") from None
-    if not _is_plain(value):
+    if not plain:
         raise UserError(f"{path} is refused: it holds types other than dicts, lists, strings and ints.")
     return value
 
