@@ -3,8 +3,13 @@ Export a training run to a Hugging Face GPT-2 directory (weights, config, tokeni
 transformers loads with no custom code.
 
     python export_hf.py --out_dir=out-shakespeare-char-cpu --hf_dir=hf-shakespeare-char
-    >>> pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=100, do_sample=False)
+    >>> pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", do_sample=False)  # to its 64-token context
+
+transformers' GPT-2 does not slide its window as sample.py does: prompt and new tokens must fit block_size, which the
+export's generation_config sets as max_length (a call without max_new_tokens stops there).
 """
+
+import json
 
 import os
 import shutil
@@ -39,16 +44,41 @@ def hf_config(model: GPT, meta: Optional[dict]):
     from transformers import GPT2Config
     c = model.config
     activation = {"tanh": "gelu_new", "none": "gelu"}[c.gelu]  # GPTConfig allows these two; hf.py reads both back
-    eot = GPT2_EOT_TOKEN if is_bpe(meta) else None  # a character vocabulary has no end-of-text token
+    eot = special_token_id(meta)  # a character model's text does not end at it: no eos there
     return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                       n_head=c.n_head, n_inner=None, activation_function=activation, resid_pdrop=c.dropout,
                       embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=1e-5, scale_attn_weights=True,
                       scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
-                      tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
+                      tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot if is_bpe(meta) else None,
+                      pad_token_id=eot)
 
 
 def is_bpe(meta: Optional[dict]) -> bool:
     return meta is None or meta.get("tokenizer") == "gpt2"
+
+
+def special_token_id(meta: Optional[dict]) -> int:
+    """The id clients use as bos, eos and pad: GPT-2's end-of-text; a character vocabulary has none, so its newline
+    (sample.py's default prompt: text starts after one), else its first character. lm-eval's rolling loss needs a
+    bos or eos to start from, and batched generation a pad."""
+    if is_bpe(meta):
+        return GPT2_EOT_TOKEN
+    chars = meta.get("chars") or []  # another tokenizer is refused by hf_tokenizer
+    return chars.index("\n") if "\n" in chars else 0
+
+
+# keys transformers saves that describe the machine it ran on, not the tokenizer (HF_HUB_OFFLINE, a local folder)
+ENVIRONMENT_KEYS = ("local_files_only", "is_local", "cache_dir", "_commit_hash", "name_or_path", "token", "revision")
+
+
+def save_tokenizer(tokenizer, meta: Optional[dict], folder: Path) -> None:
+    """The tokenizer saved as transformers 4.x and 5.x both load it: its class named as 4.x knows it (5.x writes
+    "TokenizersBackend"), and no key of the exporting machine's environment."""
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    config = {k: v for k, v in json.loads(path.read_text()).items() if k not in ENVIRONMENT_KEYS}
+    config["tokenizer_class"] = "GPT2TokenizerFast" if is_bpe(meta) else "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -73,16 +103,19 @@ def hf_tokenizer(meta: Optional[dict], block_size: int, folder: Path):
     """A fast tokenizer that encodes and decodes exactly as this repo's tokenizer for `meta` does. For GPT-2 BPE: the
     packaged vocabulary files (checked by hash) copied into `folder` under the hub's names, and loaded from there."""
     from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
-    settings = dict(model_max_length=block_size, clean_up_tokenization_spaces=False)
-    if is_bpe(meta):
+    # left padding: a batch of prompts generates on from each prompt's end, as decoder-only models need
+    settings = dict(model_max_length=block_size, clean_up_tokenization_spaces=False, padding_side="left")
+    if is_bpe(meta):  # bos, eos and unk are <|endoftext|> already; pad is too
         paths = check_gpt2_files(gpt2_files_dir())
         shutil.copyfile(paths["encoder.json"], Path(folder) / "vocab.json")
         shutil.copyfile(paths["vocab.bpe"], Path(folder) / "merges.txt")
-        return GPT2TokenizerFast.from_pretrained(folder, **settings)
+        return GPT2TokenizerFast.from_pretrained(folder, pad_token="<|endoftext|>", **settings)
     if meta.get("tokenizer") != "char":
         raise UserError(f"the checkpoint's meta names tokenizer {meta.get('tokenizer')!r}; only GPT-2 BPE and "
                         f"character vocabularies export.")
-    return PreTrainedTokenizerFast(tokenizer_object=characters(meta["chars"]), **settings)
+    special = meta["chars"][special_token_id(meta)]
+    return PreTrainedTokenizerFast(tokenizer_object=characters(meta["chars"]), bos_token=special, eos_token=special,
+                                   pad_token=special, **settings)
 
 
 def characters(chars: list[str]):
@@ -120,10 +153,11 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
     hf_model = GPT2LMHeadModel(config)
     hf_model.load_state_dict(hf_state_dict(model), strict=True)
     sampled = temperature > 0
-    # what transformers' own GPT-2 export carries (the end-of-text ids), plus sample.py's sampling; no max_length:
-    # a pipeline's max_new_tokens would then warn that both were set
+    # what transformers' own GPT-2 export carries (the end-of-text ids), sample.py's sampling, and the context as
+    # max_length: a call without max_new_tokens stops there
     hf_model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        max_length=model.config.block_size,
         do_sample=sampled, temperature=temperature if sampled else None, top_k=top_k if sampled else None)
     # a short name of this process's own (hf_dir's may be 255 bytes already), made as any folder is (tempfile's are
     # 0700); a Ctrl-C or SIGTERM meanwhile is held until the folder is renamed or removed, so none is left behind
@@ -139,7 +173,7 @@ def write_staged(hf_model, checkpoint: Checkpoint, block_size: int, staging: Pat
         shutil.rmtree(staging, ignore_errors=True)  # a killed export's, of a process with this id
         staging.mkdir()
         hf_model.save_pretrained(staging, safe_serialization=True)
-        hf_tokenizer(checkpoint.meta, block_size, staging).save_pretrained(staging)
+        save_tokenizer(hf_tokenizer(checkpoint.meta, block_size, staging), checkpoint.meta, staging)
         umask = os.umask(0)
         os.umask(umask)  # reading the umask means setting it: put back at once
         for path in staging.iterdir():  # safetensors writes its file 0600 whatever the umask
@@ -162,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
     target = export(checkpoint, Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), cfg.temperature, cfg.top_k)
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "
-          f"pipeline('text-generation', model={str(target)!r}) loads it")
+          f"pipeline('text-generation', model={str(target)!r}) loads it; its context is "
+          f"{checkpoint.model_config['block_size']} tokens, prompt and new tokens together")
     return 0
 
 

@@ -166,6 +166,28 @@ def test_pipeline_greedy_text_equals_sample_py_greedy_text(kind, prompt, char_da
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_what_a_client_reads_from_an_export_lets_it_generate_pad_and_score_in_transformers_4_and_5(
+        kind, char_data, bpe_data, tmp_path, monkeypatch):
+    """transformers 4.x refused 5.x's "TokenizersBackend"; lm-eval's rolling loss needs a bos or eos; batched calls
+    need a pad; generation past the context raised IndexError; HF_HUB_OFFLINE and a local folder leaked into
+    tokenizer_config.json."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = fresh_out_dir(tmp_path / "run", char_data if kind == "char" else bpe_data)
+    hf_dir = export_hf.export(load_checkpoint(out / "ckpt.pt"), tmp_path / "hf")
+    saved = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    assert saved["tokenizer_class"] == ("PreTrainedTokenizerFast" if kind == "char" else "GPT2TokenizerFast")
+    assert not set(saved) & set(export_hf.ENVIRONMENT_KEYS) and saved["padding_side"] == "left"
+    tokenizer, model = AutoTokenizer.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir)
+    special = 50256 if kind == "bpe" else json.loads((char_data / "meta.json").read_text())["chars"].index("\n")
+    assert tokenizer.bos_token_id == tokenizer.eos_token_id == tokenizer.pad_token_id == special
+    assert tokenizer.model_max_length == model.generation_config.max_length == 32 == model.config.n_positions
+    assert model.generation_config.eos_token_id == (50256 if kind == "bpe" else None)  # a character text runs on
+    generator = pipeline("text-generation", model=str(hf_dir), device="cpu")
+    texts = generator(["To be", "or not to be"], do_sample=False, batch_size=2)  # padded, then to the context
+    assert [len(tokenizer(t[0]["generated_text"])["input_ids"]) <= 32 for t in texts] == [True, True]
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_the_exported_tokenizer_encodes_and_decodes_as_this_repos(kind, char_data, bpe_data, tmp_path):
     data = char_data if kind == "char" else bpe_data
     meta = json.loads((data / "meta.json").read_text())
