@@ -36,7 +36,8 @@ from core.runtime import Runtime
 out_dir = "out"                   # checkpoint (ckpt.pt) and metrics.jsonl go here
 eval_interval = 2000              # evaluate (and checkpoint) every this many iterations
 log_interval = 1                  # log training metrics every this many iterations
-eval_iters = 200                  # batches per split for each evaluation
+eval_iters = 200                  # batches per split for each evaluation; 0: all of val.bin, every token once (the
+                                  # whole split's loss, as lm-eval reads a text), train's split not evaluated
 eval_train = True                 # evaluate train batches too (the overfitting check); False: val only, half the cost
 eval_only = False                 # evaluate once (a resumed model at its step), write nothing, exit
 always_save_checkpoint = True     # save at every eval, not only when val loss improves
@@ -108,7 +109,7 @@ LIMITS = {
     "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
     "parallel": one_of("ddp", "fsdp"), "checkpoint_format": one_of("single", "sharded"),
     "keep_checkpoints": "[1, inf)",
-    "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[1, inf)", "max_seconds": "[0, inf)",
+    "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[0, inf) int", "max_seconds": "[0, inf)",
     "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
     "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
@@ -160,6 +161,10 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
     says what it does before it starts, and any says how long it takes when that is long (a CPU's first can take
     half an hour)."""
     model.eval()
+    if cfg.eval_iters == 0:  # the whole val split
+        out = {"val/loss": whole_split_loss(model, cfg, data_dir, rt, first)}
+        model.train()
+        return out
     out, splits = {}, ("train", "val") if cfg.eval_train else ("val",)
     total = cfg.eval_iters * len(splits)  # announced where it may be long: compiling, or many batches
     progress = Progress(f"evaluating {' and '.join(splits)}", total, rt.is_master,
@@ -176,6 +181,21 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
             total.item() / cfg.eval_iters, rt.device)  # one read per split
     model.train()
     return out
+
+
+def whole_split_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool) -> float:
+    """The mean loss over every token of val.bin after the first, each predicted once (Batches.whole_split), summed
+    over the ranks' shares: the printed val/loss of eval_iters sampled batches is an estimate of this."""
+    if first and rt.is_master:
+        print(f"evaluating all of {data_dir / 'val.bin'} ...", flush=True)
+    total = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens
+    for x, y in Batches(data_dir, cfg.block_size, cfg.batch_size, seed=0).whole_split("val", rt.rank, rt.world_size):
+        with rt.autocast():
+            _, loss = model(*rt.to_device(x, y))
+        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+    if rt.is_distributed:
+        total = runtime.sum_across_ranks_(total.to(rt.device)).cpu()
+    return (total[0] / total[1]).item()
 
 
 # -- training ------------------------------------------------------------------------------------------

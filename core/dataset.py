@@ -120,3 +120,16 @@ class Batches:
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
         return [self._windows(split, row) for row in mine]
+
+    def whole_split(self, split: str, rank: int = 0, world_size: int = 1):
+        """Every token of a split after the first predicted once, as lm-eval's rolling loss reads a text: consecutive
+        windows of block_size targets (the last one shorter, alone), batch_size at a time, this rank's share: (x, y)."""
+        path, T = self.data_dir / f"{split}.bin", self.block_size
+        tokens = os.path.getsize(path) // TOKEN_BYTES
+        starts = list(range(0, tokens - 1, T))[rank::world_size]
+        full = [s for s in starts if s + T < tokens]
+        for i in range(0, len(full), self.batch_size):
+            yield self._windows(split, torch.tensor(full[i:i + self.batch_size]))
+        for s in starts[len(full):]:  # the end of the file: fewer than T targets
+            window = read_windows(path, [s], tokens - 1 - s)  # (1, n + 1)
+            yield window[:, :-1].contiguous(), window[:, 1:].contiguous()

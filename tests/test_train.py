@@ -62,6 +62,34 @@ def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0(char_data, tmp_p
     assert result.returncode != 0 and "Root Cause" in output, output[-3000:]
 
 
+# -- the whole split's loss -----------------------------------------------------------------------------
+
+def test_eval_iters_0_is_the_loss_of_every_val_token_once_as_lm_eval_reads_the_text(char_data, tmp_path, capsys):
+    """The printed val/loss is a sample (eval_iters batches); --eval_only=True --eval_iters=0 is the whole split's."""
+    from core.dataset import Batches
+    val = np.fromfile(char_data / "val.bin", dtype=np.uint16)
+    batches = Batches(char_data, block_size=32, batch_size=3, seed=0)
+    for rank_of_2 in (0, 1):
+        pairs = list(batches.whole_split("val", rank_of_2, 2))
+        assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in pairs)  # targets are the next tokens
+    pairs = list(batches.whole_split("val"))
+    assert torch.equal(torch.cat([y.flatten() for _, y in pairs]), torch.from_numpy(val[1:].astype(np.int64)))
+    out = tmp_path / "run"
+    assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=2"]) == 0
+    capsys.readouterr()
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--eval_only=True", "--eval_iters=0"]) == 0
+    printed = float(capsys.readouterr().out.split("val/loss ")[1].split()[0])
+    from engine.reader import load_checkpoint
+    model = load_checkpoint(out / "ckpt.pt").build_model().eval()
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(val) - 1, 32):  # the reference: every target once, summed in float64
+            window = torch.from_numpy(val[start:start + 33].astype(np.int64))[None]
+            logits, _ = model(window[:, :-1], all_positions=True)
+            losses.append(torch.nn.functional.cross_entropy(logits[0].double(), window[0, 1:], reduction="sum"))
+    assert printed == pytest.approx(float(sum(losses)) / (len(val) - 1), rel=1e-4)
+
+
 # -- resume ---------------------------------------------------------------------------------------------
 
 def test_a_resume_without_the_config_runs_the_runs_own_settings_and_names_what_the_command_changes(
