@@ -98,6 +98,7 @@ dtype = "auto"                    # auto: bf16 where a bf16 step beats fp32 (CUD
 compile = True                    # torch.compile the model (FSDP: each block)
 threads = 0                       # CPU threads, set once at start; 0: OMP_NUM_THREADS if set, else torch's default
                                   # (one per physical core)
+backend = "auto"                  # torchrun's process group: auto (NCCL on CUDA, gloo on CPU), nccl, gloo (nanoGPT's)
 parallel = "ddp"                  # under torchrun: 'ddp' (full replica per rank) or 'fsdp' (FSDP2, sharded)
 seed = 1337                       # weights, data order and dropout (each rank its own dropout stream)
 # -----------------------------------------------------------------------------
@@ -107,7 +108,7 @@ seed = 1337                       # weights, data order and dropout (each rank i
 LIMITS = {
     "attn": one_of("auto", *IMPLEMENTATIONS), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
     "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
-    "parallel": one_of("ddp", "fsdp"), "checkpoint_format": one_of("single", "sharded"),
+    "parallel": one_of("ddp", "fsdp"), "backend": one_of("auto", "nccl", "gloo"), "checkpoint_format": one_of("single", "sharded"),
     "keep_checkpoints": "[1, inf)",
     "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[0, inf) int", "max_seconds": "[0, inf)",
     "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
@@ -247,7 +248,10 @@ def banner(cfg: Settings, rt: Runtime, model: GPT) -> str:
         "world size 1"
     kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
     kernels = f" ({kernels})" if kernels else ""
-    return (f"{model.get_num_params() / 1e6:.2f}M parameters, attn={model.config.attn}{kernels}, {rt.dtype} on "
+    c = model.config
+    layers = f"{'biases' if c.bias else 'no biases'}, {'tanh' if c.gelu == 'tanh' else 'exact'} GELU" + (
+        "; nanoGPT's train.py: --bias=False --gelu=none" if c.bias or c.gelu == "tanh" else "")
+    return (f"{model.get_num_params() / 1e6:.2f}M parameters ({layers}), attn={c.attn}{kernels}, {rt.dtype} on "
             f"{rt.name}"
             f"{muon}, {ranks}, {tokens_per_iter(cfg):,} tokens per iteration")
 
@@ -269,7 +273,8 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoin
         checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only,
                                      data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
         cfg = checkpoint.resumed_settings(cfg, LIMITS, cfg.out_dir)
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads)
+    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
+                                 backend=cfg.backend)
     problems = [UserError(text) for wrong, text in (  # every start-up problem of the command, said at once
         (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
          "under --parallel=fsdp: Muon orthogonalizes each whole weight matrix and FSDP2 gives every rank a shard of "

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from core.errors import UserError
 
 
-def join(device: str) -> tuple[int, int, int, str]:
-    """(rank, local_rank, world_size, device), the process group joined (NCCL on CUDA, gloo elsewhere), one GPU per
-    local rank."""
+def join(device: str, backend: str = "auto") -> tuple[int, int, int, str]:
+    """(rank, local_rank, world_size, device), the process group joined (`backend`; auto: NCCL on CUDA, gloo
+    elsewhere), one GPU per local rank."""
     rank, local_rank, world_size = launch_variables(os.environ)
     if device.startswith("cuda") and local_rank >= torch.cuda.device_count():
         raise UserError(f"LOCAL_RANK={local_rank} has no GPU of its own: this node shows "
@@ -26,10 +26,11 @@ def join(device: str) -> tuple[int, int, int, str]:
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", store=store, rank=rank, world_size=world_size,
-                                device_id=torch.device(device))
+        dist.init_process_group(backend="nccl" if backend == "auto" else backend, store=store, rank=rank,
+                                world_size=world_size, device_id=torch.device(device))
     else:
-        dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend="gloo" if backend == "auto" else backend, store=store, rank=rank,
+                                world_size=world_size)
     return rank, local_rank, world_size, device
 
 

@@ -196,7 +196,7 @@ class Runtime:
 
 
 def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str = "auto",
-                    distributed: bool = False, threads: int = 0) -> Runtime:
+                    distributed: bool = False, threads: int = 0, backend: str = "auto") -> Runtime:
     """The one place device, autocast dtype, Muon's dtype and CPU threads are decided (bf16_native says where each
     picks bf16); a cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first."""
     set_threads(threads)
@@ -206,7 +206,7 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str =
         if said:
             print(said, file=sys.stderr)
     device = pick_device(device)
-    rank, local_rank, world_size, device = init_distributed(device) if distributed else (0, 0, 1, device)
+    rank, local_rank, world_size, device = init_distributed(device, backend) if distributed else (0, 0, 1, device)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -233,13 +233,13 @@ def compile_isolated(fn, recompile_limit: int = 8, **compile_options):
 
 # -- distributed -----------------------------------------------------------------------------------
 
-def init_distributed(device: str) -> tuple[int, int, int, str]:
+def init_distributed(device: str, backend: str = "auto") -> tuple[int, int, int, str]:
     """(rank, local_rank, world_size, device): under torchrun (RANK set), the process group joined by
     core/distributed.py; otherwise one rank of one."""
     if "RANK" not in os.environ:
         return 0, 0, 1, device
     from core.distributed import join  # torchrun's environment: only a launch of several ranks reads it
-    return join(device)
+    return join(device, backend)
 
 
 def destroy_distributed() -> None:

@@ -30,12 +30,12 @@ train.build_model = lambda *args: models.append(build_model(*args)) or models[-1
 init_distributed = runtime.init_distributed
 
 
-def join_once(device: str) -> tuple[int, int, int, str]:
+def join_once(device: str, backend: str = "auto") -> tuple[int, int, int, str]:
     """One process group for every run: the first run joins it, the others find it (torch 2.13 hangs in FSDP2's
     compiled collectives in a group made after another was destroyed)."""
     if dist.is_initialized():
         return dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size(), device
-    return init_distributed(device)
+    return init_distributed(device, backend)
 
 
 runtime.init_distributed = join_once

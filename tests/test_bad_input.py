@@ -165,7 +165,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
     (train, "--batch_size=-4", "batch_size must be at least 1, got -4"),
     (train, "--max_iters=-1", "max_iters must be at least 0, got -1"),
     (train, "--eval_interval=0", "eval_interval must be at least 1"),
-    (train, "--eval_iters=0", "eval_iters must be at least 1"),
+    (train, "--eval_iters=-1", "eval_iters must be a whole number at least 0"),
     (train, "--log_interval=0", "log_interval must be at least 1"),
     (train, "--gradient_accumulation_steps=0", "gradient_accumulation_steps must be at least 1"),
     (train, "--learning_rate=-0.001", "learning_rate must be greater than 0, got -0.001"),

@@ -70,7 +70,7 @@ def test_two_ranks_with_muon_match_one_rank_with_the_same_global_batch(char_data
 
 
 def test_muon_under_fsdp_is_refused_in_one_sentence(char_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(runtime, "init_distributed", lambda device: (0, 0, 2, device))
+    monkeypatch.setattr(runtime, "init_distributed", lambda device, backend="auto": (0, 0, 2, device))
     with pytest.raises(UserError, match="optimizer='muon' does not run under --parallel=fsdp: .*use --parallel=ddp"):
         train.main(TINY + [f"--data_dir={char_data}", "--optimizer=muon", "--parallel=fsdp",
                            "--gradient_accumulation_steps=2", f"--out_dir={tmp_path}"])

@@ -39,7 +39,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(
 
 def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path, monkeypatch):
     # rank 0 of two, as torchrun would start it: the check comes before any collective
-    monkeypatch.setattr(runtime, "init_distributed", lambda device: (0, 0, 2, device))
+    monkeypatch.setattr(runtime, "init_distributed", lambda device, backend="auto": (0, 0, 2, device))
     with pytest.raises(UserError, match="gradient_accumulation_steps=3 is not divisible by the 2 ranks"):
         train.main(TINY + [f"--data_dir={char_data}", "--gradient_accumulation_steps=3", f"--out_dir={tmp_path}"])
 
@@ -649,3 +649,16 @@ def test_every_start_up_problem_of_a_command_is_said_at_once_with_the_cpu_recipe
     with pytest.raises(UserError, match=r"^async_save=True writes sharded checkpoints only; add "
                                         r"--checkpoint_format=sharded\.$"):  # one problem, a small model: as before
         train.main(TINY + ["--async_save=True", f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}"])
+
+
+def test_nanogpts_backend_flag_is_taken_and_the_banner_names_the_layers_nanogpt_builds_otherwise(char_data, tmp_path,
+                                                                                                  capsys):
+    """nanoGPT's config files leave bias and the GELU to its train.py (no biases, the exact GELU); here GPT-2's are
+    the defaults, so the banner says which a run builds. --backend=gloo is nanoGPT's flag for the process group."""
+    assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'a'}", "--max_iters=1",
+                              "--backend=gloo"]) == 0
+    assert "parameters (biases, tanh GELU; nanoGPT's train.py: --bias=False --gelu=none), attn=" in (
+        capsys.readouterr().out)
+    assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'b'}", "--max_iters=1",
+                              "--bias=False", "--gelu=none"]) == 0
+    assert "parameters (no biases, exact GELU), attn=" in capsys.readouterr().out
