@@ -196,9 +196,10 @@ def row_key(attn: str, pad_vocab: bool, mask: str, loss: str = "chunked") -> str
             ("" if loss == "chunked" else f"_{loss}"))
 
 
-def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
+def train_sweep(cfg: Settings, rt: Runtime, save=lambda rows: None) -> list[dict]:
     """One row per attn x padding x mask x loss: timing, tokens/s, MFU, peak memory, speedup, audited kernel, the
-    share of the score matrix computed, skip reason."""
+    share of the score matrix computed, skip reason. `save(rows)`: what is measured so far, before the max-batch
+    search and after each row's."""
     head_size, tokens = cfg.n_embd // cfg.n_head, cfg.batch_size * cfg.seq_len
     rows, trainers, calls, audits = {}, {}, {}, {}
     for a, m, pad, loss in ((a, m, pad, loss) for a in cfg.attn for m in cfg.mask for pad in cfg.padding
@@ -241,12 +242,15 @@ def train_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
         rows.update({f"auto_{r['pad_vocab']}_{r['mask']}_{r['loss']}": r for r in auto_rows(rows, trainers, cfg, rt)})
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
     free_memory(rt)
-    if cfg.max_batch:
-        for row in tqdm([r for r in rows.values() if r["status"] == "ok" and r["attn"] != "auto"], desc="max batch",
-                        file=sys.stderr, disable=None):
+    if cfg.max_batch:  # slow: the timed rows are kept first, then each row's search as it ends, said in one line
+        save(list(rows.values()))
+        for row in [r for r in rows.values() if r["status"] == "ok" and r["attn"] != "auto"]:
             row["max_batch"] = max_batch_size(
                 lambda b: fits(cfg, rt, row["attn"], row["pad_vocab"], b, row["mask"], row["loss"]),
                 cfg.max_batch_limit)
+            save(list(rows.values()))
+            print(f"max batch: {row_key(row['attn'], row['pad_vocab'], row['mask'], row['loss'])} fits "
+                  f"{row['max_batch']}", file=sys.stderr, flush=True)
     return list(rows.values())
 
 
@@ -364,7 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if cfg.mode == "generate":
             rows = generate_sweep(cfg, rt, save)  # saved as rows finish: an interrupted sweep keeps them
         else:
-            rows = {"train": train_sweep, "attention": attention_sweep}[cfg.mode](cfg, rt)
+            rows = train_sweep(cfg, rt, save) if cfg.mode == "train" else attention_sweep(cfg, rt)
     except KeyboardInterrupt:
         kept = f"; what was measured is in {path}" if path.exists() else ""
         print(f"interrupted{kept}", file=sys.stderr)

@@ -694,3 +694,24 @@ def test_a_length_with_no_measured_row_has_no_legend_entry_and_the_title_says_wh
     assert title.endswith("\nT=512: no row measured (the table says why)")
     assert ax.get_legend_handles_labels()[1] == ["T=256", "T=4096"]
     plt.close(fig)
+
+
+def test_a_max_batch_search_says_each_row_as_it_ends_and_a_stop_keeps_what_was_measured(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """It once ran for minutes with no line (the bar is off where stderr is not a terminal) and a Ctrl-C kept
+    nothing."""
+    searched = []
+
+    def fits(cfg, rt, attn, pad, batch, mask, loss):
+        if searched and attn != searched[0]:
+            raise KeyboardInterrupt  # Ctrl-C in the second row's search
+        searched.append(attn)
+        return batch <= 2
+    monkeypatch.setattr(bench, "fits", fits)
+    assert bench.main([*TINY, f"--out_dir={tmp_path}", "--attn=manual,sdpa", "--padding=off", "--max_batch=True",
+                       "--max_batch_limit=4"]) == 130
+    err = capsys.readouterr().err
+    assert "max batch: manual_unpadded fits 2" in err.splitlines() and "what was measured is in" in err
+    saved = json.loads((tmp_path / "train.json").read_text())
+    assert not saved["complete"] and {r["attn"]: r.get("max_batch") for r in saved["rows"]} == {"manual": 2,
+                                                                                                "sdpa": None}
