@@ -164,7 +164,7 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
         setattr(cfg, key, as_list(getattr(cfg, key), int))
         if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
             raise UserError(f"{key} must be positive whole numbers, comma-separated; got {getattr(cfg, key)!r}.")
-    if any("doc" in m for m in cfg.mask) and cfg.mode != "generate":  # a bad --doc_data is said before any row runs
+    if any("doc" in m for m in cfg.mask) and cfg.mode != "generate":  # a bad --doc_data is printed before any row runs
         block_documents(cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens),
                         cfg.seed)
     return cfg, rt
@@ -242,7 +242,7 @@ def train_sweep(cfg: Settings, rt: Runtime, save=lambda rows: None) -> list[dict
         rows.update({f"auto_{r['pad_vocab']}_{r['mask']}_{r['loss']}": r for r in auto_rows(rows, trainers, cfg, rt)})
     calls.clear(), audits.clear(), trainers.clear()  # the max-batch search below needs the memory
     free_memory(rt)
-    if cfg.max_batch:  # slow: the timed rows are kept first, then each row's search as it ends, said in one line
+    if cfg.max_batch:  # slow: the timed rows are kept first, then each row's search as it ends, printed in one line
         save(list(rows.values()))
         for row in [r for r in rows.values() if r["status"] == "ok" and r["attn"] != "auto"]:
             row["max_batch"] = max_batch_size(
@@ -311,7 +311,7 @@ GENERATE_COMPILE_S = {"cuda": (7, 60), "cpu": (20, 60)}
 
 
 def sweep_plan(cfg: Settings, rt: Runtime) -> str:
-    """One line on what the sweep will run, said before it starts; for generation, how long its compiling takes."""
+    """One line on what the sweep will run, printed before it starts; for generation, how long its compiling takes."""
     if cfg.mode == "generate":
         rows = len(cfg.attn) * len(cfg.weights) * len(cfg.cache) * len(cfg.padding)
         compiled = rows // len(cfg.cache) if "compiled" in cfg.cache else 0
@@ -328,7 +328,7 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
 
 
 def keep_earlier(out: Path, mode: str) -> None:
-    """An earlier run's <mode>.json and .png in out_dir are kept under their own time, said in one line, not
+    """An earlier run's <mode>.json and .png in out_dir are kept under their own time, printed in one line, not
     replaced: a new sweep never takes away a longer one."""
     earlier = [p for p in (out / f"{mode}.json", out / f"{mode}.png") if p.exists()]
     if earlier:

@@ -177,7 +177,7 @@ def varlen_attention(q, k, v, mask, dropout_p):
 class Attention:
     """An implementation, and what the rest of the repository asks of it (attention/kernels.py and masks.py, bench)."""
     fn: Callable               # (q, k, v, mask, dropout_p) -> y, as above
-    title: str                 # what a refusal calls it
+    title: str                 # what an error line calls it
     kernels: str               # the kernels bench's audit may see it run, '+' between (benchmarks/measure.py)
     ops: tuple = ()            # profiler ops of a kernel of its own, which the audit labels with `kernels`
     mask: str = "dense"        # documents and windows as: "dense" (bool), "block" (flex's), "packed" (varlen's)
@@ -368,7 +368,7 @@ class GPT(nn.Module):
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
         self.cache: Optional[KVCache] = None  # decode state, made by setup_cache
-        self.checked: set = set()  # the facts (attn, device, dtype, mode) the implementation was checked for
+        self.checked: set = set()  # the (attn, device, dtype, mode) settings the implementation was checked for
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -445,7 +445,7 @@ class GPT(nn.Module):
 
     def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
                         problem: Optional[str] = None, decoding: bool = True) -> None:
-        """Once per new set of facts: whether the implementation runs here, else one error line naming what does
+        """Once per new (attn, device, dtype, mode): whether the implementation runs here, else one error line naming what does
         (training is checked with its backward, at its own length; inference at block_size, with a decode step unless
         `decoding` is False: a forward without a KV cache, an evaluation's)."""
         decoding = decoding and not training
@@ -456,7 +456,7 @@ class GPT(nn.Module):
             if self.config.attn in ("flex", "varlen"):
                 needs_repository(f"attn='{self.config.attn}'")
             return
-        from attention.kernels import AttnCall, refuse_unless_runs  # the one decision, and the refusal's sentence
+        from attention.kernels import AttnCall, refuse_unless_runs  # the one decision, and its error line
         call = AttnCall(device_type, dtype, self.config.head_size, needs_grad=training,
                         dropout_p=self.config.dropout if training else 0.0,
                         seq_len=seq_len if training else self.config.block_size, masked=self.config.masked,

@@ -275,7 +275,7 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoin
         cfg = checkpoint.resumed_settings(cfg, LIMITS, cfg.out_dir)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
                                  backend=cfg.backend)
-    problems = [UserError(text) for wrong, text in (  # every start-up problem of the command, said at once
+    problems = [UserError(text) for wrong, text in (  # every start-up problem of the command, printed at once
         (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
          "under --parallel=fsdp: Muon orthogonalizes each whole weight matrix and FSDP2 gives every rank a shard of "
          "it; use --parallel=ddp."),

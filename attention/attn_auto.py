@@ -246,7 +246,7 @@ def choose_across_ranks(w: Workload, rt: Runtime, implementations: dict, budget_
 
 
 def choose_for_training(model, implementations: dict, cfg, rt: Runtime, saved: Optional[dict] = None) -> dict:
-    """attn='auto' for train.py: this run's workload decided on rank 0, said in one line, and returned as the table with
+    """attn='auto' for train.py: this run's workload decided on rank 0, printed in one line, and returned as the table with
     the workload; a resume whose checkpoint decided the same workload runs the same implementation unmeasured."""
     w = Workload.of(model.config, rt, cfg.batch_size, cfg.block_size, training=not cfg.eval_only,
                     compiled=cfg.compile)
@@ -256,7 +256,7 @@ def choose_for_training(model, implementations: dict, cfg, rt: Runtime, saved: O
             print(f"attn=auto: {saved['attn_auto/pick']}, as the checkpoint decided for {w.describe()}")
         return {**saved, "attn_auto/cached": True}
     decision = choose_across_ranks(w, rt, implementations, cfg.attn_auto_budget, cfg.attn_auto_refresh)
-    if rt.is_master and decision.rows:  # a fallback (no rows) said its own line
+    if rt.is_master and decision.rows:  # a fallback (no rows) printed its own line
         print(decision.line())
     return {**decision.metrics(), "attn_auto/workload": w.key()}
 

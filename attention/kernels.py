@@ -1,6 +1,6 @@
 """
-Whether an attention implementation runs here, asked once per set of facts (GPT.check_attention, attn=auto, bench),
-and the message of a refusal: what was asked, why it cannot run, and what can.
+Whether an attention implementation runs here, asked once per device, dtype and mode (GPT.check_attention, attn=auto,
+bench), and the error line when it cannot: what was asked, why it cannot run, and what can.
 
     problem = attention_problem("flash", AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1),
                                 model.IMPLEMENTATIONS["flash"])

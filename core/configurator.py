@@ -28,7 +28,7 @@ def settings(namespace: dict) -> dict:
 
 def _coerce(key: str, value, default, current):
     """`value` as the type of `default`: an int is a fine float, anything goes for a None default. `current`: the
-    value so far (a config file's, else the default), what a refusal shows."""
+    value so far (a config file's, else the default), what an error line shows."""
     if default is None or value is None or type(value) is type(default):
         return value
     if isinstance(default, float) and type(value) is int:

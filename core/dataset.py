@@ -51,7 +51,7 @@ def prepare_if_missing(data_dir: Path, name: str) -> None:
     print(f"preparing {name} (data/{name}/prepare.py) ...")
     done = subprocess.run([sys.executable, str(data_dir / "prepare.py"), f"--out_dir={data_dir}"],
                           stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:  # its one error line, said as ours
+    if done.returncode != 0:  # its one error line, printed as ours
         said = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no message")
         raise UserError(f"preparing dataset '{name}' failed ({said.removeprefix('error: ')}); {elsewhere}, or run "
                         f"python data/{name}/prepare.py to see why.")

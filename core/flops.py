@@ -17,7 +17,7 @@ def peak_flops(rt: Runtime) -> Optional[float]:
 
 
 def peak_line(rt: Runtime, peak: Optional[float]) -> str:
-    """Where MFU's denominator came from, or why there is no MFU, said once before the training lines."""
+    """Where MFU's denominator came from, or why there is no MFU, printed once before the training lines."""
     if peak is None:
         return (f"mfu not shown: no datasheet peak for {rt.name} in {rt.dtype} (MFU is measured against a GPU's "
                 f"datasheet, listed in core/flops.py)")

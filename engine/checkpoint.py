@@ -70,7 +70,7 @@ class Checkpoint:
 
     def resumed_settings(self, cfg: Settings, limits: dict, where: str) -> Settings:
         """The settings a resume runs, decided once: the run's own (saved here) for every setting the command leaves
-        at its default, the command's where it sets one (said in one note), and the weights' shape, vocab_size
+        at its default, the command's where it sets one (named in one note), and the weights' shape, vocab_size
         included. A shape setting typed on the command line that differs, or another optimizer, is one error line; one
         from a config file gives way to the checkpoint, with a note (nanoGPT's habit). nanoGPT's checkpoints keep only
         their shape: their settings are nanoGPT's, not this project's."""

@@ -19,7 +19,7 @@ from core.runtime import Runtime
 
 
 class Progress:
-    """A long stretch between log lines said while it runs: what it is at once (`announce`), and once two items have
+    """A long stretch between log lines printed while it runs: what it is at once (`announce`), and once two items have
     run (the first may compile), about how long the rest takes when that is over `after_s`. Waits for the device on
     those two items only."""
     AFTER_S = 20.0
