@@ -157,46 +157,34 @@ def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
 
 @torch.no_grad()
 def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool = False) -> dict:
-    """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), averaged over
-    ranks: {"train/eval_loss": ..., "val/loss": ...}, or val alone when eval_train is off. The `first` evaluation
-    says what it does before it starts, and any says how long it takes when that is long (a CPU's first can take
-    half an hour)."""
+    """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), over all ranks:
+    {"train/eval_loss": ..., "val/loss": ...}, or val alone when eval_train is off. eval_iters=0: val alone, every
+    token of val.bin once (Batches.whole_split), the split's own loss that the sampled one estimates. The `first`
+    evaluation says what it does before it starts, and any says how long it takes when that is long (a CPU's first
+    can take half an hour)."""
     model.eval()
-    if cfg.eval_iters == 0:  # the whole val split
-        out = {"val/loss": whole_split_loss(model, cfg, data_dir, rt, first)}
-        model.train()
-        return out
-    out, splits = {}, ("train", "val") if cfg.eval_train else ("val",)
-    total = cfg.eval_iters * len(splits)  # announced where it may be long: compiling, or many batches
-    progress = Progress(f"evaluating {' and '.join(splits)}", total, rt.is_master,
-                        announce=first and (cfg.compile or total >= 100))
+    whole = cfg.eval_iters == 0
+    out, splits = {}, ("train", "val") if cfg.eval_train and not whole else ("val",)
+    pairs = {}  # each split's batches: this rank's own, seeded by rank, the same at every evaluation
     for split in splits:
         batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank)
-        total = torch.zeros((), device=rt.device)
-        for x, y in batches.micro_batches(split, cfg.eval_iters):  # this rank's own batches, seeded by rank
+        pairs[split] = list(batches.whole_split(split, rt.rank, rt.world_size)) if whole else \
+            batches.micro_batches(split, cfg.eval_iters)
+    count = sum(len(p) for p in pairs.values())  # announced where it may be long: compiling, or many batches
+    progress = Progress(f"evaluating {'all of val.bin' if whole else ' and '.join(splits)}", count, rt.is_master,
+                        announce=first and (cfg.compile or count >= 100))
+    for split in splits:
+        total, tokens = torch.zeros((), device=rt.device), 0  # the loss summed over this rank's tokens
+        for x, y in pairs[split]:
             with rt.autocast():
                 _, loss = model(*rt.to_device(x, y))
-            total += loss.float()
+            total += loss.float() * y.numel()
+            tokens += y.numel()
             progress.tick(total)
-        out["val/loss" if split == "val" else "train/eval_loss"] = runtime.mean_across_ranks(
-            total.item() / cfg.eval_iters, rt.device)  # one read per split
+        total, tokens = runtime.sum_across_ranks_(torch.stack([total, torch.full_like(total, tokens)])).tolist()
+        out["val/loss" if split == "val" else "train/eval_loss"] = total / tokens  # one read per split
     model.train()
     return out
-
-
-def whole_split_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool) -> float:
-    """The mean loss over every token of val.bin after the first, each predicted once (Batches.whole_split), summed
-    over the ranks' shares: the printed val/loss of eval_iters sampled batches is an estimate of this."""
-    if first and rt.is_master:
-        print(f"evaluating all of {data_dir / 'val.bin'} ...", flush=True)
-    total = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens
-    for x, y in Batches(data_dir, cfg.block_size, cfg.batch_size, seed=0).whole_split("val", rt.rank, rt.world_size):
-        with rt.autocast():
-            _, loss = model(*rt.to_device(x, y))
-        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
-    if rt.is_distributed:
-        total = runtime.sum_across_ranks_(total.to(rt.device)).cpu()
-    return (total[0] / total[1]).item()
 
 
 # -- training ------------------------------------------------------------------------------------------
