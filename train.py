@@ -319,20 +319,18 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     mfu = None if peak_flops is None else (
         lambda tokens_per_s: model.model_flops_utilization(tokens_per_s / world, peak_flops, cfg.block_size))
     lines = TrainingLines(run.log, timer, rt, tokens_per_iter(cfg), mfu, cfg.out_dir)
-    steps_run, out_of_time, last = 0, False, None  # last: the newest step's StepEnd
+    steps_run, out_of_time = 0, False
     try:
         while True:
             multiplier = lr_multiplier(run.iter_num, cfg)
             set_learning_rates(run.trainer.optimizers, multiplier)
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
-            if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (TrainingLines)
-                out_of_time = cfg.max_seconds > 0 and timer.total >= cfg.max_seconds
             evaluating = run.iter_num >= cfg.max_iters or run.iter_num % cfg.eval_interval == 0 or out_of_time
             if evaluating:  # the training line before the evaluation's (it may say: stop)
                 out_of_time |= lines.flush()
             done = run.iter_num >= cfg.max_iters or out_of_time
             if evaluating and run.iter_num != resumed_at:
-                timer.pause(last)
+                timer.pause()
                 # the lr both of iter N's lines show: the rate of the step that made iter N's weights
                 last_lr = cfg.learning_rate * lr_multiplier(max(0, run.iter_num - 1), cfg)
                 run.evaluate_and_save(last_lr, timer.total)
@@ -347,15 +345,18 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             loss = run.trainer.step(run.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
             steps_run += 1
             run.iter_num += 1
-            if run.iter_num % cfg.log_interval == 0:  # summed over ranks behind the step, and whether time ran out
-                flag = float(rt.is_distributed and cfg.max_seconds > 0 and timer.total >= cfg.max_seconds)
+            timed_out = cfg.max_seconds > 0 and timer.total >= cfg.max_seconds
+            if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (TrainingLines)
+                out_of_time = timed_out
+            # a log point: every log_interval steps, and the step before an evaluation, which stops the clock
+            if run.iter_num % cfg.log_interval == 0 or run.iter_num % cfg.eval_interval == 0 or out_of_time \
+                    or run.iter_num >= cfg.max_iters:  # summed over ranks behind the step, and whether time ran out
                 values = runtime.sum_across_ranks_(torch.stack([loss.detach().float(), torch.full_like(
-                    loss, flag, dtype=torch.float32)]))
+                    loss, float(rt.is_distributed and timed_out), dtype=torch.float32)]))
                 end = timer.step_end(run.iter_num, values)
             else:
                 end = timer.step_end(run.iter_num)
             out_of_time |= lines.hold(end, lr)  # prints the line held before: its read waits for that step alone
-            last = end
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
         run.log.close()

@@ -136,24 +136,24 @@ class StepEnd:
 
 
 class StepTimer:
-    """Wall time of training steps with no wait on the device between log points: each line's time runs from the mark
-    the previous line counted to, to its own step's, plus what was timed before an evaluation paused the clock."""
+    """Wall time of training steps with no wait on the device between log points: a log point's step end is marked as
+    it is queued (on CUDA an event behind it) and a line's time runs from the previous line's step end to its own.
+    An evaluation stops the clock right after a line (train_loop makes the step before it a log point)."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.banked = 0.0                   # host seconds of training before the last start (max_seconds)
-        self._t0 = None                     # host clock at the last start, while running
-        self._since = None                  # the StepEnd (or start) the next lap counts from, while running
-        self._carried = (0.0, 0)            # seconds and steps timed before a pause that no lap has counted
+        self.before = 0.0    # host seconds of training before the clock last started (max_seconds)
+        self.started = None  # host clock at the last start, while running
+        self.since = None    # the step end the next line counts from, while running
 
     @property
     def running(self) -> bool:
-        return self._t0 is not None
+        return self.started is not None
 
     @property
     def total(self) -> float:
         """Seconds of training so far, for max_seconds: the host's clock, which runs at most a step or so ahead."""
-        return self.banked + (time.perf_counter() - self._t0 if self.running else 0.0)
+        return self.before + (time.perf_counter() - self.started if self.running else 0.0)
 
     def step_end(self, it: int, values: Optional[torch.Tensor] = None) -> StepEnd:
         """Mark the end of step `it`, just queued, copying `values` (its loss) behind it when given."""
@@ -162,34 +162,23 @@ class StepTimer:
 
     def start(self, it: int) -> None:
         self.rt.synchronize()
-        self._t0 = time.perf_counter()
-        self._since = self.step_end(it)
+        self.started = time.perf_counter()
+        self.since = StepEnd(it, self.rt.stream_event(), self.started)
 
-    def pause(self, last: StepEnd) -> None:
-        """Stop the clock after step `last` (an evaluation follows); its time since the last lap is carried."""
+    def pause(self) -> None:
+        """Stop the clock (an evaluation follows the line just printed)."""
         if self.running:
             self.rt.synchronize()
-            if last.event is None:  # no device clock: the step ended by now (MPS queues work like CUDA)
-                last = StepEnd(last.it, None, time.perf_counter())
-            self.banked += time.perf_counter() - self._t0
-            self._carried = self._add(self._carried, last)
-            self._t0 = self._since = None
+            self.before += time.perf_counter() - self.started
+            self.started = self.since = None
 
     def lap(self, end: StepEnd) -> tuple[float, int]:
-        """(seconds, steps) timed since the last lap up to step end.it; (0, 0) when none was (the compiling step)."""
-        seconds, steps = self._add(self._carried, end) if self.running else self._carried
-        self._carried = (0.0, 0)
-        if self.running and end.it > self._since.it:
-            self._since = end
-        return seconds, steps
-
-    def _add(self, carried: tuple[float, int], end: StepEnd) -> tuple[float, int]:
-        if end.it <= self._since.it:  # before the clock started: the compiling step
-            return carried
-        start = self._since
+        """(seconds, steps) from the last line's step end to `end`; (0, 0) where the clock did not run (the compiling
+        step)."""
+        if not self.running or end.it <= self.since.it:
+            return 0.0, 0
+        start, self.since = self.since, end
         if start.event is not None:
             end.event.synchronize()
-            seconds = start.event.elapsed_time(end.event) / 1e3  # the device's own clock, idle gaps included
-        else:
-            seconds = end.time - start.time
-        return carried[0] + seconds, carried[1] + end.it - start.it
+            return start.event.elapsed_time(end.event) / 1e3, end.it - start.it  # the device's clock, gaps included
+        return end.time - start.time, end.it - start.it
