@@ -286,7 +286,7 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoin
     errors.refuse_all(problems, hint)  # one line for them all, with the CPU recipe where the model is GPU-sized
     if hint and rt.is_master:
         print(f"note: {hint}", file=sys.stderr)
-    lock = None  # rank 0's hold on out_dir, for the run's life; evaluation writes nothing and takes none
+    lock = None  # rank 0's lock on out_dir, for the run's life; evaluation writes nothing and takes none
     if not cfg.eval_only:
         from engine.reader import claim_out_dir  # what out_dir holds, read before anything is written
         lock = runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), checkpoint is not None, cfg.overwrite),
@@ -356,7 +356,7 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
                 end = timer.step_end(run.iter_num, values)
             else:
                 end = timer.step_end(run.iter_num)
-            out_of_time |= lines.hold(end, lr)  # prints the line held before: its read waits for that step alone
+            out_of_time |= lines.after_step(end, lr)  # prints the waiting line: its read waits for that step alone
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
         run.log.close()

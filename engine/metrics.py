@@ -88,23 +88,24 @@ class TrainingLines:
     def __init__(self, log: "MetricsLog", timer: "StepTimer", rt: Runtime, tokens_per_iter: int,
                  mfu: Optional[Callable[[float], float]], out_dir: str):
         self.log, self.timer, self.rt, self.tokens_per_iter = log, timer, rt, tokens_per_iter
-        self.mfu, self.out_dir, self.held = mfu, out_dir, None
+        self.mfu, self.out_dir, self.waiting = mfu, out_dir, None  # the log point whose line is printed next
 
-    def hold(self, end: "StepEnd", lr: float) -> bool:
-        """Print the line held until now, and hold step end's (a log point's: values copied behind it). Returns
-        whether any rank ran out of max_seconds (the flag travels with the loss, so ranks stop together)."""
+    def after_step(self, end: "StepEnd", lr: float) -> bool:
+        """Print the waiting log point's line, now that another step is queued, and keep step end's for the next call
+        (a log point's: values copied behind it). Returns whether any rank ran out of max_seconds (the flag travels
+        with the loss, so ranks stop together)."""
         out_of_time = self.flush()
-        self.held = (end, lr) if end.values is not None else None
+        self.waiting = (end, lr) if end.values is not None else None
         return out_of_time
 
     def flush(self) -> bool:
-        """Print the held line now (before an evaluation's, or at the end)."""
-        if self.held is None:
+        """Print the waiting line now (before an evaluation's, or at the end)."""
+        if self.waiting is None:
             return False
-        (end, lr), self.held = self.held, None
+        (end, lr), self.waiting = self.waiting, None
         (loss, out_of_time), world = end.read(), self.rt.world_size
         loss /= world
-        seconds, steps = self.timer.lap(end)
+        seconds, steps = self.timer.since_last_line(end)
         if not math.isfinite(loss):
             raise UserError(f"training loss is {loss} at iter {end.it}; training diverged (try a lower "
                             f"learning_rate or grad_clip); the last good checkpoint in {self.out_dir} is kept.")
@@ -172,7 +173,7 @@ class StepTimer:
             self.before += time.perf_counter() - self.started
             self.started = self.since = None
 
-    def lap(self, end: StepEnd) -> tuple[float, int]:
+    def since_last_line(self, end: StepEnd) -> tuple[float, int]:
         """(seconds, steps) from the last line's step end to `end`; (0, 0) where the clock did not run (the compiling
         step)."""
         if not self.running or end.it <= self.since.it:
