@@ -44,25 +44,22 @@ def hf_config(model: GPT, meta: Optional[dict]):
     from transformers import GPT2Config
     c = model.config
     activation = {"tanh": "gelu_new", "none": "gelu"}[c.gelu]  # GPTConfig allows these two; hf.py reads both back
-    eot = special_token_id(meta)  # a character model's text does not end at it: no eos there
+    eot = GPT2_EOT_TOKEN if is_bpe(meta) else None  # a character vocabulary has no end-of-text token
     return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                       n_head=c.n_head, n_inner=None, activation_function=activation, resid_pdrop=c.dropout,
                       embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=1e-5, scale_attn_weights=True,
                       scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
-                      tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot if is_bpe(meta) else None,
-                      pad_token_id=eot)
+                      tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
 
 
 def is_bpe(meta: Optional[dict]) -> bool:
     return meta is None or meta.get("tokenizer") == "gpt2"
 
 
-def special_token_id(meta: Optional[dict]) -> int:
-    """The id clients use as bos, eos and pad: GPT-2's end-of-text; a character vocabulary has none, so its newline
-    (sample.py's default prompt: text starts after one), else its first character. lm-eval's rolling loss needs a
-    bos or eos to start from, and batched generation a pad."""
-    if is_bpe(meta):
-        return GPT2_EOT_TOKEN
+def newline_id(meta: dict) -> int:
+    """A character vocabulary's newline (sample.py's default prompt: its text starts after one), else its first
+    character: the id lm-eval's rolling loss starts from (prefix_token_id). It cannot be the tokenizer's bos, eos or
+    pad: transformers would then drop every newline from decoded text, as it drops special tokens."""
     chars = meta.get("chars") or []  # another tokenizer is refused by hf_tokenizer
     return chars.index("\n") if "\n" in chars else 0
 
@@ -113,9 +110,7 @@ def hf_tokenizer(meta: Optional[dict], block_size: int, folder: Path):
     if meta.get("tokenizer") != "char":
         raise UserError(f"the checkpoint's meta names tokenizer {meta.get('tokenizer')!r}; only GPT-2 BPE and "
                         f"character vocabularies export.")
-    special = meta["chars"][special_token_id(meta)]
-    return PreTrainedTokenizerFast(tokenizer_object=characters(meta["chars"]), bos_token=special, eos_token=special,
-                                   pad_token=special, **settings)
+    return PreTrainedTokenizerFast(tokenizer_object=characters(meta["chars"]), **settings)
 
 
 def characters(chars: list[str]):
@@ -198,6 +193,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "
           f"pipeline('text-generation', model={str(target)!r}) loads it; its context is "
           f"{checkpoint.model_config['block_size']} tokens, prompt and new tokens together")
+    if not is_bpe(checkpoint.meta):  # no special token: lm-eval is told where a text starts
+        print(f"a character vocabulary has no end-of-text token: give lm-eval --model_args "
+              f"pretrained={target},prefix_token_id={newline_id(checkpoint.meta)} (its newline)")
     return 0
 
 
