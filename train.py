@@ -320,12 +320,15 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
         lambda tokens_per_s: model.model_flops_utilization(tokens_per_s / world, peak_flops, cfg.block_size))
     lines = TrainingLines(run.log, timer, rt, tokens_per_iter(cfg), mfu, cfg.out_dir)
     steps_run, out_of_time = 0, False
+
+    def evaluates(it: int) -> bool:  # at max_iters and every eval_interval; time running out evaluates too
+        return it >= cfg.max_iters or it % cfg.eval_interval == 0
     try:
         while True:
             multiplier = lr_multiplier(run.iter_num, cfg)
             set_learning_rates(run.trainer.optimizers, multiplier)
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
-            evaluating = run.iter_num >= cfg.max_iters or run.iter_num % cfg.eval_interval == 0 or out_of_time
+            evaluating = evaluates(run.iter_num) or out_of_time
             if evaluating:  # the training line before the evaluation's (it may say: stop)
                 out_of_time |= lines.flush()
             done = run.iter_num >= cfg.max_iters or out_of_time
@@ -349,8 +352,8 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (TrainingLines)
                 out_of_time = timed_out
             # a log point: every log_interval steps, and the step before an evaluation, which stops the clock
-            if run.iter_num % cfg.log_interval == 0 or run.iter_num % cfg.eval_interval == 0 or out_of_time \
-                    or run.iter_num >= cfg.max_iters:  # summed over ranks behind the step, and whether time ran out
+            if run.iter_num % cfg.log_interval == 0 or evaluates(run.iter_num) or out_of_time:
+                # summed over ranks behind the step, and whether time ran out
                 values = runtime.sum_across_ranks_(torch.stack([loss.detach().float(), torch.full_like(
                     loss, float(rt.is_distributed and timed_out), dtype=torch.float32)]))
                 end = timer.step_end(run.iter_num, values)

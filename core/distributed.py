@@ -23,14 +23,15 @@ def join(device: str, backend: str = "auto") -> tuple[int, int, int, str]:
     # the dead ones' addresses and hang or fail to connect
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
     store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    if backend == "auto":
+        backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if backend == "auto" else backend, store=store, rank=rank,
-                                world_size=world_size, device_id=torch.device(device))
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device(device))
     else:
-        dist.init_process_group(backend="gloo" if backend == "auto" else backend, store=store, rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     return rank, local_rank, world_size, device
 
 

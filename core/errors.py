@@ -114,9 +114,9 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
     """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
     stderr and 2, or 130 on Ctrl-C, 143 on a SIGTERM during a guarded write (128 + the signal, as a shell reports it;
     elsewhere SIGTERM ends the process itself, which the shell reports as 143 too), or 0 quietly when the reader of
-    its output went away (`| head`). The first Ctrl-C stops main and
-    a second ends the process at once (_stop_once); an `exiting` process keeps that default action after main, so a
-    Ctrl-C during Python's exit (atexit callbacks) ends it without a word."""
+    its output went away (`| head`). The first Ctrl-C stops main and a second ends the process at once (_stop_once);
+    an `exiting` process keeps that default action after main, so a Ctrl-C during Python's exit (atexit callbacks)
+    ends it without a word."""
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     if main_thread:

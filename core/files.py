@@ -256,4 +256,3 @@ def write_json(path: Path, contents: dict, setting: str) -> None:
     path = Path(path)
     with staged_outputs(path.parent, [path.name], what=str(path), advice=f"pass --{setting}= a writable path") as tmp:
         tmp[path.name].write_text(json.dumps(contents, indent=1) + "\n")
-

@@ -1,6 +1,6 @@
 """
 Peak FLOP/s, the denominator of MFU: a GPU's datasheet figure, as nanochat does. A CPU or an unlisted GPU has none,
-so its training lines show no MFU (bench.py and benchmarks/ measure what a CPU reaches).
+so its training lines and bench's rows show no MFU (their ms/iter and tokens/s compare instead).
 
     mfu = model.model_flops_utilization(tokens_per_s, peak_flops(rt), seq_len)
 """

@@ -51,9 +51,10 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
             contents = read(path, shards, parts=set() if for_training else {"model"}, mmap=False)
             break
         except UserError:
-            if shards is None or sharded_folder(path) in (shards, None):
+            newer = sharded_folder(path) if shards is not None else None
+            if newer in (shards, None):
                 raise
-            shards = sharded_folder(path)  # a live run saved a newer step and removed this one meanwhile
+            shards = newer  # a live run saved a newer step and removed this one meanwhile
         except Exception as e:
             raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}); it is corrupt or not a "
                             f"checkpoint of this project - restore it or train again.") from None
