@@ -32,7 +32,7 @@ from core import flops
 from core import files
 from core import runtime
 from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
-from core.configurator import PATH, Settings, as_list, comma_list_of, configure, one_of
+from core.configurator import PATH, SEED, Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
 from attention.kernels import AttnCall, attention_pass, attention_problem
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
@@ -55,7 +55,7 @@ n_layer = None            # transformer blocks
 n_head = None             # attention heads per block
 n_embd = None             # the width; n_embd / n_head is the head size
 vocab_size = None         # tokens in the vocabulary; padding rounds it up to a multiple of 64
-dropout = 0.0             # > 0 shows the PyTorch blog post's silent fallback: on CPU, sdpa's fused kernel refuses dropout
+dropout = 0.0             # > 0 shows the blog post's silent fallback: on CPU, sdpa's fused kernel refuses dropout
 bias = True               # biases in Linear and LayerNorm, as GPT-2
 loss = "chunked"          # train mode: "chunked" (model.ChunkedLMHeadLoss: never the whole logits), "whole" (the
                           # (B*T, V) logits and F.cross_entropy, nanoGPT's) or "chunked,whole": a row of each
@@ -105,7 +105,7 @@ profile = False           # also write a chrome trace (chrome://tracing, TensorB
 LIMITS = {"n_layer": "[1, inf) int", "n_head": "[1, inf) int", "n_embd": "[1, inf) int",
           "vocab_size": "[1, inf) int", "dropout": "[0, 1)", "batch_size": "[1, inf) int", "seq_len": "[1, inf) int",
           "warmup": "[0, inf)", "iters": "[1, inf) int", "mem_budget_gb": "(0, inf)", "max_batch_limit": "[1, inf)",
-          "attn_batch": "[1, inf) int", "attn_heads": "[1, inf) int", "threads": "[0, inf) int", "seed": "[0, 9223372036854775808) int",
+          "attn_batch": "[1, inf) int", "attn_heads": "[1, inf) int", "threads": "[0, inf) int", "seed": SEED,
           "prompt_len": "[1, inf)", "new_tokens": "[1, inf) int", "gen_batch": "[1, inf)",
           "mode": one_of("train", "attention", "generate"),
           "padding": comma_list_of("off", "on"), "loss": comma_list_of("chunked", "whole"),

@@ -445,9 +445,9 @@ class GPT(nn.Module):
 
     def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
                         problem: Optional[str] = None, decoding: bool = True) -> None:
-        """Once per new (attn, device, dtype, mode): whether the implementation runs here, else one error line naming what does
-        (training is checked with its backward, at its own length; inference at block_size, with a decode step unless
-        `decoding` is False: a forward without a KV cache, an evaluation's)."""
+        """Once per new (attn, device, dtype, mode): whether the implementation runs here, else one error line naming
+        what does (training is checked with its backward, at its own length; inference at block_size, with a decode
+        step unless `decoding` is False: a forward without a KV cache, an evaluation's)."""
         decoding = decoding and not training
         key = (self.config.attn, device_type, dtype, training, seq_len if training else 0, decoding)
         if key in self.checked and problem is None:

@@ -18,7 +18,7 @@ from core import files
 from core import runtime
 from engine.checkpoint import POINTER, sharded_folder
 from engine.reader import load_checkpoint
-from core.configurator import PATH, configure, one_of
+from core.configurator import PATH, SEED, configure, one_of
 from core.errors import UserError
 from engine.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                              tokens_per_s, weight_bytes)
@@ -54,7 +54,7 @@ json = ""                         # write every number (settings, tokens, timing
 # the allowed range of every numeric setting and the words of every choice
 LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature": "[0, inf)",
           "top_k": "[1, inf) int or None",
-          "seed": "[0, 9223372036854775808) int", "attn": one_of("auto", *IMPLEMENTATIONS), "dtype": one_of("auto", *runtime.DTYPES),
+          "seed": SEED, "attn": one_of("auto", *IMPLEMENTATIONS), "dtype": one_of("auto", *runtime.DTYPES),
           "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)", "threads": "[0, inf) int",
           "out_dir": PATH, "json": PATH}
 

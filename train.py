@@ -24,7 +24,7 @@ from core import files
 from core import errors
 from core import runtime
 from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, describe_tokens, restore_rng, rng_state
-from core.configurator import PATH, Settings, configure, one_of
+from core.configurator import PATH, SEED, Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
 from engine.metrics import MetricsLog, Progress, StepTimer, TrainingLines
@@ -108,14 +108,15 @@ seed = 1337                       # weights, data order and dropout (each rank i
 LIMITS = {
     "attn": one_of("auto", *IMPLEMENTATIONS), "gelu": one_of("tanh", "none"), "optimizer": one_of("adamw", "muon"),
     "muon_dtype": one_of("auto", "float32", "bfloat16"), "dtype": one_of("auto", *runtime.DTYPES),
-    "parallel": one_of("ddp", "fsdp"), "backend": one_of("auto", "nccl", "gloo"), "checkpoint_format": one_of("single", "sharded"),
+    "parallel": one_of("ddp", "fsdp"), "backend": one_of("auto", "nccl", "gloo"),
+    "checkpoint_format": one_of("single", "sharded"),
     "keep_checkpoints": "[1, inf)",
     "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[0, inf) int", "max_seconds": "[0, inf)",
     "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
     "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
-    "min_lr": "[0, inf)", "seed": "[0, 9223372036854775808) int", "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
+    "min_lr": "[0, inf)", "seed": SEED, "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
     "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "window": "[0, inf)", "attn_auto_budget": "(0, inf)",
     "threads": "[0, inf) int", "out_dir": PATH, "data_dir": PATH,
 }

@@ -115,6 +115,7 @@ def comma_list_of(*words: str) -> Choice:
     return Choice(tuple(words), many=True)
 
 
+SEED = "[0, 9223372036854775808) int"  # a LIMITS entry: what torch's generators take (a signed 64-bit seed)
 PATH = "a path"  # a LIMITS entry: a file or folder name, each part short enough for the filesystem
 NAME_MAX = 255    # bytes in one file or folder name on Linux and macOS filesystems
 
