@@ -43,7 +43,7 @@ def needs_repository(feature: str) -> None:
 # attention: one function per implementation, one signature for all
 #   q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), mask, dropout_p -> (B, nh, Tq, hs)
 # mask None is causal, aligned to the end (query i sees keys 0 .. i + Tk - Tq); with documents or a window it is
-# their mask in the implementation's form (Attention.mask, attention/masks.py); for a decode step, a row over the keys
+# their mask in the implementation's layout (Attention.mask, attention/masks.py); for a decode step, a row over the keys
 # it reads (bool or additive), or for flex a score mod.
 
 def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -135,7 +135,7 @@ def compiled_flex(use: str):
 
 
 def flex_causal_attention(q, k, v, mask, dropout_p):
-    # mask: None (causal), a BlockMask (documents, window) or a decode step's score mod (span_mask)
+    # mask: None (causal), a BlockMask (documents, window) or a decode step's score mod (masks.visible_mask)
     if dropout_p > 0:
         raise refusal("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
     if q.size(-2) == 1 and torch.compiler.is_compiling():
@@ -180,7 +180,8 @@ class Attention:
     title: str                 # what an error line calls it
     kernels: str               # the kernels bench's audit may see it run, '+' between (benchmarks/measure.py)
     ops: tuple = ()            # profiler ops of a kernel of its own, which the audit labels with `kernels`
-    mask: str = "dense"        # documents and windows as: "dense" (bool), "block" (flex's), "packed" (varlen's)
+    mask: str = "dense"        # the layout of documents' and windows' masks: "dense" (bool), "block" (flex's),
+                               # "packed" (varlen's)
     devices: str = "cpu cuda mps"  # where it runs; where it takes attention dropout; where it has a backward
     dropout: str = "cpu cuda mps"
     grad: str = "cpu cuda mps"
@@ -205,7 +206,7 @@ def sdpa_forcing(backend: SDPBackend, title: str, kernel: str, **record) -> Atte
     return Attention(forced(backend), title, kernel, backend=backend, **record)
 
 
-IMPLEMENTATIONS = {  # nanoGPT's masked softmax and SDPA's two forms first, then SDPA's kernels forced, flex and varlen
+IMPLEMENTATIONS = {  # nanoGPT's masked softmax and SDPA's two calls first, then SDPA's kernels forced, flex and varlen
     "manual": Attention(manual_attention, "the masked softmax", "none"),
     "sdpa_mask": Attention(sdpa_mask_attention, "SDPA with a mask", "flash+efficient+cudnn+math", picks=True),
     "sdpa": Attention(sdpa_attention, "SDPA", "flash+efficient+cudnn", picks=True, skips_future_keys=True),
@@ -432,7 +433,7 @@ class GPT(nn.Module):
 
     def _attention_mask(self, idx: torch.Tensor, cache: Optional["KVCache"], input_pos: Optional[torch.Tensor]):
         """The mask every layer takes beyond causality: for training and a prefill, None (causal) or the documents'
-        and window's mask in the implementation's form; for a decode step, the row of the keys it sees."""
+        and window's mask in the implementation's layout; for a decode step, the row of the keys it sees."""
         if cache is not None and idx.size(1) == 1:
             return cache.step(idx, input_pos, self.config.attn)
         if cache is not None:
@@ -661,7 +662,7 @@ class KVCache(nn.Module):
         starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.doc_mask else None  # (B,)
         self.register_buffer("doc_start", starts, persistent=False)
         self.length, self.keys = 0, slice(None)  # on the host: positions written; those the decode step reads
-        self.masked_decode: dict = {}  # attn -> whether its decode step takes a mask row (takes_mask)
+        self.masked_decode: dict = {}  # attn -> whether its eager decode step takes a mask row (takes_mask)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return the keys and values the step sees."""
@@ -681,31 +682,28 @@ class KVCache(nn.Module):
 
     def step(self, idx: torch.Tensor, input_pos: torch.Tensor, attn: str):
         """A decode step writes idx (B, 1) at input_pos (1,) and sees [max(document start, pos - window + 1), pos];
-        an end-of-text it writes opens a document. Returns the mask of the keys it sees, made once for all layers, or
-        None where the step reads exactly those keys, unmasked (FlashAttention-2 takes no mask)."""
+        an end-of-text it writes opens a document. Sets the cache positions it reads (self.keys) and returns the mask
+        over them, made once for all layers, or None where it reads exactly the keys it sees (attention/masks.py's
+        decode_step decides both)."""
         if self.doc_start is not None:
             self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
-        if not IN_REPOSITORY:  # model.py alone: no documents, no window, so a step sees every key written so far
-            if torch.compiler.is_compiling():
-                return (torch.arange(self.block_size, device=idx.device) <= input_pos)[None, None, None, :]
+        compiling = torch.compiler.is_compiling()
+        if not compiling:  # eagerly the host counts positions; a compiled step reads the whole cache at every one
             self.length += 1
+        if not IN_REPOSITORY:  # model.py copied by itself: no documents, no window, so every key written so far
+            if compiling:
+                return (torch.arange(self.block_size, device=idx.device) <= input_pos)[None, None, None, :]
             self.keys = slice(0, self.length)
             return None
-        from attention.masks import decode_step, span_mask  # the row in attn's form; an eager step's keys too
-        form = IMPLEMENTATIONS[attn].mask
-        if torch.compiler.is_compiling():  # one shape at every position: the whole cache behind a mask row
-            end = input_pos + 1  # (1,)
-            start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)  # (1,)
-            start = torch.maximum(start, self.doc_start) if self.doc_start is not None else start  # (1 or B,)
-            return span_mask(form, start, end, self.block_size)
-        # eagerly the host knows the position: the step reads the keys it sees, in a span rounded up to a multiple of
-        # 128 with the rest masked, so attention meets a bounded set of shapes (cuDNN builds a plan per shape)
-        self.length += 1
-        self.keys, mask = decode_step(form, self.length, self.window, self.block_size, self.takes_mask(attn),
-                                      idx.device, self.dtype, self.doc_start)
+        from attention.masks import decode_step
+        keys, mask = decode_step(IMPLEMENTATIONS[attn].mask, input_pos + 1 if compiling else self.length, self.window,
+                                 self.block_size, compiling or self.takes_mask(attn), idx.device,
+                                 None if compiling else self.dtype, self.doc_start)
+        if not compiling:
+            self.keys = keys
         return mask
 
-    def takes_mask(self, attn: str) -> bool:  # whether attn's decode step takes a mask row, asked once per attn
+    def takes_mask(self, attn: str) -> bool:  # whether attn's eager decode step takes a mask row, asked once per attn
         if attn not in self.masked_decode:
             from attention.kernels import decodes_with_mask
             self.masked_decode[attn] = decodes_with_mask(attn, IMPLEMENTATIONS[attn], self.k0.device.type, self.dtype,

@@ -99,17 +99,17 @@ def inputs(w: Workload, device: str, seed: int = 0) -> dict:
     return dict(q=q, k=k, v=v, docs=docs)
 
 
-def attention_call(fn: Callable, form: str, w: Workload, data: dict, takes_mask: bool = False
+def attention_call(fn: Callable, layout: str, w: Workload, data: dict, takes_mask: bool = False
                    ) -> Callable[[], torch.Tensor]:
-    """One timed call of `fn` (an implementation's, maybe compiled; `form`: its mask's): forward and backward for
+    """One timed call of `fn` (an implementation's, maybe compiled; `layout`: its mask's): forward and backward for
     training; for sampling a prefill and as many decode steps at position T as the text has new tokens, each handed
     what an eager decode step hands it (attention/masks.py's decode_step; `takes_mask`: whether it takes a mask row).
     Returns the prefill's or the forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
     mask = None
     if w.documents or w.window:
-        from attention.masks import mask_form  # a masked run's
-        mask = mask_form(form, docs, w.window, w.batch_size, w.seq_len, q.device)
+        from attention.masks import build_mask  # a masked run's
+        mask = build_mask(layout, docs, w.window, w.batch_size, w.seq_len, q.device)
     if w.training:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         return attention_pass(fn, q, k, v, mask, w.dropout, backward=True)
@@ -118,7 +118,7 @@ def attention_call(fn: Callable, form: str, w: Workload, data: dict, takes_mask:
     B, nh, T, hs = k.shape
     cache = torch.zeros(2, B, nh, max(T, w.block_size), hs, dtype=k.dtype, device=k.device)  # k|v, a KV cache
     cache[0, :, :, :T], cache[1, :, :, :T] = k, v
-    keys, row = decode_step(form, T, w.window, max(T, w.block_size), takes_mask, q.device, q.dtype)
+    keys, row = decode_step(layout, T, w.window, max(T, w.block_size), takes_mask, q.device, q.dtype)
     decode = attention_pass(fn, q[:, :, -1:], cache[0, :, :, keys], cache[1, :, :, keys], row, 0.0, backward=False)
 
     def sample_step() -> torch.Tensor:

@@ -92,8 +92,8 @@ class AttnCall:
     dropout_p: float = 0.0
     seq_len: int = 64               # training is checked at its own length (cuDNN's hazard depends on it)
     masked: bool = False            # with a document or window mask
-    decode_step: bool | str = True  # inference also checked as a decode step; False: whole sequences only;
-                                    # "whole_cache": a decode step over the whole cache behind a mask row, alone
+    decode_step: bool | str = True  # inference also checked as an eager decode step; False: whole sequences only;
+                                    # "compiled": only a compiled decode step (the whole cache behind a mask row)
 
     def describe(self) -> str:
         mask = ", a document or window mask" if self.masked else ""
@@ -141,8 +141,9 @@ def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
     """Run the implementation `impl` on what the model passes it (kernels' limits differ between layouts): q, k, v as
-    strided views of one projection (with backward when training), and for inference a one-query decode step over
-    the written keys, or (decode_step="whole_cache") over a longer cache behind a mask row."""
+    strided views of one projection (with backward when training), and for inference a one-query decode step as
+    attention/masks.py's decode_step hands it: eager over the written keys, or (decode_step="compiled") compiled,
+    over a longer cache behind a mask row."""
     T, hs, device, dtype = call.seq_len, call.head_size, call.device_type, call.dtype
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
     # forward: in exactly `dtype` whatever autocast says, with gradients when training whatever no_grad says
@@ -150,26 +151,23 @@ def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
             torch.autocast(device, enabled=False), torch.set_grad_enabled(call.needs_grad):
         qkv = torch.randn(1, T, 3 * hs, device=device, dtype=dtype, requires_grad=call.needs_grad)
         q, k, v = (t.view(1, T, 1, hs).transpose(1, 2) for t in qkv.split(hs, dim=2))  # (1, 1, T, hs)
-        cache = torch.randn(2, 1, T + 8, hs, device=device, dtype=dtype)  # (k|v, 1, T + 8, hs)
+        cache = torch.randn(2, 1, T + 8, hs, device=device, dtype=dtype)  # (k|v, 1, T + 8, hs): 8 unwritten
+        compiled = call.decode_step == "compiled"
         try:
             with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
                 warnings.simplefilter("always")
-                if call.decode_step == "whole_cache":  # the last 8 positions unwritten
-                    from attention.masks import span_mask
-                    written = span_mask(impl.mask, torch.zeros(1, dtype=torch.long, device=device),
-                                        torch.full((1,), T, device=device), T + 8)
-                    impl(q[:, :, -1:], cache[:1], cache[1:], written, 0.0)
-                    return None
                 mask = None
                 if call.masked:
-                    from attention.masks import mask_form  # only a masked model's check
+                    from attention.masks import build_mask  # only a masked model's check
                     docs = (torch.arange(T, device=device) >= T // 2).long()[None]  # (1, T): two documents
-                    mask = mask_form(impl.mask, docs, T // 4, 1, T, device)
-                attention_pass(impl, q, k, v, mask, call.dropout_p, call.needs_grad)()
-                if not call.needs_grad and call.decode_step:  # an eager decode step at position T, as it runs
+                    mask = build_mask(impl.mask, docs, T // 4, 1, T, device)
+                if not compiled:
+                    attention_pass(impl, q, k, v, mask, call.dropout_p, call.needs_grad)()
+                if not call.needs_grad and call.decode_step:  # a decode step at position T, as it runs
                     from attention.masks import decode_step
-                    takes_mask = decodes_with_mask(attn, impl, device, dtype, hs)  # as KVCache.takes_mask asks
-                    keys, row = decode_step(impl.mask, T, 0, T + 8, takes_mask, device, dtype)
+                    end = torch.full((1,), T, device=device) if compiled else T
+                    takes_mask = compiled or decodes_with_mask(attn, impl, device, dtype, hs)  # as KVCache asks
+                    keys, row = decode_step(impl.mask, end, 0, T + 8, takes_mask, device, None if compiled else dtype)
                     impl(q[:, :, -1:], cache[:1, :, keys], cache[1:, :, keys], row, 0.0)
         except (RuntimeError, NotImplementedError) as e:
             reason = refusal_reason([str(w.message) for w in caught], impl.backend) or str(e).splitlines()[0]
@@ -178,10 +176,10 @@ def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
 
 
 def decodes_with_mask(attn: str, impl, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether `attn` takes a mask row for a decode step over the whole cache, as a compiled decode step (one shape at
-    every position) needs, and an eager one reads its span with (attention/masks.py's decode_step). FlashAttention-2
-    takes none."""
-    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="whole_cache")
+    """Whether `attn` takes a decode step's mask row (over the whole cache, as a compiled step hands it): a compiled
+    decode step (one shape at every position) needs one, and an eager one reads its keys behind one where it can
+    (attention/masks.py's decode_step). FlashAttention-2 takes none."""
+    call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="compiled")
     return attention_problem(attn, call, impl) is None
 
 

@@ -1,13 +1,14 @@
 """
 Which keys a query may see beyond causality, for doc_mask and window: its own document only (the dataset's
 end-of-text token opens the next, as a beginning-of-sequence token would) and at most the last `window` tokens.
-One rule, `allowed`, in the form each implementation takes (mask_form picks it, once per forward):
+One rule, `allowed`, in the layout each implementation takes (build_mask picks it, once per forward):
 
     dense_mask      (B, 1, T, T) bool, True where allowed: manual, sdpa_mask and the SDPA rows
     block_mask      a FlexAttention BlockMask: blocks where nothing is allowed are skipped
     varlen_packing  the documents as varlen_attn's cu_seqlens (and the window as its window_size)
-    span_mask       a decode step's visible keys: a row over the cache, or a score mod for flex
-    decode_step     what one eager decode step hands attention: the cache positions it reads and span_mask over them
+    visible_mask    a decode step's visible keys: a row over the cache, or a score mod for flex
+    decode_step     what one decode step, eager or compiled, hands attention: the cache positions it reads and
+                    visible_mask over them
 
 Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
 """
@@ -20,19 +21,19 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
-def doc_window_mask(config, form: str, idx: torch.Tensor):
+def doc_window_mask(config, layout: str, idx: torch.Tensor):
     """The mask a model with doc_mask and/or window (a GPTConfig) takes for training or a prefill of idx (B, T), in
-    its implementation's `form` (model.Attention.mask)."""
+    its implementation's `layout` (model.Attention.mask)."""
     docs = document_ids(idx, config.eot_token) if config.doc_mask else None  # (B, T)
-    return mask_form(form, docs, config.window, idx.size(0), idx.size(1), idx.device)
+    return build_mask(layout, docs, config.window, idx.size(0), idx.size(1), idx.device)
 
 
-def mask_form(form: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
-    """The mask for documents (docs (B, T), or None) and/or a window in an implementation's form: "block", a
+def build_mask(layout: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
+    """The mask for documents (docs (B, T), or None) and/or a window in an implementation's layout: "block", a
     BlockMask (flex); "packed", varlen's packing; "dense", a dense mask."""
-    if form == "block":
+    if layout == "block":
         return block_mask(docs, window, T, device)
-    if form == "packed":
+    if layout == "packed":
         return varlen_packing(docs, window, B, T, device)
     return dense_mask(docs, window, T, device)
 
@@ -112,12 +113,13 @@ def varlen_packing(docs: Optional[torch.Tensor], window: int, B: int, T: int, de
     return VarlenPacking(cu_seqlens.to(device), max_len, window)
 
 
-def span_mask(form: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dtype: Optional[torch.dtype] = None):
-    """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in a form: "block" (flex) a
+def visible_mask(layout: str, start: torch.Tensor, end: torch.Tensor, kv_len: int,
+                 dtype: Optional[torch.dtype] = None):
+    """A decode step's visible keys, [start, end) of kv_len (start (1 or B,), end (1,)), in a layout: "block" (flex) a
     score mod, the others a (1 or B, 1, 1, kv_len) row, bool or (with `dtype`) additive: 0 seen, -inf not. An
     additive row made once per step spares SDPA turning a bool one into it in every layer (three kernels a call on
     CUDA)."""
-    if form != "block":
+    if layout != "block":
         kv = torch.arange(kv_len, device=end.device)
         seen = ((kv[None, :] >= start[:, None]) & (kv[None, :] < end[:, None]))[:, None, None, :]
         if dtype is None:
@@ -126,7 +128,7 @@ def span_mask(form: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dt
     first, length = start, end - start  # (1 or B,) each
     if not start.is_cuda and torch.compiler.is_compiling():
         # torch 2.13's CPU flex template reads only tensors inductor materialises: reductions over the row are
-        rows = span_mask("dense", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
+        rows = visible_mask("dense", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
         first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
     per_row = first.size(0) > 1
 
@@ -136,28 +138,39 @@ def span_mask(form: str, start: torch.Tensor, end: torch.Tensor, kv_len: int, dt
     return visible
 
 
-DECODE_BLOCK = 128  # an eager decode step's key span is a multiple of this (or the whole cache)
+DECODE_BLOCK = 128  # an eager decode step reads a multiple of this many cache positions (or the whole cache)
 
 
-def decode_span(end: int, window: int, block_size: int) -> tuple[int, int, int]:
-    """A decode step at position end - 1 sees keys [first, end) and reads cache positions [lo, hi) around them: a
-    multiple of DECODE_BLOCK (or the whole cache), so at most block_size / DECODE_BLOCK + 1 lengths in a generation."""
+def decode_keys(end: int, window: int, block_size: int) -> tuple[int, int, int]:
+    """An eager decode step at position end - 1 sees keys [first, end) and reads cache positions [lo, hi) around them:
+    a multiple of DECODE_BLOCK (or the whole cache), so at most block_size / DECODE_BLOCK + 1 lengths in a
+    generation."""
     first = max(0, end - window) if window else 0
     length = min(-(-(end - first) // DECODE_BLOCK) * DECODE_BLOCK, block_size)
     lo = max(0, min(first, block_size - length))
     return first, lo, lo + length
 
 
-def decode_step(form: str, end: int, window: int, block_size: int, takes_mask: bool, device,
+def decode_step(layout: str, end, window: int, block_size: int, takes_mask: bool, device,
                 dtype: Optional[torch.dtype] = None, doc_start: Optional[torch.Tensor] = None):
-    """What an eager decode step at position end - 1 hands attention, made once for every layer (KVCache.step) and
-    the same where it is probed (attention/kernels.py) and timed (attn=auto): (the cache positions it reads, the mask
-    over them). An implementation that takes a mask row reads decode_span's span behind one, each row from its
-    document's start (doc_start (B,)); one that takes none (FlashAttention-2) reads exactly the keys it sees."""
-    first, lo, hi = decode_span(end, window, block_size)
-    if not takes_mask:
-        return slice(first, end), None
-    starts = torch.full((1,), first - lo, device=device)  # (1,): fills, not copies from the host
+    """What a decode step at position end - 1 hands attention, decided here alone for every caller: the model's step
+    (KVCache.step, once for all layers), the kernel probe (attention/kernels.py) and attn=auto's timing. Returns (the
+    cache positions it reads, the mask over them).
+
+    - compiled (`end` a (1,) tensor): the whole cache behind a mask row, one shape at every position (gpt-fast's);
+    - eager (`end` an int, known on the host): the keys it sees, read within decode_keys' range behind a mask row, so
+      attention meets a few shapes (cuDNN builds a plan per shape); an implementation that takes no mask
+      (FlashAttention-2, `takes_mask` False) reads exactly the keys it sees.
+    Each row sees keys from its document's start on (doc_start (B,)), and at most `window` back."""
+    if isinstance(end, torch.Tensor):
+        lo, hi = 0, block_size
+        first = (end - window).clamp(min=0) if window else torch.zeros_like(end)  # (1,)
+    else:
+        first, lo, hi = decode_keys(end, window, block_size)
+        if not takes_mask:
+            return slice(first, end), None
+        first, end = (torch.full((1,), n, device=device) for n in (first, end))  # (1,) each: fills, not host copies
+    starts = first - lo  # (1,)
     if doc_start is not None:  # documents: each row from its own start
-        starts = (doc_start - lo).clamp(min=first - lo)  # (B,)
-    return slice(lo, hi), span_mask(form, starts, torch.full((1,), end - lo, device=device), hi - lo, dtype)
+        starts = torch.maximum(doc_start - lo, starts)  # (B,)
+    return slice(lo, hi), visible_mask(layout, starts, end - lo, hi - lo, dtype)

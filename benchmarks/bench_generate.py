@@ -24,7 +24,7 @@ from engine.generate import weight_bytes
 from benchmarks.measure import audit as audit_kernel
 from benchmarks.measure import (compile_health, counted, kernel_context, out_of_memory, paired_speedup, profiled_run,
                                 summarize, time_round_robin)
-from attention.masks import decode_span
+from attention.masks import decode_keys
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
 from core import files, runtime
@@ -128,12 +128,12 @@ def audit_generation(rows: dict[str, Row], described: dict[str, dict], rt: Runti
 
 def kv_read_per_step(row: Row, kv_cache_bytes: int) -> float:
     """Bytes of keys and values a decode step reads, on average over the row's steps: the whole cache when compiled
-    (one shape), else the span an eager step reads (attention/masks.py's decode_span); none without a cache."""
+    (one shape), else the cache positions an eager step reads (attention/masks.py's decode_keys); none without a cache."""
     cfg = row.model.config
     if row.cache != "compiled" and kv_cache_bytes:
         ends = range(row.prompt.size(1) + 1, min(row.prompt.size(1) + row.new_tokens, cfg.block_size) + 1)
-        spans = [hi - lo for _, lo, hi in (decode_span(end, cfg.window, cfg.block_size) for end in ends)]
-        return kv_cache_bytes * sum(spans) / max(1, len(spans)) / cfg.block_size
+        read = [hi - lo for _, lo, hi in (decode_keys(end, cfg.window, cfg.block_size) for end in ends)]
+        return kv_cache_bytes * sum(read) / max(1, len(read)) / cfg.block_size
     return kv_cache_bytes
 
 

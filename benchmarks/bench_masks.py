@@ -70,10 +70,10 @@ def fractions(attn: str, docs: Optional[torch.Tensor], window: int, T: int, devi
 
 
 def row_mask(attn: str, docs: Optional[torch.Tensor], window: int, B: int, T: int, device):
-    """What an attention-mode row passes its implementation: None for causal, else the mask in its form."""
+    """What an attention-mode row passes its implementation: None for causal, else the mask in its layout."""
     if docs is None and window == 0:
         return None
-    return masks.mask_form(IMPLEMENTATIONS[attn].mask, None if docs is None else docs.to(device), window, B, T,
+    return masks.build_mask(IMPLEMENTATIONS[attn].mask, None if docs is None else docs.to(device), window, B, T,
                            device)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from core import runtime
-from attention.masks import decode_span
+from attention.masks import decode_keys
 from model import GPT, decode_tokens, last_logits
 
 QUANTIZE = ("", "int8")  # --quantize: none, or torchao's int8 weight-only
@@ -63,8 +63,8 @@ def draw_samples(decoder: Decoder, prompt: list[int], rt: runtime.Runtime, sampl
     generator = torch.Generator(rt.device).manual_seed(sampling.seed)
     def warm() -> None:
         decoder.generate(x, warmup, sampling.temperature, sampling.top_k, torch.Generator(rt.device), use_cache)
-        spans = use_cache and not decoder.compiled  # a compiled step reads the whole cache: one shape
-        for n in span_warmups(decoder.model, len(prompt), sampling.max_new_tokens) if spans else ():
+        lengths = use_cache and not decoder.compiled  # a compiled step reads the whole cache: one shape
+        for n in decode_warmups(decoder.model, len(prompt), sampling.max_new_tokens) if lengths else ():
             longer = x.repeat(1, -(-n // x.size(1)))[:, :n]  # (num_samples, n): the prompt over and over
             decoder.generate(longer, 2, temperature=0.0)  # a prefill of n, then a decode step over n + 1 keys
     with rt.autocast():
@@ -74,14 +74,14 @@ def draw_samples(decoder: Decoder, prompt: list[int], rt: runtime.Runtime, sampl
     return y[:, len(prompt):].tolist(), seconds, warmup_s  # y: (num_samples, T + new)
 
 
-def span_warmups(model: GPT, prompt_len: int, new_tokens: int) -> list[int]:
-    """Prompt lengths whose first decode step meets each key span (attention/masks.py's decode_span) that a
-    generation of new_tokens after prompt_len tokens will read, and block_size if it refills past it: on a GPU each
-    span can be a kernel plan built on first use (cuDNN's), which the timed run must not pay for."""
+def decode_warmups(model: GPT, prompt_len: int, new_tokens: int) -> list[int]:
+    """Prompt lengths whose first decode step meets each number of cache positions (attention/masks.py's
+    decode_keys) that a generation of new_tokens after prompt_len tokens will read, and block_size if it refills past
+    it: on a GPU each length can be a kernel plan built on first use (cuDNN's), which the timed run must not pay for."""
     block_size, window = model.config.block_size, model.config.window
-    firsts = {}  # span length -> the first position that reads it
+    firsts = {}  # positions read -> the first position that reads that many
     for written in range(min(prompt_len, block_size), min(prompt_len + new_tokens - 1, block_size)):
-        _, lo, hi = decode_span(written + 1, window, block_size)
+        _, lo, hi = decode_keys(written + 1, window, block_size)
         firsts.setdefault(hi - lo, written)
     refills = prompt_len + new_tokens - 1 > block_size
     return sorted(set(firsts.values()) - {prompt_len}) + ([block_size] if refills else [])

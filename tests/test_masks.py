@@ -155,8 +155,8 @@ def decoded(model: GPT, new_tokens: int = 40, temperatures=(0.0, 1.0), **kw) -> 
 
 
 @pytest.mark.parametrize("attn", CPU_ALL)
-def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_names(attn):
-    """A decode step's visible keys, one interval per row in the implementation's form (masks.span_mask): each
+def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_mask_names(attn):
+    """A decode step's visible keys, one interval per row in the implementation's layout (masks.visible_mask): each
     implementation, called as a layer calls it, computes a softmax over exactly those keys of the cache - written
     out by hand here in float64 - with rows starting in their own documents, rows starting alike, and one start for
     every row."""
@@ -164,7 +164,7 @@ def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_span_
     q = torch.randn(2, 2, 1, 16, generator=g)  # (B, nh, 1, hs): one query per row
     k, v = torch.randn(2, 2, 2, 48, 16, generator=g)  # (B, nh, block, hs) each: the whole cache
     for starts in ([3, 17], [5, 5], [0]):
-        span = masks.span_mask(IMPLEMENTATIONS[attn].mask, torch.tensor(starts), torch.tensor([30]), 48)  # keys [start, 30) of each row
+        span = masks.visible_mask(IMPLEMENTATIONS[attn].mask, torch.tensor(starts), torch.tensor([30]), 48)  # [start, 30)
         expected = torch.stack([
             ((q[b].double() @ k[b, :, s:30].double().transpose(-2, -1)) / 4.0).softmax(-1) @ v[b, :, s:30].double()
             for b, s in enumerate(starts * 2 if len(starts) == 1 else starts)])  # (B, nh, 1, hs)
@@ -268,7 +268,7 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
     idx = documents()
     q, k, v = torch.randn(3, 2, 2, 48, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each
     docs = masks.document_ids(idx, EOT) if settings.get("doc_mask") else None
-    packing = masks.mask_form("packed", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
+    packing = masks.build_mask("packed", docs, settings.get("window", 0), 2, 48, "cpu") if settings else None
     expected = model.manual_attention(q, k, v, reference_mask(idx, bool(docs is not None),
                                                               settings.get("window", 0)), 0.0)
     assert torch.allclose(model.varlen_attention(q, k, v, packing, 0.0), expected, atol=1e-6)
@@ -277,8 +277,9 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
 
 
 def test_one_function_builds_what_a_decode_step_hands_attention_where_it_runs_is_probed_and_is_timed(monkeypatch):
-    """KVCache.step, the kernel probe and attn=auto's timing all hand attention what masks.decode_step builds, so
-    what is probed and timed is what runs (the warm-ups meet its spans through the same decode_span)."""
+    """KVCache.step, eager and compiled, the kernel probe and attn=auto's timing all hand attention what
+    masks.decode_step builds, so what is probed and timed is what runs (the warm-ups meet its key lengths through
+    the same decode_keys)."""
     import functools as ft
     from attention import attn_auto, kernels
     from model import IMPLEMENTATIONS, GPT, GPTConfig
@@ -287,9 +288,9 @@ def test_one_function_builds_what_a_decode_step_hands_attention_where_it_runs_is
     real = masks.decode_step
 
     @ft.wraps(real)
-    def recorded(form, end, window, block_size, takes_mask, device, dtype=None, doc_start=None):
-        keys, row = real(form, end, window, block_size, takes_mask, device, dtype, doc_start)
-        calls.append((form, end, keys, row is not None))
+    def recorded(layout, end, window, block_size, takes_mask, device, dtype=None, doc_start=None):
+        keys, row = real(layout, end, window, block_size, takes_mask, device, dtype, doc_start)
+        calls.append((layout, end if isinstance(end, int) else ("compiled", end.tolist()), keys, row is not None))
         return keys, row
     monkeypatch.setattr(masks, "decode_step", recorded)
     kernels.attention_problem.cache_clear()
@@ -297,11 +298,24 @@ def test_one_function_builds_what_a_decode_step_hands_attention_where_it_runs_is
     model.generate(torch.zeros(1, 130, dtype=torch.long), 3, temperature=0.0)  # a prefill, decode steps at 130, 131
     ran = [c for c in calls if c[1] in (131, 132)]
     assert ran == [("dense", 131, slice(0, 160), True), ("dense", 132, slice(0, 160), True)]  # 2 x 128 > 160: all
+    model.setup_cache(1)
+    with torch.no_grad():
+        model(torch.arange(133)[None] % 11, input_pos=torch.arange(133))  # a prefill of 133
+        eager = model(torch.ones(1, 1, dtype=torch.long), input_pos=torch.tensor([133]))[0]  # the step at 133
+        calls.clear()
+        model.cache.length = 133  # as the decode loop sets it before a step
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled branch, run eagerly
+        traced = model(torch.ones(1, 1, dtype=torch.long), input_pos=torch.tensor([133]))[0]
+    monkeypatch.undo()
+    monkeypatch.setattr(masks, "decode_step", recorded)
+    assert calls == [("dense", ("compiled", [134]), slice(0, 160), True)]  # the whole cache, behind a row
+    assert torch.allclose(traced, eager, atol=1e-6)  # the same keys seen
     calls.clear()
     kernels.attention_problem.cache_clear()
     assert kernels.attention_problem("sdpa", kernels.AttnCall("cpu", torch.float32, 16), IMPLEMENTATIONS["sdpa"]) \
         is None
-    assert calls == [("dense", 64, slice(0, 72), True)]  # the probe's step at position 64 of a 72-key cache
+    assert calls == [("dense", ("compiled", [16]), slice(0, 24), True),  # whether it takes a compiled step's row
+                     ("dense", 64, slice(0, 72), True)]  # the probe's eager step at position 64 of a 72-key cache
     calls.clear()
     w = attn_auto.Workload("cpu", torch.__version__, 1, 24, 64, 2, 16, "float32", False, 0, 0.0, False, False, 3)
     attn_auto.attention_call(IMPLEMENTATIONS["manual"].fn, "dense", w, attn_auto.inputs(w, "cpu"), True)

@@ -278,8 +278,9 @@ def test_a_sweep_of_every_compiled_flex_use_stays_within_its_recompile_limits(mo
                     reference = model.manual_attention(q.float(), cache[0][:, :, :T].float(),
                                                        cache[1][:, :, :T].float(), None, 0.0)
                     assert (y.float() - reference).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
-                for position in range(5, 40, 3):  # decode steps over the whole cache, a span each
-                    span = masks.span_mask("block", torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]), 64)
+                for position in range(5, 40, 3):  # decode steps over the whole cache, keys [0, position] visible
+                    span = masks.visible_mask("block", torch.zeros(1, dtype=torch.long), torch.tensor([position + 1]),
+                                              64)
                     mask = torch.arange(64)[None, None, None, :] <= position  # (1, 1, 1, block): the same, densely
                     q = torch.randn(1, 2, 1, 16, generator=generator).to(dtype)
                     y = flex(q, cache[0], cache[1], span, 0.0)
