@@ -199,13 +199,14 @@ class TrainingRun:
     batches: Batches
     data_dir: Path
     meta: dict | None
-    log: MetricsLog
     saver: object                        # checkpoint.SingleFileSaver or sharded.ShardedSaver
+    log: MetricsLog | None = None        # made once attention is chosen (its first line names it)
     iter_num: int = 0
     best_val_loss: float = math.inf
     time_before: float = 0.0             # training seconds the resumed checkpoint had behind it
     attn_decision: dict | None = None    # attn=auto's table and pick (None: attn was named)
     saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
+    nanogpt_original: bool = False       # out_dir's ckpt.pt is nanoGPT's: copied aside before the first save over it
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log the evaluation's loss (val, and train unless eval_train=False); stop on a NaN/inf; save when val
@@ -222,6 +223,10 @@ class TrainingRun:
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
         rng = rng_state(self.batches.generator, self.rt)  # collective: each rank gathers every rank's RNG state
+        if self.nanogpt_original:  # kept now, when it is replaced: a run refused before this has written nothing
+            from tools.nanogpt import keep_original
+            runtime.on_master(lambda: keep_original(Path(self.cfg.out_dir) / "ckpt.pt"), self.rt.device)
+            self.nanogpt_original = False
         model = self.trainer.model
         self.saver.save(model, self.trainer.optimizers, dict(
             model_config=dataclasses.asdict(model.config), iter_num=self.iter_num, best_val_loss=self.best_val_loss,
@@ -367,11 +372,10 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
 
 
 def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
-    """Everything a resumed run takes from its checkpoint's tensors and counters, in one place, once the model and
-    optimizers are placed: weights, optimizer state, RNG streams (the data position among them), step, best val loss
-    and training time (eval_only: all but the optimizer state). Its settings were read before the model was built
-    (Checkpoint.resumed_settings, in start), attn=auto's decision where attention is chosen, before compiling.
-    Returns the step it resumes at."""
+    """Everything a resumed run takes from its checkpoint, in one place, once the model and optimizers are placed:
+    weights, optimizer state (not for eval_only), RNG streams (the data position among them), step, best val loss,
+    training time and attn=auto's decision (reused by choose_attention where the workload is the same). Its settings
+    were read before the model was built (Checkpoint.resumed_settings, in start). Returns the step it resumes at."""
     model, optimizers = run.trainer.model, run.trainer.optimizers
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
         from tools.sharded import load_into
@@ -383,12 +387,28 @@ def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
             load_optimizer_state(model, optimizers, checkpoint.optimizer, FULL_STATE)
     if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
         restore_rng(checkpoint.rng, run.batches.generator, run.rt)
-    elif not run.cfg.eval_only:  # nanoGPT's ckpt.pt, which this run's first save replaces: kept now, every check passed
-        from tools.nanogpt import keep_original
-        keep_original(Path(run.cfg.out_dir) / "ckpt.pt")
+    run.nanogpt_original = checkpoint.rng is None and not run.cfg.eval_only
     run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
     run.time_before, run.saved_at = checkpoint.train_time_s, checkpoint.iter_num
+    run.attn_decision = checkpoint.attn_decision
+    checkpoint.model = checkpoint.optimizer = None  # applied: its copy of the state is freed before training
     return checkpoint.iter_num
+
+
+def choose_attention(run: TrainingRun) -> None:
+    """Set the attention this run trains with, before the first forward (compiling is lazy): the one named, or for
+    attn=auto the resumed decision where this run's workload is the one it decided, else measured now on rank 0 for
+    every rank (without moving the RNG streams a resume restored)."""
+    cfg, rt, model = run.cfg, run.rt, run.trainer.model
+    if cfg.attn != "auto":
+        run.attn_decision = None
+    else:
+        from attention.attn_auto import choose_for_training
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if rt.is_cuda else []):
+            run.attn_decision = choose_for_training(model, IMPLEMENTATIONS, cfg, rt, run.attn_decision)
+    attn = run.attn_decision["attn_auto/pick"] if run.attn_decision else model.config.attn
+    # checked where it runs, in the dtype it computes in
+    model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,34 +442,26 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
     # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
-    decision = None  # attn=auto's table and pick: measured on this run's shapes, rank 0 deciding for all, and kept
-    if cfg.attn == "auto":  # in each checkpoint, where a resume on the same shapes reuses it
-        from attention.attn_auto import choose_for_training
-        decision = choose_for_training(raw_model, IMPLEMENTATIONS, cfg, rt, checkpoint and checkpoint.attn_decision)
-    attn = decision["attn_auto/pick"] if decision else raw_model.config.attn
-    # checked where it runs, in the dtype it computes in: now, not after compiling
-    raw_model.set_attention(attn, training=not cfg.eval_only, dtype=rt.torch_dtype)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
+    trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, saver)
+    resumed_at = restore(run, checkpoint) if checkpoint is not None else None
+    choose_attention(run)
     run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
                   "resolved_muon_dtype": rt.muon_dtype if cfg.optimizer == "muon" else None,
                   "torch_version": torch.__version__, "resolved_attn": raw_model.config.attn,
                   "tokens_per_iter": tokens_per_iter(cfg), "num_params": raw_model.get_num_params(),
-                  "attn_decision": decision}
-    trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
-    log = MetricsLog(cfg, run_config, enabled=rt.is_master, to_file=not cfg.eval_only)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, log, saver, attn_decision=decision)
-    resumed_at = restore(run, checkpoint) if checkpoint is not None else None
+                  "attn_decision": run.attn_decision}
+    run.log = MetricsLog(cfg, run_config, enabled=rt.is_master, to_file=not cfg.eval_only)
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
-        log.log({"iter": run.iter_num, **estimate_loss(model, cfg, data_dir, rt, first=True)})
-        log.close()
+        run.log.log({"iter": run.iter_num, **estimate_loss(model, cfg, data_dir, rt, first=True)})
+        run.log.close()
         return
-    if decision:  # the whole table beside the run's metrics (wandb has it in the run's config)
-        run.log.log({"iter": run.iter_num, **{k: v for k, v in decision.items() if "workload" not in k}})
-    if checkpoint is not None:  # free its copy of the weights and optimizer state before training
-        checkpoint.model = checkpoint.optimizer = None
+    if run.attn_decision:  # the whole table beside the run's metrics (wandb has it in the run's config)
+        run.log.log({"iter": run.iter_num, **{k: v for k, v in run.attn_decision.items() if "workload" not in k}})
     if rt.is_master:
         print(banner(cfg, rt, raw_model))
         if resumed_at is not None:

@@ -204,3 +204,28 @@ def test_train_py_runs_what_auto_picked_records_it_and_a_resume_of_the_same_shap
     assert train.main(args + ["--max_iters=6", "--init_from=resume", "--batch_size=2"]) == 0
     assert capsys.readouterr().out.startswith("attn=auto: measuring failed (ZeroDivisionError: division by zero); "
                                               "running sdpa\n")
+
+
+def test_attn_auto_measured_after_a_resume_is_applied_leaves_the_restored_rng_streams_where_they_were(
+        char_data, tmp_path, monkeypatch):
+    """The decision is taken after restore (one place applies a checkpoint), so measuring must not draw from the RNG
+    that restore set: dropout and the data order go on as the saved run's would."""
+    import train
+    from conftest import TINY
+    args = TINY + [f"--data_dir={char_data}", "--eval_interval=2", f"--out_dir={tmp_path}", "--dropout=0.1"]
+    assert train.main(args + ["--max_iters=2"]) == 0  # with dropout: each candidate's timed calls draw from the RNG
+    seen = {}
+    real = train.choose_attention
+
+    def watched(run):
+        seen["before"] = (torch.get_rng_state(), run.batches.generator.get_state())
+        real(run)
+        seen["after"] = (torch.get_rng_state(), run.batches.generator.get_state())
+    monkeypatch.setattr(train, "choose_attention", watched)
+    measured = []
+    real_measure = attn_auto.measure
+    monkeypatch.setattr(attn_auto, "measure", lambda *a, **kw: measured.append(1) or real_measure(*a, **kw))
+    assert train.main(args + ["--max_iters=4", "--init_from=resume", "--attn=auto", "--attn_auto_budget=1",
+                              "--attn_auto_refresh=True"]) == 0
+    assert measured  # it measured, drawing random inputs
+    assert all(torch.equal(b, a) for b, a in zip(seen["before"], seen["after"]))

@@ -348,6 +348,23 @@ def test_a_refused_nanogpt_resume_writes_nothing(char_data, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == before
 
 
+def test_a_nanogpt_resume_refused_after_its_state_is_applied_leaves_no_copy_of_the_file(char_data, tmp_path,
+                                                                                      monkeypatch):
+    """attn=auto is decided once the checkpoint is applied (train.restore, then choose_attention); the copy of
+    nanoGPT's ckpt.pt is made at the first save that replaces it, so a run refused in between writes nothing."""
+    from attention import attn_auto
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def refused(*args, **kwargs):
+        raise UserError("no attention implementation runs here")
+    monkeypatch.setattr(attn_auto, "choose_for_training", refused)
+    with pytest.raises(UserError, match="no attention implementation runs here"):
+        train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}", "--attn=auto",
+                           "--max_iters=10", "--eval_interval=10"])
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"} == before
+
+
 def test_a_nanogpt_out_dir_samples_with_its_character_vocabulary(char_data, tmp_path, capsys):
     chars = chars_of(char_data)
     folder, _ = nanogpt_out_dir(tmp_path / "nano", chars)
