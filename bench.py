@@ -114,7 +114,7 @@ LIMITS = {"n_layer": "[1, inf) int", "n_head": "[1, inf) int", "n_embd": "[1, in
           "doc_len": "[0, inf)", "attn": comma_list_of("all", *IMPLEMENTATIONS), "attn_auto_budget": "(0, inf)",
           "out_dir": PATH}
 
-# GPU: GPT-2 124M at its full context, as in the post. CPU: attention's cost grows with T^2 while the rest of
+# GPU: GPT-2 124M at its full context, as in PyTorch's post. CPU: attention's cost grows with T^2 while the rest of
 # the model grows with T*C^2, so a long sequence in a narrow model shows the kernels' difference, and a vocabulary
 # of 8191 (one short of 2^13, so padding has work to do: -> 8192) keeps lm_head and the loss from drowning it
 # (with GPT-2's 50257 at n_embd 128 they take ~80% of a step); small enough for a few minutes on 2 cores.

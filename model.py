@@ -20,13 +20,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-# model.py copied alone into another project trains and generates with manual, sdpa_mask, sdpa and flash; the rest
+# model.py copied by itself into another project trains and generates with manual, sdpa_mask, sdpa and flash; the rest
 # (the kernel probe and its error line, documents and windows, flex, varlen, attn=auto, from_pretrained) needs the
 # repository
 IN_REPOSITORY = (Path(__file__).resolve().parent / "attention" / "kernels.py").is_file()
 
 
-def refusal(message: str) -> Exception:  # a setting to fix: the scripts print it as one `error:` line
+def user_error(message: str) -> Exception:  # a setting to fix: the scripts print it as one `error:` line
     if not IN_REPOSITORY:
         return ValueError(message)
     from core.errors import UserError
@@ -35,8 +35,8 @@ def refusal(message: str) -> Exception:  # a setting to fix: the scripts print i
 
 def needs_repository(feature: str) -> None:
     if not IN_REPOSITORY:
-        raise refusal(f"{feature} needs the rest of the nanoGPT-attn repository (attention/, core/), which model.py "
-                      f"copied alone does not have; copy the whole repository, or do without {feature}.")
+        raise user_error(f"{feature} needs the rest of the nanoGPT-attn repository (attention/, core/), which model.py "
+                      f"copied by itself does not have; copy the whole repository, or do without {feature}.")
 
 
 # -----------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def compiled_flex(use: str):
 def flex_causal_attention(q, k, v, mask, dropout_p):
     # mask: None (causal), a BlockMask (documents, window) or a decode step's score mod (masks.visible_mask)
     if dropout_p > 0:
-        raise refusal("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
+        raise user_error("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
     if q.size(-2) == 1 and torch.compiler.is_compiling():
         # inductor's CPU flex lowering (torch 2.13) fails on a one-query view with an odd stride; a copy compiles
         q = q.clone(memory_format=torch.contiguous_format)
@@ -252,26 +252,26 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.attn == "auto":
-            raise refusal("attn='auto' is measured on a model, not stored in a config: build it with another "
+            raise user_error("attn='auto' is measured on a model, not stored in a config: build it with another "
                           "attn (say 'sdpa'), then call model.set_attention('auto').")
         if self.attn not in IMPLEMENTATIONS:
-            raise refusal(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
+            raise user_error(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
         if self.n_embd % self.n_head != 0:
-            raise refusal(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+            raise user_error(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                           f"pick sizes where n_embd is a multiple of n_head.")
         if self.gelu not in ("tanh", "none"):
-            raise refusal(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
+            raise user_error(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
         if self.doc_mask and not 0 <= self.eot_token < self.vocab_size:
-            raise refusal(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
+            raise user_error(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
                           f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
                           f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
         if self.window < 0:
-            raise refusal(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
+            raise user_error(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
         if not 0.0 <= self.dropout < 1.0:
-            raise refusal(f"dropout must be in [0, 1), got {self.dropout}.")
+            raise user_error(f"dropout must be in [0, 1), got {self.dropout}.")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
-                raise refusal(f"{name} must be a positive integer, got {getattr(self, name)}.")
+                raise user_error(f"{name} must be a positive integer, got {getattr(self, name)}.")
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
@@ -395,7 +395,7 @@ class GPT(nn.Module):
         after setup_cache: a prefill at positions 0 .. T-1, then one token at a time at the next position."""
         B, T = idx.size()
         if T > self.config.block_size:
-            raise refusal(f"cannot forward a sequence of {T} tokens: block_size is "
+            raise user_error(f"cannot forward a sequence of {T} tokens: block_size is "
                           f"{self.config.block_size}; crop the input or use a smaller block_size.")
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
@@ -502,7 +502,7 @@ class GPT(nn.Module):
 
     def crop_block_size(self, block_size: int) -> None:  # e.g. to fine-tune GPT-2 (1024) at a shorter block_size
         if block_size > self.config.block_size:
-            raise refusal(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
+            raise user_error(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
                           f"use --block_size={self.config.block_size} or less.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
@@ -541,7 +541,7 @@ class GPT(nn.Module):
         from core import hf  # Hugging Face's format: read only here
         overrides, allowed = dict(override_args or {}), {"pad_vocab", *RUN_FIELDS}
         if set(overrides) - allowed:
-            raise refusal(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
+            raise user_error(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
         shape, state_dict = hf.read_gpt2(model_type)
         config = GPTConfig.build({**shape, "pad_vocab": overrides.pop("pad_vocab", False)}, overrides)
         model = cls(config)
@@ -742,12 +742,12 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
     """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
     model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
     if idx.dim() != 2 or idx.size(1) == 0:
-        raise refusal(f"generation needs a prompt of at least one token per row, shape (B, T), got "
+        raise user_error(f"generation needs a prompt of at least one token per row, shape (B, T), got "
                       f"{tuple(idx.shape)}; start from a token such as end-of-text.")
     if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):  # NaN fails too
-        raise refusal(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}.")
+        raise user_error(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}.")
     if top_k is not None and top_k < 1:
-        raise refusal(f"top_k must be None (every token) or a positive number of tokens, got {top_k}.")
+        raise user_error(f"top_k must be None (every token) or a positive number of tokens, got {top_k}.")
     block_size, cache = model.config.block_size, None
     if use_cache:
         dtype = dtype or model.compute_dtype()

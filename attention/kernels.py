@@ -154,7 +154,7 @@ def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
         cache = torch.randn(2, 1, T + 8, hs, device=device, dtype=dtype)  # (k|v, 1, T + 8, hs): 8 unwritten
         compiled = call.decode_step == "compiled"
         try:
-            with warnings.catch_warnings(record=True) as caught:  # PyTorch explains kernel refusals as warnings
+            with warnings.catch_warnings(record=True) as caught:  # PyTorch gives its reasons for declining as warnings
                 warnings.simplefilter("always")
                 mask = None
                 if call.masked:

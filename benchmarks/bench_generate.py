@@ -228,12 +228,13 @@ def generate_chart(ax, rows: list[dict], cfg) -> str:
 
 # a reading counts only if this process had the cores to itself: its threads' CPU time at least this share of wall
 # time x threads (another busy process on 2 cores leaves ~0.5)
-ALONE = 0.9
+CORES_TO_ITSELF = 0.9
 
 
 def memory_bandwidth(rt: Runtime, nbytes: int, repeats: int = 5) -> Optional[float]:
     """Bytes/s this machine reads streaming over a buffer of about `nbytes` (a footprint the caches hold reads faster
-    than one they do not): the best ever measured alone, kept in the cache folder's bandwidth.json."""
+    than one they do not): the best ever measured with the cores to itself, kept in the cache folder's
+    bandwidth.json."""
     return measured_bandwidth(rt, 2 ** max(20, math.ceil(math.log2(max(nbytes, 1)))), repeats)  # 1 MiB at least
 
 
@@ -257,13 +258,14 @@ def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
 
 
 def cpu_share(cpu_seconds: float, wall_seconds: float) -> float:
-    """The share of torch's threads' time this process ran: 1 alone, ~0.5 beside one other busy process per core."""
+    """The share of torch's threads' time this process ran: 1 with the cores to itself, ~0.5 beside one other busy process
+    per core."""
     return cpu_seconds / (wall_seconds * torch.get_num_threads())
 
 
 def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:
     """The best bytes/s of `repeats` rounds of reading `size` bytes, two ways (a sum, and the batch-1 matmul that
-    decoding does), among the rounds run alone; None if none was."""
+    decoding does), among the rounds run with the cores to itself; None if none was."""
     rows, passes = 4096, max(1, 2 ** 26 // size)  # a small buffer read again and again: a round of 64 MiB or more
     data = torch.ones(rows, size // 4 // rows, device=rt.device)  # fp32: (rows, size / rows / 4)
     x = torch.ones(1, rows, device=rt.device)
@@ -276,6 +278,6 @@ def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:
         for _ in range(repeats):
             cpu = time.process_time()
             _, seconds = runtime.time_call(read, rt)
-            if rt.is_cuda or cpu_share(time.process_time() - cpu, seconds) >= ALONE:
+            if rt.is_cuda or cpu_share(time.process_time() - cpu, seconds) >= CORES_TO_ITSELF:
                 rates.append(size * passes / seconds)
     return max(rates, default=None)

@@ -23,15 +23,15 @@ def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) ->
         if row["status"] != "ok":
             key = (formats[0](row), why(row))
             skipped[key] = skipped.get(key, 0) + 1
-    cells, said = [], set()
+    cells, listed = [], set()
     for row in rows:
         if row["status"] == "ok":
             cells.append([f(row) for f in formats])
             continue
         key = (formats[0](row), why(row))
-        if key in said:
+        if key in listed:
             continue
-        said.add(key)
+        listed.add(key)
         names = [f(row) for f in formats[:labels]] if skipped[key] == 1 else \
             [key[0], f"{skipped[key]} rows"] + [""] * (labels - 2)
         cells.append(names + [f"{row['status']} ({reasons.index(why(row)) + 1})"])
@@ -80,7 +80,7 @@ def padding_note(rows: list[dict]) -> str:
         return "note: no implementation ran both padded and unpadded, so this run says nothing of padding"
     faster = sum(ratio < 1 for ratio in ratios)
     return (f"note: padded vocabulary faster in {faster} of {len(ratios)} pairs of rows here (median time ratio "
-            f"{float(np.median(ratios)):.2f}x the unpadded row's); why the post expects it on a GPU: docs/bench.md")
+            f"{float(np.median(ratios)):.2f}x the unpadded row's); why PyTorch's post expects it on a GPU: docs/bench.md")
 
 
 def computed_cell(row: dict) -> str:
@@ -169,7 +169,7 @@ def ms_label(ms: float) -> str:
 
 
 def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
-    """The post's figure: ms per step per attn, unpadded and padded side by side, IQR whiskers (attention mode: one bar
+    """PyTorch's post's figure: ms per step per attn, unpadded and padded side by side, IQR whiskers (attention mode: one bar
     per sequence length)."""
     name_masks = len(cfg.mask) > 1 or cfg.mask != ["causal"]  # the series say which mask
     if cfg.mode == "train":

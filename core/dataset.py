@@ -52,8 +52,8 @@ def prepare_if_missing(data_dir: Path, name: str) -> None:
     done = subprocess.run([sys.executable, str(data_dir / "prepare.py"), f"--out_dir={data_dir}"],
                           stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:  # its one error line, printed as ours
-        said = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no message")
-        raise UserError(f"preparing dataset '{name}' failed ({said.removeprefix('error: ')}); {elsewhere}, or run "
+        last_line = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no message")
+        raise UserError(f"preparing dataset '{name}' failed ({last_line.removeprefix('error: ')}); {elsewhere}, or run "
                         f"python data/{name}/prepare.py to see why.")
 
 

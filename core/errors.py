@@ -12,13 +12,13 @@ from typing import Callable, Iterator
 
 
 class UserError(ValueError):
-    """Bad input from a user. The message says what was wrong and how to fix it; scripts print it alone, as one
-    `error: ...` line, with exit code 2. `own`: a rank's own (its GPU, its node's files), which that rank prints under
-    torchrun even before the ranks have met."""
+    """Bad input from a user. The message says what was wrong and how to fix it; scripts print it as one
+    `error: ...` line, without a traceback, with exit code 2. `this_rank`: a problem of this rank only (its GPU, its
+    node's files), which that rank prints under torchrun even before the ranks have met."""
 
-    def __init__(self, message: str = "", own: bool = False):
+    def __init__(self, message: str = "", this_rank: bool = False):
         super().__init__(message)
-        self.own = own
+        self.this_rank = this_rank
 
 
 class StoppedWithRank0(UserError):
@@ -111,7 +111,7 @@ def refuse_all(problems: list[UserError], hint: str = "") -> None:
 
 
 def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
-    """Run a script's main(): its return value (None is 0), or a UserError printed alone as one `error: ...` line on
+    """Run a script's main(): its return value (None is 0), or a UserError printed as one `error: ...` line on
     stderr and 2, or 130 on Ctrl-C, 143 on a SIGTERM during a guarded write (128 + the signal, as a shell reports it;
     elsewhere SIGTERM ends the process itself, which the shell reports as 143 too), or 0 quietly when the reader of
     its output went away (`| head`). The first Ctrl-C stops main and a second ends the process at once (_stop_once);
@@ -124,7 +124,7 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
     try:
         return main() or 0
     except UserError as e:
-        line = refusal_line(e)
+        line = error_line(e)
         if line is not None:
             print(line, file=sys.stderr)
         return 2
@@ -143,10 +143,10 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
                 signal.signal(s, signal.SIG_DFL if exiting or handler is None else handler)
 
 
-def refusal_line(e: UserError) -> str | None:
+def error_line(e: UserError) -> str | None:
     """The `error:` line this process prints, or None where rank 0 prints it. Under torchrun the ranks share one
-    console: rank 0 prints the refusals every rank meets, and another rank only one of its own (its GPU, its node's
-    files), named."""
+    console: rank 0 prints the errors every rank meets; another rank prints only a problem of that rank (its GPU, its
+    node's files), naming the rank."""
     env = os.environ
     if isinstance(e, StoppedWithRank0):
         return None
@@ -155,4 +155,4 @@ def refusal_line(e: UserError) -> str | None:
     rank = env.get("RANK", "0")
     if rank == "0":
         return f"error: {e}"
-    return f"error: rank {rank}: {e}" if e.own else None
+    return f"error: rank {rank}: {e}" if e.this_rank else None

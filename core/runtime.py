@@ -202,9 +202,9 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str =
     set_threads(threads)
     if distributed and "RANK" in os.environ:  # before CUDA starts, which reads CUDA_VISIBLE_DEVICES once
         from core.distributed import one_mig_slice_per_rank
-        said = one_mig_slice_per_rank(os.environ)
-        if said:
-            print(said, file=sys.stderr)
+        note = one_mig_slice_per_rank(os.environ)
+        if note:
+            print(note, file=sys.stderr)
     device = pick_device(device)
     rank, local_rank, world_size, device = init_distributed(device, backend) if distributed else (0, 0, 1, device)
     if device.startswith("cuda"):

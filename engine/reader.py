@@ -102,9 +102,9 @@ def check_shapes(contents: dict, path: Path) -> None:
         wrong = sorted(set(shapes) ^ set(found)) or sorted(n for n in shapes if shapes[n] != found[n])
         if wrong:
             name = wrong[0]
-            said = f"{name} is {found.get(name, 'missing')}" if name in shapes else f"{name} is not one of its tensors"
+            found_as = f"{name} is {found.get(name, 'missing')}" if name in shapes else f"{name} is not one of its tensors"
             raise UserError(f"{damaged} weights do not fit its model_config ({config.n_layer} layers of width "
-                            f"{config.n_embd}: {said}, {len(wrong)} such); {fix}.")
+                            f"{config.n_embd}: {found_as}, {len(wrong)} such); {fix}.")
     state = contents.get("optimizer", {}).get("state", {}) if isinstance(contents.get("optimizer"), dict) else {}
     for name, tensors in state.items():
         misfit = [k for k, t in tensors.items()

@@ -105,7 +105,7 @@ def cached_decision(w, rt, implementations, budget):
     '{"a workload": "sdpa"}',                         # an object whose entries are not decisions
     "\x00\x01 not json",                              # not JSON at all
 ], ids=["list", "entries", "garbage"])
-def test_a_decision_cache_of_another_shape_is_measured_again_rewritten_and_said_in_one_line(tmp_path, capsys, held,
+def test_a_decision_cache_of_another_shape_is_measured_again_rewritten_and_named_in_one_line(tmp_path, capsys, held,
                                                                                           monkeypatch):
     path = tmp_path / "attn_auto.json"
     path.write_text(held)

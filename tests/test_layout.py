@@ -80,7 +80,7 @@ def test_model_py_stands_alone_and_core_imports_only_core():
                   for n in eager | lazy if not n.startswith("core")) == []
 
 
-def test_the_read_opens_a_tool_only_at_its_door():
+def test_a_script_imports_a_tool_only_where_the_setting_that_needs_it_is_read():
     edges = graph()
     read = [m for m in edges if not is_tool(m) and m not in ("bench", "export_hf")]  # bench's sweeps: its own
     assert sorted(f"{m} -> {n}" for m in read for n in edges[m][0] if is_tool(n)) == []
@@ -115,9 +115,9 @@ OPENED = ("import sys, train; train.main(sys.argv[1:]); "
     (["--checkpoint_format=sharded"], ["attention.kernels", "tools.sharded"]),
     (["--attn=auto", "--attn_auto_budget=1"], ["attention.attn_auto", "attention.kernels"]),
 ], ids=["default", "window", "sharded", "auto"])
-def test_a_setting_opens_its_own_tool_and_nothing_else(char_data, tmp_path, setting, opens):
-    """The default run's tools are the check of the implementation (set_attention's) alone; each setting adds its
-    own door's tool."""
+def test_a_setting_imports_the_tool_it_needs_and_nothing_else(char_data, tmp_path, setting, opens):
+    """The default run imports one tool, the check of the implementation (set_attention's); each setting adds the
+    tool that its code imports where the setting is read."""
     from conftest import TINY
     args = [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2",
             *TINY, *setting]

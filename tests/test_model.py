@@ -328,8 +328,8 @@ def probe_with(monkeypatch, attn: str, fn) -> str:
         attention_problem.cache_clear()
 
 
-def test_a_kernel_refusal_on_cpu_reports_pytorchs_reason_without_the_cpp_location(monkeypatch):
-    """A real refusal of the CPU flash kernel: C++ warns a header, then the reason, each ending in
+def test_a_kernel_declining_on_cpu_reports_pytorchs_reason_without_the_cpp_location(monkeypatch):
+    """The CPU flash kernel really declining a call: C++ warns a header, then the reason, each ending in
     '(Triggered internally at <file>:<line>.)'."""
     flash = IMPLEMENTATIONS["flash"]
 
@@ -564,7 +564,7 @@ def test_from_pretrained_on_another_model_type_names_it_before_reading_weights(t
 
 # -- model.py lifts out --------------------------------------------------------------------------------------
 
-ALONE = '''
+BY_ITSELF = '''
 import torch
 from model import GPT, GPTConfig
 for attn in ("manual", "sdpa_mask", "sdpa", "flash"):
@@ -591,18 +591,18 @@ for extra in (dict(doc_mask=True, eot_token=0), dict(attn="flex")):
 '''
 
 
-def test_model_py_copied_alone_trains_and_generates_and_its_extras_say_they_need_the_repository(tmp_path):
-    """nanoGPT's promise: people copy model.py into their own project. Alone (torch installed, nothing else of this
-    repository) it trains a step and generates with the plain implementations; an extra says what it needs."""
+def test_model_py_copied_by_itself_trains_and_generates_and_its_extras_say_they_need_the_repository(tmp_path):
+    """nanoGPT's promise: people copy model.py into their own project. By itself (torch installed, nothing else of
+    this repository) it trains a step and generates with the plain implementations; an extra says what it needs."""
     import shutil
     import subprocess
     import sys
     shutil.copy(model_module.__file__, tmp_path / "model.py")
-    done = subprocess.run([sys.executable, "-c", ALONE], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-c", BY_ITSELF], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"PATH": "", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert [line.split()[:2] for line in lines[:4]] == [[a, "ok"] for a in ("manual", "sdpa_mask", "sdpa", "flash")]
     assert lines[4:] == [f"refused: {what} needs the rest of the nanoGPT-attn repository (attention/, core/), which "
-                         f"model.py copied alone does not have; copy the whole repository, or do without {what}."
+                         f"model.py copied by itself does not have; copy the whole repository, or do without {what}."
                          for what in ("doc_mask and window", "attn='flex'")]

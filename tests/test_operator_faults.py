@@ -315,12 +315,12 @@ def test_export_hf_says_a_broken_transformers_in_one_line_and_exports_through_a_
     ({"TORCHELASTIC_RUN_ID": "x", "RANK": "9", "LOCAL_RANK": "1"}, True, "error: rank 9: the same on every rank"),
     ({"TORCHELASTIC_RUN_ID": "x", "RANK": "8", "LOCAL_RANK": "0"}, False, None),  # another node's: rank 0 says it
 ], ids=["one-process", "rank-without-torchrun", "rank-0", "rank-1", "own", "second-node"])
-def test_under_torchrun_rank_0_prints_a_refusal_and_another_rank_only_its_own(monkeypatch, env, own, printed):
+def test_under_torchrun_rank_0_prints_an_error_and_another_rank_only_one_of_its_rank(monkeypatch, env, own, printed):
     for key in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert errors.refusal_line(UserError("the same on every rank", own=own)) == printed
+    assert errors.error_line(UserError("the same on every rank", this_rank=own)) == printed
 
 
 RANK_LOCAL = textwrap.dedent("""
@@ -329,7 +329,7 @@ RANK_LOCAL = textwrap.dedent("""
     def main():
         rt = runtime.resolve_runtime("cpu", "float32", distributed=True)
         if sys.argv[1] == "rank-1-only" and rt.rank == 1:
-            raise errors.UserError("data/x/train.bin is missing on this node", own=True)
+            raise errors.UserError("data/x/train.bin is missing on this node", this_rank=True)
         if sys.argv[1] == "every-rank":
             raise errors.UserError("the same on every rank")
         dist.barrier()  # rank 0 waits here for a rank that never comes
@@ -340,7 +340,7 @@ RANK_LOCAL = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.parametrize("case, said", [("rank-1-only", "error: rank 1: data/x/train.bin is missing on this node"),
                                         ("every-rank", "error: the same on every rank")])
-def test_under_torchrun_a_refusal_is_printed_once_by_the_rank_whose_it_is_and_the_run_ends_in_seconds(tmp_path,
+def test_under_torchrun_an_error_is_printed_once_by_the_rank_it_concerns_and_the_run_ends_in_seconds(tmp_path,
                                                                                                       case, said):
     script = tmp_path / "probe.py"
     script.write_text(RANK_LOCAL)
@@ -361,7 +361,7 @@ def test_local_ranks_beyond_the_gpus_refuse_each_in_their_own_name(monkeypatch):
     with pytest.raises(UserError, match=r"^LOCAL_RANK=3 has no GPU of its own: this node shows 2; pass torchrun "
                                         r"--nproc_per_node= at most that many\.$") as refused:
         distributed.join("cuda:0")
-    assert refused.value.own
+    assert refused.value.this_rank
 
 
 def test_several_mig_slices_are_narrowed_to_one_per_rank_and_their_mfu_is_labelled():

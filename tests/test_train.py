@@ -45,16 +45,16 @@ def test_accumulation_not_divisible_by_world_size_is_refused(char_data, tmp_path
 
 
 @pytest.mark.slow  # two torchrun launches of two ranks
-@pytest.mark.parametrize("refusal, words", [
+@pytest.mark.parametrize("setting, words", [
     (["--gradient_accumulation_steps=1"], "error: gradient_accumulation_steps=1 is not divisible by the 2 ranks"),
     (["--gradient_accumulation_steps=2", "--wandb_log=True"], "error: wandb_log=True, but wandb has no login here"),
 ], ids=["every rank decides", "rank 0 decides"])
-def test_under_torchrun_a_refusal_is_one_error_line_from_rank_0(char_data, tmp_path, refusal, words):
-    """Whether every rank decides a refusal alike or rank 0 decides for all, one `error:` line is printed (rank 0's),
+def test_under_torchrun_a_bad_setting_is_one_error_line_from_rank_0(char_data, tmp_path, setting, words):
+    """Whether every rank decides an error alike or rank 0 decides for all, one `error:` line is printed (rank 0's),
     then torchrun's own report."""
     from conftest import run_train
     env = {"WANDB_API_KEY": "", "WANDB_MODE": "online", "HOME": str(tmp_path)}  # no login: wandb refuses
-    result = run_train(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", *refusal], nproc=2,
+    result = run_train(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'out'}", *setting], nproc=2,
                        env=env, check=False)
     output = result.stdout + result.stderr
     errors_said = [line for line in output.splitlines() if line.startswith("error:")]
@@ -632,9 +632,9 @@ def test_the_log_line_writes_tokens_per_s_as_a_plain_number(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["tokens_per_s"] == 17834.2  # the file: exact
 
 
-def test_every_start_up_problem_of_a_command_is_said_at_once_with_the_cpu_recipe_for_a_gpu_sized_model(
+def test_every_start_up_problem_of_a_command_is_printed_at_once_with_the_cpu_recipe_for_a_gpu_sized_model(
         char_data, tmp_path):
-    """The design card's command on a CPU met its problems one run at a time (wandb, then the data, ...): one line
+    """README's GPT-2 command on a CPU met its problems one run at a time (wandb, then the data, ...): one line
     now names them all, and on a CPU a GPU-sized model's line names the command that runs here."""
     args = ["config/train_gpt2.py", "--wandb_log=False", "--async_save=True", "--device=cpu",
             f"--out_dir={tmp_path / 'out'}"]
