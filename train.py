@@ -10,8 +10,6 @@ Every setting below can be set in a config file or overridden with --key=value.
 
 import dataclasses
 import math
-import os
-import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,7 +25,7 @@ from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, describe_
 from core.configurator import PATH, SEED, Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from engine.metrics import MetricsLog, Progress, StepTimer, TrainingLines
+from engine.metrics import MetricsLog, Progress, StepTimer, TrainingLines, banner, resume_hint
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, IMPLEMENTATIONS, GPTConfig
 from core.runtime import Runtime
@@ -235,21 +233,6 @@ class TrainingRun:
         self.saved_at = self.iter_num
 
 
-def banner(cfg: Settings, rt: Runtime, model: GPT) -> str:
-    """The run's first line: the model, attention, precision, device, and how the ranks split the work."""
-    muon = f", Muon's Newton-Schulz in {rt.muon_dtype}" if cfg.optimizer == "muon" else ""
-    ranks = f"{rt.world_size} ranks under {'DDP' if cfg.parallel == 'ddp' else 'FSDP2'}" if rt.is_distributed else \
-        "world size 1"
-    kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
-    kernels = f" ({kernels})" if kernels else ""
-    c = model.config
-    layers = f"{'biases' if c.bias else 'no biases'}, {'tanh' if c.gelu == 'tanh' else 'exact'} GELU" + (
-        "; nanoGPT's train.py: --bias=False --gelu=none" if c.bias or c.gelu == "tanh" else "")
-    return (f"{model.get_num_params() / 1e6:.2f}M parameters ({layers}), attn={c.attn}{kernels}, {rt.dtype} on "
-            f"{rt.name}"
-            f"{muon}, {ranks}, {tokens_per_iter(cfg):,} tokens per iteration")
-
-
 def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
@@ -357,15 +340,12 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             timed_out = cfg.max_seconds > 0 and timer.total >= cfg.max_seconds
             if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (TrainingLines)
                 out_of_time = timed_out
-            # a log point: every log_interval steps, and the step before an evaluation, which stops the clock
+            end = None  # a log point's: every log_interval steps, and the step before an evaluation (the clock stops)
             if run.iter_num % cfg.log_interval == 0 or evaluates(run.iter_num) or out_of_time:
                 # summed over ranks behind the step, and whether time ran out
-                values = runtime.sum_across_ranks_(torch.stack([loss.detach().float(), torch.full_like(
-                    loss, float(rt.is_distributed and timed_out), dtype=torch.float32)]))
-                end = timer.step_end(run.iter_num, values)
-            else:
-                end = timer.step_end(run.iter_num)
-            out_of_time |= lines.after_step(end, lr)  # prints the waiting line: its read waits for that step alone
+                end = timer.step_end(run.iter_num, runtime.sum_across_ranks_(torch.stack([loss.detach().float(),
+                    torch.full_like(loss, float(rt.is_distributed and timed_out), dtype=torch.float32)])))
+            out_of_time |= lines.after_step(end, lr)  # prints the waiting line: its read waits for its step only
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
         run.log.close()
@@ -463,7 +443,7 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     if run.attn_decision:  # the whole table beside the run's metrics (wandb has it in the run's config)
         run.log.log({"iter": run.iter_num, **{k: v for k, v in run.attn_decision.items() if "workload" not in k}})
     if rt.is_master:
-        print(banner(cfg, rt, raw_model))
+        print(banner(cfg, rt, raw_model, tokens_per_iter(cfg)))
         if resumed_at is not None:
             print(f"resumed from iter {resumed_at} of {cfg.out_dir} ({run.time_before:.0f} s of training behind it)")
         if resumed_at is not None and resumed_at >= cfg.max_iters:
@@ -477,23 +457,6 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
         if rt.is_master:
             print(resume_hint(cfg, run, argv), file=sys.stderr)
         raise
-
-
-def resume_hint(cfg: Settings, run: TrainingRun, argv: list[str]) -> str:
-    """Where an interrupted run stands: the newest checkpoint kept, and the command that goes on from it (the same
-    launch: under torchrun, torchrun's)."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.rt.world_size))
-    launch = f"torchrun --nproc_per_node={ranks}" if run.rt.is_distributed else "python"
-    if run.rt.is_distributed and ranks != run.rt.world_size:  # several nodes: their rendezvous options are not ours
-        launch = "torchrun <your torchrun options>"
-    kept = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))]
-    command = f"{launch} {shlex.join(['train.py', *kept])}"
-    if run.saved_at is None:  # --overwrite=True only where a new run would otherwise be refused: this one's log
-        replace = " --overwrite=True" if (Path(cfg.out_dir) / "metrics.jsonl").exists() else ""
-        return (f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}; start again with: "
-                f"{command}{replace}")
-    return (f"stopped at iter {run.iter_num}; the checkpoint kept in {cfg.out_dir} is iter {run.saved_at}; "
-            f"continue with: {command} --init_from=resume")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """
-The training log (console, out_dir/metrics.jsonl, wandb) and the clock of its ms_per_iter, which counts training
-steps only.
+The training log (console, out_dir/metrics.jsonl, wandb), the clock of its ms_per_iter, which counts training steps
+only, and the run's other lines (its banner, and where an interrupted run stands).
 """
 
 import json
 import math
+import os
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from core.configurator import Settings
 from core.errors import UserError
 from core.files import staged_outputs
 from core.runtime import Runtime
+from model import IMPLEMENTATIONS, GPT
 
 
 class Progress:
@@ -90,12 +93,12 @@ class TrainingLines:
         self.log, self.timer, self.rt, self.tokens_per_iter = log, timer, rt, tokens_per_iter
         self.mfu, self.out_dir, self.waiting = mfu, out_dir, None  # the log point whose line is printed next
 
-    def after_step(self, end: "StepEnd", lr: float) -> bool:
-        """Print the waiting log point's line, now that another step is queued, and keep step end's for the next call
-        (a log point's: values copied behind it). Returns whether any rank ran out of max_seconds (the flag travels
-        with the loss, so ranks stop together)."""
+    def after_step(self, end: Optional["StepEnd"], lr: float) -> bool:
+        """Print the waiting log point's line, now that another step is queued, and keep this one's (`end`, None if
+        the step is not a log point) for the next call. Returns whether any rank ran out of max_seconds (the flag
+        travels with the loss, so ranks stop together)."""
         out_of_time = self.flush()
-        self.waiting = (end, lr) if end.values is not None else None
+        self.waiting = (end, lr) if end is not None else None
         return out_of_time
 
     def flush(self) -> bool:
@@ -122,7 +125,7 @@ class TrainingLines:
 @dataclass
 class StepEnd:
     """Where training step `it` ends: an event behind it on CUDA, else the clock; and `values` of it copied to the host
-    behind it (or None)."""
+    behind it (None for the clock's start)."""
     it: int
     event: Optional[object]
     time: float
@@ -156,9 +159,9 @@ class StepTimer:
         """Seconds of training so far, for max_seconds: the host's clock, which runs at most a step or so ahead."""
         return self.before + (time.perf_counter() - self.started if self.running else 0.0)
 
-    def step_end(self, it: int, values: Optional[torch.Tensor] = None) -> StepEnd:
-        """Mark the end of step `it`, just queued, copying `values` (its loss) behind it when given."""
-        values, event = self.rt.copy_behind(values) if values is not None else (None, self.rt.stream_event())
+    def step_end(self, it: int, values: torch.Tensor) -> StepEnd:
+        """Mark the end of log point `it`, just queued, copying `values` (its loss) behind it."""
+        values, event = self.rt.copy_behind(values)
         return StepEnd(it, event, time.perf_counter(), values)
 
     def start(self, it: int) -> None:
@@ -183,3 +186,36 @@ class StepTimer:
             end.event.synchronize()
             return start.event.elapsed_time(end.event) / 1e3, end.it - start.it  # the device's clock, gaps included
         return end.time - start.time, end.it - start.it
+
+
+# -- the run's other lines: its banner, and where an interrupted run stands -----------------------------------
+
+def banner(cfg: Settings, rt: Runtime, model: GPT, tokens_per_iter: int) -> str:
+    """The run's first line: the model, attention, precision, device, and how the ranks split the work."""
+    muon = f", Muon's Newton-Schulz in {rt.muon_dtype}" if cfg.optimizer == "muon" else ""
+    ranks = f"{rt.world_size} ranks under {'DDP' if cfg.parallel == 'ddp' else 'FSDP2'}" if rt.is_distributed else \
+        "world size 1"
+    kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
+    kernels = f" ({kernels})" if kernels else ""
+    c = model.config
+    layers = f"{'biases' if c.bias else 'no biases'}, {'tanh' if c.gelu == 'tanh' else 'exact'} GELU" + (
+        "; nanoGPT's train.py: --bias=False --gelu=none" if c.bias or c.gelu == "tanh" else "")
+    return (f"{model.get_num_params() / 1e6:.2f}M parameters ({layers}), attn={c.attn}{kernels}, {rt.dtype} on "
+            f"{rt.name}{muon}, {ranks}, {tokens_per_iter:,} tokens per iteration")
+
+
+def resume_hint(cfg: Settings, run, argv: list[str]) -> str:  # run: train.TrainingRun
+    """Where an interrupted run stands: the newest checkpoint kept, and the command that goes on from it (the same
+    launch: under torchrun, torchrun's)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", run.rt.world_size))
+    launch = f"torchrun --nproc_per_node={ranks}" if run.rt.is_distributed else "python"
+    if run.rt.is_distributed and ranks != run.rt.world_size:  # several nodes: their rendezvous options are not ours
+        launch = "torchrun <your torchrun options>"
+    kept = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))]
+    command = f"{launch} {shlex.join(['train.py', *kept])}"
+    if run.saved_at is None:  # --overwrite=True only where a new run would otherwise be refused: this one's log
+        replace = " --overwrite=True" if (Path(cfg.out_dir) / "metrics.jsonl").exists() else ""
+        return (f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}; start again with: "
+                f"{command}{replace}")
+    return (f"stopped at iter {run.iter_num}; the checkpoint kept in {cfg.out_dir} is iter {run.saved_at}; "
+            f"continue with: {command} --init_from=resume")

@@ -283,7 +283,6 @@ def test_one_function_builds_what_a_decode_step_hands_attention_where_it_runs_is
     import functools as ft
     from attention import attn_auto, kernels
     from model import IMPLEMENTATIONS, GPT, GPTConfig
-    from core.runtime import Runtime
     calls = []
     real = masks.decode_step
 

@@ -19,8 +19,9 @@ import torch
 
 import sample
 import train
+from engine import metrics as train_metrics
 from conftest import REPO, TINY, ctrl_c_at_step
-from core import errors, files, runtime
+from core import errors, files
 from core.errors import UserError
 from engine import checkpoint as checkpoint_module
 from engine.reader import load_checkpoint
@@ -167,10 +168,10 @@ def test_ctrl_c_before_anything_was_written_names_no_overwrite(char_data, tmp_pa
 def test_under_torchrun_the_resume_hint_is_a_torchrun_command(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     run = SimpleNamespace(rt=SimpleNamespace(is_distributed=True, world_size=2), saved_at=4, iter_num=5)
-    hint = train.resume_hint(SimpleNamespace(out_dir="out"), run, ["config/x.py", "--init_from=scratch"])
+    hint = train_metrics.resume_hint(SimpleNamespace(out_dir="out"), run, ["config/x.py", "--init_from=scratch"])
     assert hint.endswith("continue with: torchrun --nproc_per_node=2 train.py config/x.py --init_from=resume")
     run.rt.world_size = 16  # two nodes of 8: their rendezvous options are the user's
-    assert "continue with: torchrun <your torchrun options> train.py config/x.py" in train.resume_hint(
+    assert "continue with: torchrun <your torchrun options> train.py config/x.py" in train_metrics.resume_hint(
         SimpleNamespace(out_dir="out"), run, ["config/x.py"])
 
 
