@@ -162,15 +162,14 @@ def decode_step(layout: str, end, window: int, block_size: int, takes_mask: bool
       attention meets a few shapes (cuDNN builds a plan per shape); an implementation that takes no mask
       (FlashAttention-2, `takes_mask` False) reads exactly the keys it sees.
     Each row sees keys from its document's start on (doc_start (B,)), and at most `window` back."""
-    if isinstance(end, torch.Tensor):
+    if isinstance(end, torch.Tensor):  # positions in the cache are positions in the text
         lo, hi = 0, block_size
-        first = (end - window).clamp(min=0) if window else torch.zeros_like(end)  # (1,)
-    else:
+        starts = (end - window).clamp(min=0) if window else torch.zeros_like(end)  # (1,)
+    else:  # positions from lo: host arithmetic, then fills (not copies from the host)
         first, lo, hi = decode_keys(end, window, block_size)
         if not takes_mask:
             return slice(first, end), None
-        first, end = (torch.full((1,), n, device=device) for n in (first, end))  # (1,) each: fills, not host copies
-    starts = first - lo  # (1,)
+        starts, end = torch.full((1,), first - lo, device=device), torch.full((1,), end - lo, device=device)
     if doc_start is not None:  # documents: each row from its own start
         starts = torch.maximum(doc_start - lo, starts)  # (B,)
-    return slice(lo, hi), visible_mask(layout, starts, end - lo, hi - lo, dtype)
+    return slice(lo, hi), visible_mask(layout, starts, end, hi - lo, dtype)
