@@ -36,7 +36,7 @@ def user_error(message: str) -> Exception:  # a setting to fix: the scripts prin
 def needs_repository(feature: str) -> None:
     if not IN_REPOSITORY:
         raise user_error(f"{feature} needs the rest of the nanoGPT-attn repository (attention/, core/), which model.py "
-                      f"copied by itself does not have; copy the whole repository, or do without {feature}.")
+                         f"copied by itself does not have; copy the whole repository, or do without {feature}.")
 
 
 # -----------------------------------------------------------------------------
@@ -253,18 +253,18 @@ class GPTConfig:
     def __post_init__(self):
         if self.attn == "auto":
             raise user_error("attn='auto' is measured on a model, not stored in a config: build it with another "
-                          "attn (say 'sdpa'), then call model.set_attention('auto').")
+                             "attn (say 'sdpa'), then call model.set_attention('auto').")
         if self.attn not in IMPLEMENTATIONS:
             raise user_error(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
         if self.n_embd % self.n_head != 0:
             raise user_error(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                          f"pick sizes where n_embd is a multiple of n_head.")
+                             f"pick sizes where n_embd is a multiple of n_head.")
         if self.gelu not in ("tanh", "none"):
             raise user_error(f"gelu must be 'tanh' or 'none', got '{self.gelu}'.")
         if self.doc_mask and not 0 <= self.eot_token < self.vocab_size:
             raise user_error(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
-                          f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
-                          f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
+                             f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
+                             f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
         if self.window < 0:
             raise user_error(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
         if not 0.0 <= self.dropout < 1.0:
@@ -396,7 +396,7 @@ class GPT(nn.Module):
         B, T = idx.size()
         if T > self.config.block_size:
             raise user_error(f"cannot forward a sequence of {T} tokens: block_size is "
-                          f"{self.config.block_size}; crop the input or use a smaller block_size.")
+                             f"{self.config.block_size}; crop the input or use a smaller block_size.")
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         cache = None if input_pos is None else self.cache
@@ -503,7 +503,7 @@ class GPT(nn.Module):
     def crop_block_size(self, block_size: int) -> None:  # e.g. to fine-tune GPT-2 (1024) at a shorter block_size
         if block_size > self.config.block_size:
             raise user_error(f"block_size={block_size} is larger than the model's {self.config.block_size}; "
-                          f"use --block_size={self.config.block_size} or less.")
+                             f"use --block_size={self.config.block_size} or less.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
         self.checked.clear()
@@ -743,7 +743,7 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
     model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
     if idx.dim() != 2 or idx.size(1) == 0:
         raise user_error(f"generation needs a prompt of at least one token per row, shape (B, T), got "
-                      f"{tuple(idx.shape)}; start from a token such as end-of-text.")
+                         f"{tuple(idx.shape)}; start from a token such as end-of-text.")
     if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):  # NaN fails too
         raise user_error(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}.")
     if top_k is not None and top_k < 1:

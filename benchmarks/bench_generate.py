@@ -128,7 +128,8 @@ def audit_generation(rows: dict[str, Row], described: dict[str, dict], rt: Runti
 
 def kv_read_per_step(row: Row, kv_cache_bytes: int) -> float:
     """Bytes of keys and values a decode step reads, on average over the row's steps: the whole cache when compiled
-    (one shape), else the cache positions an eager step reads (attention/masks.py's decode_keys); none without a cache."""
+    (one shape), else the cache positions an eager step reads (attention/masks.py's decode_keys); none without a
+    cache."""
     cfg = row.model.config
     if row.cache != "compiled" and kv_cache_bytes:
         ends = range(row.prompt.size(1) + 1, min(row.prompt.size(1) + row.new_tokens, cfg.block_size) + 1)
@@ -258,8 +259,8 @@ def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
 
 
 def cpu_share(cpu_seconds: float, wall_seconds: float) -> float:
-    """The share of torch's threads' time this process ran: 1 with the cores to itself, ~0.5 beside one other busy process
-    per core."""
+    """The share of torch's threads' time this process ran: 1 with the cores to itself, ~0.5 beside one other busy
+    process per core."""
     return cpu_seconds / (wall_seconds * torch.get_num_threads())
 
 

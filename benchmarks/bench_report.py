@@ -80,7 +80,8 @@ def padding_note(rows: list[dict]) -> str:
         return "note: no implementation ran both padded and unpadded, so this run says nothing of padding"
     faster = sum(ratio < 1 for ratio in ratios)
     return (f"note: padded vocabulary faster in {faster} of {len(ratios)} pairs of rows here (median time ratio "
-            f"{float(np.median(ratios)):.2f}x the unpadded row's); why PyTorch's post expects it on a GPU: docs/bench.md")
+            f"{float(np.median(ratios)):.2f}x the unpadded row's); why PyTorch's post expects it on a GPU: "
+            f"docs/bench.md")
 
 
 def computed_cell(row: dict) -> str:
@@ -169,8 +170,8 @@ def ms_label(ms: float) -> str:
 
 
 def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
-    """PyTorch's post's figure: ms per step per attn, unpadded and padded side by side, IQR whiskers (attention mode: one bar
-    per sequence length)."""
+    """The figure of PyTorch's post: ms per step per attn, unpadded and padded side by side, IQR whiskers (attention
+    mode: one bar per sequence length)."""
     name_masks = len(cfg.mask) > 1 or cfg.mask != ["causal"]  # the series say which mask
     if cfg.mode == "train":
         series = {f"vocab {'padded' if p else 'unpadded'}" + (f", {m}" if name_masks else "") +

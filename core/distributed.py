@@ -18,7 +18,8 @@ def join(device: str, backend: str = "auto") -> tuple[int, int, int, str]:
     rank, local_rank, world_size = launch_variables(os.environ)
     if device.startswith("cuda") and local_rank >= torch.cuda.device_count():
         raise UserError(f"LOCAL_RANK={local_rank} has no GPU of its own: this node shows "
-                        f"{torch.cuda.device_count()}; pass torchrun --nproc_per_node= at most that many.", this_rank=True)
+                        f"{torch.cuda.device_count()}; pass torchrun --nproc_per_node= at most that many.",
+                        this_rank=True)
     # torchrun's store outlives a restart (--max-restarts): keys of this attempt's own, or the restarted ranks read
     # the dead ones' addresses and hang or fail to connect
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))

@@ -102,7 +102,8 @@ def check_shapes(contents: dict, path: Path) -> None:
         wrong = sorted(set(shapes) ^ set(found)) or sorted(n for n in shapes if shapes[n] != found[n])
         if wrong:
             name = wrong[0]
-            found_as = f"{name} is {found.get(name, 'missing')}" if name in shapes else f"{name} is not one of its tensors"
+            found_as = f"{name} is {found.get(name, 'missing')}" if name in shapes else \
+                f"{name} is not one of its tensors"
             raise UserError(f"{damaged} weights do not fit its model_config ({config.n_layer} layers of width "
                             f"{config.n_embd}: {found_as}, {len(wrong)} such); {fix}.")
     state = contents.get("optimizer", {}).get("state", {}) if isinstance(contents.get("optimizer"), dict) else {}

@@ -164,7 +164,7 @@ def test_every_implementation_attends_over_exactly_the_keys_a_decode_steps_mask_
     q = torch.randn(2, 2, 1, 16, generator=g)  # (B, nh, 1, hs): one query per row
     k, v = torch.randn(2, 2, 2, 48, 16, generator=g)  # (B, nh, block, hs) each: the whole cache
     for starts in ([3, 17], [5, 5], [0]):
-        span = masks.visible_mask(IMPLEMENTATIONS[attn].mask, torch.tensor(starts), torch.tensor([30]), 48)  # [start, 30)
+        span = masks.visible_mask(IMPLEMENTATIONS[attn].mask, torch.tensor(starts), torch.tensor([30]), 48)  # [s, 30)
         expected = torch.stack([
             ((q[b].double() @ k[b, :, s:30].double().transpose(-2, -1)) / 4.0).softmax(-1) @ v[b, :, s:30].double()
             for b, s in enumerate(starts * 2 if len(starts) == 1 else starts)])  # (B, nh, 1, hs)
