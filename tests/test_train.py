@@ -606,11 +606,12 @@ def test_the_banner_says_how_the_ranks_split_the_work(char_data):
     rt = SimpleNamespace(world_size=2, is_distributed=True, dtype="float32", name="CPU", muon_dtype="float32")
     cfg = SimpleNamespace(optimizer="adamw", parallel="fsdp", gradient_accumulation_steps=2, batch_size=4,
                           block_size=8)
-    assert ", 2 ranks under FSDP2, 64 tokens per iteration" in train_metrics.banner(cfg, rt, model, train.tokens_per_iter(cfg))
+    per_iter = train.tokens_per_iter(cfg)
+    assert ", 2 ranks under FSDP2, 64 tokens per iteration" in train_metrics.banner(cfg, rt, model, per_iter)
     cfg.parallel = "ddp"
-    assert ", 2 ranks under DDP, " in train_metrics.banner(cfg, rt, model, train.tokens_per_iter(cfg))
+    assert ", 2 ranks under DDP, " in train_metrics.banner(cfg, rt, model, per_iter)
     rt.world_size, rt.is_distributed = 1, False
-    assert ", world size 1, " in train_metrics.banner(cfg, rt, model, train.tokens_per_iter(cfg))
+    assert ", world size 1, " in train_metrics.banner(cfg, rt, model, per_iter)
 
 
 def test_omp_num_threads_past_what_the_cpus_run_is_refused_before_anything_is_made(char_data, tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ state by parameter number, `model_args`, and the vocabulary in meta.pkl.
 """
 
 import dataclasses
-import os
 import pickle
 import shutil
 from collections import Counter
@@ -43,14 +42,14 @@ def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_di
 
 
 def keep_original(path: Path) -> None:
-    """Keep nanoGPT's ckpt.pt beside the file this run saves over it, as ckpt.nanogpt.pt (written whole)."""
+    """Keep nanoGPT's ckpt.pt beside the file this run saves over it, as ckpt.nanogpt.pt (written whole); train.py
+    calls it on rank 0, before its first save."""
     kept = path.with_name("ckpt.nanogpt.pt")
     if kept.exists():
         return
     with files.staged_outputs(path.parent, [kept.name], what=str(kept)) as tmp:
         shutil.copy2(path, tmp[kept.name])
-    if os.environ.get("RANK", "0") == "0":  # torchrun's rank; one line, not one per rank
-        print(f"resuming from nanoGPT's checkpoint; the original is kept as {kept}")
+    print(f"nanoGPT's original checkpoint is kept as {kept}")
 
 
 def nanogpt_model_state(state: dict) -> dict:
