@@ -11,8 +11,9 @@ Every setting below can be set in a config file or overridden with --key=value.
 import dataclasses
 import math
 import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -25,7 +26,7 @@ from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, describe_
 from core.configurator import PATH, SEED, Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
-from engine.metrics import MetricsLog, Progress, StepTimer, TrainingLines, banner, resume_hint
+from engine.metrics import MetricsLog, Progress, banner, resume_hint
 from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, IMPLEMENTATIONS, GPTConfig
 from core.runtime import Runtime
@@ -214,9 +215,7 @@ class TrainingRun:
         train_time_s += self.time_before  # this run's, continuing the resumed one's
         self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
         val_loss = losses["val/loss"]
-        if not math.isfinite(val_loss):
-            raise UserError(f"validation loss is {val_loss} at iter {self.iter_num}; training diverged (try "
-                            f"a lower learning_rate); the last good checkpoint in {self.cfg.out_dir} is kept.")
+        self.stop_if_diverged("validation", val_loss, self.iter_num)
         if self.iter_num == 0 or not (val_loss < self.best_val_loss or self.cfg.always_save_checkpoint):
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
@@ -231,6 +230,27 @@ class TrainingRun:
             train_time_s=train_time_s, rng=rng, settings=self.cfg.as_dict(), meta=self.meta,
             attn_decision=self.attn_decision))
         self.saved_at = self.iter_num
+
+
+    def print_line(self, it: int, lr: float, loss: float, steps: int, seconds: float, peak_flops) -> None:
+        """A log point's line: its training loss, and the speed over the `steps` timed since the last line."""
+        self.stop_if_diverged("training", loss, it)
+        metrics = {"iter": it, "train/loss": loss, "lr": lr}
+        if steps:  # none when the only step since the last line was the compiling one
+            tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
+            metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
+            if peak_flops is not None:
+                metrics["mfu"] = self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size,
+                                                                           peak_flops, self.cfg.block_size)
+        self.log.log({**metrics, **self.rt.memory_metrics()})
+
+    def stop_if_diverged(self, which: str, loss: float, it: int) -> None:
+        if math.isfinite(loss):
+            return
+        kept = f"the checkpoint of iter {self.saved_at} in {self.cfg.out_dir} is kept" if self.saved_at is not None \
+            else "no checkpoint was saved"
+        raise UserError(f"{which} loss is {loss} at iter {it}; training diverged (try a lower learning_rate, or "
+                        f"grad_clip); {kept}.")
 
 
 def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
@@ -295,20 +315,42 @@ def cpu_hint(cfg: Settings, rt: Runtime) -> str:
            f"{CPU_COMMAND}"
 
 
+class StepEnd(NamedTuple):
+    """Where a log point's step ends, marked as it is queued: the host's clock, and on CUDA an event behind the step."""
+    it: int
+    time: float
+    event: Optional[object]
+
+
 def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating and saving every eval_interval steps and at the end (a resumed
-    run not again at resumed_at). A log point's loss is read once the next step is queued, so the device never idles."""
+    run not again at resumed_at). The clock: a line times the steps from the last line's step end to its own (on CUDA
+    between events, the device's time); it stops for the compiling step and for evaluations, and a log point's loss,
+    copied to the host behind its step, is read once the next step is queued, so the device never waits on the host."""
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # a GPU's datasheet figure; None on a CPU
     if rt.is_master:
         print(flops.peak_line(rt, peak_flops))
-    timer = StepTimer(rt)
-    model, world = run.trainer.model, rt.world_size
-    mfu = None if peak_flops is None else (
-        lambda tokens_per_s: model.model_flops_utilization(tokens_per_s / world, peak_flops, cfg.block_size))
-    lines = TrainingLines(run.log, timer, rt, tokens_per_iter(cfg), mfu, cfg.out_dir)
+    trained, started = 0.0, 0.0  # seconds of training before the clock last started, and when it did (host clock)
+    since: Optional[StepEnd] = None  # the clock's start: the last line's step end; None while it is stopped
+    waiting = None  # the log point whose line is printed next: (StepEnd, lr, loss and out-of-time flag on the host)
     steps_run, out_of_time = 0, False
+
+    def print_waiting() -> bool:  # returns whether any rank ran out of max_seconds (the flag travels with the loss)
+        nonlocal since, waiting
+        if waiting is None:
+            return False
+        (end, lr, values), waiting = waiting, None
+        if end.event is not None:
+            end.event.synchronize()  # its own step alone: .item() would wait for the step queued since as well
+        steps = end.it - since.it if since is not None else 0  # 0: the only step since the last line compiled
+        seconds = (since.event.elapsed_time(end.event) / 1e3 if end.event is not None else end.time - since.time) \
+            if steps else 0.0
+        since = end if since is not None else None
+        loss, flag = values.tolist()
+        run.print_line(end.it, lr, loss / rt.world_size, steps, seconds, peak_flops)
+        return flag > 0
 
     def evaluates(it: int) -> bool:  # at max_iters and every eval_interval; time running out evaluates too
         return it >= cfg.max_iters or it % cfg.eval_interval == 0
@@ -319,33 +361,39 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
             evaluating = evaluates(run.iter_num) or out_of_time
             if evaluating:  # the training line before the evaluation's (it may say: stop)
-                out_of_time |= lines.flush()
+                out_of_time |= print_waiting()
             done = run.iter_num >= cfg.max_iters or out_of_time
             if evaluating and run.iter_num != resumed_at:
-                timer.pause()
+                if since is not None:  # the clock stops: evaluating and saving are not training time
+                    rt.synchronize()
+                    trained, since = trained + time.perf_counter() - started, None
                 # the lr both of iter N's lines show: the rate of the step that made iter N's weights
-                last_lr = cfg.learning_rate * lr_multiplier(max(0, run.iter_num - 1), cfg)
-                run.evaluate_and_save(last_lr, timer.total)
+                run.evaluate_and_save(cfg.learning_rate * lr_multiplier(max(0, run.iter_num - 1), cfg), trained)
             if done:
                 break
             # a compiled model compiles during its first step: it trains, but stays out of ms/iter and max_seconds
-            if cfg.compile and steps_run == 0 and rt.is_master:
+            compiling = cfg.compile and steps_run == 0
+            if compiling and rt.is_master:
                 print("compiling the training step: the first step takes a minute or more, left out of ms_per_iter",
                       flush=True)
-            if not (cfg.compile and steps_run == 0) and not timer.running:
-                timer.start(run.iter_num)
+            if since is None and not compiling:  # the clock starts with nothing queued
+                rt.synchronize()
+                started = time.perf_counter()
+                since = StepEnd(run.iter_num, started, rt.stream_event())
             loss = run.trainer.step(run.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
             steps_run += 1
             run.iter_num += 1
-            timed_out = cfg.max_seconds > 0 and timer.total >= cfg.max_seconds
-            if not rt.is_distributed:  # under torchrun the ranks compare clocks at log points (TrainingLines)
+            timed_out = cfg.max_seconds > 0 and since is not None and \
+                trained + time.perf_counter() - started >= cfg.max_seconds
+            if not rt.is_distributed:  # under torchrun the ranks stop together on the flag their log point carries
                 out_of_time = timed_out
-            end = None  # a log point's: every log_interval steps, and the step before an evaluation (the clock stops)
+            point = None  # every log_interval steps, and the step before an evaluation (the clock stops there)
             if run.iter_num % cfg.log_interval == 0 or evaluates(run.iter_num) or out_of_time:
-                # summed over ranks behind the step, and whether time ran out
-                end = timer.step_end(run.iter_num, runtime.sum_across_ranks_(torch.stack([loss.detach().float(),
+                values, event = rt.copy_behind(runtime.sum_across_ranks_(torch.stack([loss.detach().float(),
                     torch.full_like(loss, float(rt.is_distributed and timed_out), dtype=torch.float32)])))
-            out_of_time |= lines.after_step(end, lr)  # prints the waiting line: its read waits for its step only
+                point = (StepEnd(run.iter_num, time.perf_counter(), event), lr, values)
+            out_of_time |= print_waiting()  # the last log point's line: its step is done or nearly
+            waiting = point
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
         run.log.close()
@@ -451,10 +499,10 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
                   f"to train further pass a larger --max_iters= (and --lr_decay_iters= to match).")
     try:
         train_loop(run, resumed_at)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a save: what is kept, and how to go on
-        if rt.is_master and run.saved_at is None and made_out_dir:  # nothing to resume: the folder goes, as it came
-            (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
-        if rt.is_master:
+    except BaseException as e:  # diverged, Ctrl-C, SIGTERM during a save: what is kept, and how to go on
+        if rt.is_master and run.saved_at is None:  # a new run with nothing to resume: its log goes, so the same
+            (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)  # command can run again in out_dir
+        if rt.is_master and isinstance(e, KeyboardInterrupt):
             print(resume_hint(cfg, run, argv), file=sys.stderr)
         raise
 

@@ -1,16 +1,13 @@
 """
-The training log (console, out_dir/metrics.jsonl, wandb), the clock of its ms_per_iter, which counts training steps
-only, and the run's other lines (its banner, and where an interrupted run stands).
+The training log (console, out_dir/metrics.jsonl, wandb) and the run's other lines: its banner, a long evaluation's
+progress, and where an interrupted run stands. train.py's train_loop times the steps.
 """
 
 import json
-import math
 import os
 import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -81,111 +78,6 @@ class MetricsLog:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
-
-
-class TrainingLines:
-    """The one owner of a log point's line: its loss, copied to the host behind its step, is read once the next step
-    is queued (so the device never waits) and printed with the speed over the steps timed since the last line.
-    `mfu(tokens_per_s)` or None."""
-
-    def __init__(self, log: "MetricsLog", timer: "StepTimer", rt: Runtime, tokens_per_iter: int,
-                 mfu: Optional[Callable[[float], float]], out_dir: str):
-        self.log, self.timer, self.rt, self.tokens_per_iter = log, timer, rt, tokens_per_iter
-        self.mfu, self.out_dir, self.waiting = mfu, out_dir, None  # the log point whose line is printed next
-
-    def after_step(self, end: Optional["StepEnd"], lr: float) -> bool:
-        """Print the waiting log point's line, now that another step is queued, and keep this one's (`end`, None if
-        the step is not a log point) for the next call. Returns whether any rank ran out of max_seconds (the flag
-        travels with the loss, so ranks stop together)."""
-        out_of_time = self.flush()
-        self.waiting = (end, lr) if end is not None else None
-        return out_of_time
-
-    def flush(self) -> bool:
-        """Print the waiting line now (before an evaluation's, or at the end)."""
-        if self.waiting is None:
-            return False
-        (end, lr), self.waiting = self.waiting, None
-        (loss, out_of_time), world = end.read(), self.rt.world_size
-        loss /= world
-        seconds, steps = self.timer.since_last_line(end)
-        if not math.isfinite(loss):
-            raise UserError(f"training loss is {loss} at iter {end.it}; training diverged (try a lower "
-                            f"learning_rate or grad_clip); the last good checkpoint in {self.out_dir} is kept.")
-        metrics = {"iter": end.it, "train/loss": loss, "lr": lr}
-        if steps:  # none when the only step since the last line was the compiling one
-            tokens_per_s = self.tokens_per_iter * steps / seconds
-            metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
-            if self.mfu is not None:
-                metrics["mfu"] = self.mfu(tokens_per_s)
-        self.log.log({**metrics, **self.rt.memory_metrics()})
-        return out_of_time > 0
-
-
-@dataclass
-class StepEnd:
-    """Where training step `it` ends: an event behind it on CUDA, else the clock; and `values` of it copied to the host
-    behind it (None for the clock's start)."""
-    it: int
-    event: Optional[object]
-    time: float
-    values: Optional[torch.Tensor] = None
-
-    def read(self) -> list[float]:
-        """The values, waiting for this step alone (.item() would wait for every step queued since, and idle the
-        device)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.values.tolist()
-
-
-class StepTimer:
-    """Wall time of training steps with no wait on the device between log points: a log point's step end is marked as
-    it is queued (on CUDA an event behind it) and a line's time runs from the previous line's step end to its own.
-    An evaluation stops the clock right after a line (train_loop makes the step before it a log point)."""
-
-    def __init__(self, rt: Runtime):
-        self.rt = rt
-        self.before = 0.0    # host seconds of training before the clock last started (max_seconds)
-        self.started = None  # host clock at the last start, while running
-        self.since = None    # the step end the next line counts from, while running
-
-    @property
-    def running(self) -> bool:
-        return self.started is not None
-
-    @property
-    def total(self) -> float:
-        """Seconds of training so far, for max_seconds: the host's clock, which runs at most a step or so ahead."""
-        return self.before + (time.perf_counter() - self.started if self.running else 0.0)
-
-    def step_end(self, it: int, values: torch.Tensor) -> StepEnd:
-        """Mark the end of log point `it`, just queued, copying `values` (its loss) behind it."""
-        values, event = self.rt.copy_behind(values)
-        return StepEnd(it, event, time.perf_counter(), values)
-
-    def start(self, it: int) -> None:
-        self.rt.synchronize()
-        self.started = time.perf_counter()
-        self.since = StepEnd(it, self.rt.stream_event(), self.started)
-
-    def pause(self) -> None:
-        """Stop the clock (an evaluation follows the line just printed)."""
-        if self.running:
-            self.rt.synchronize()
-            self.before += time.perf_counter() - self.started
-            self.started = self.since = None
-
-    def since_last_line(self, end: StepEnd) -> tuple[float, int]:
-        """(seconds, steps) from the last line's step end to `end`; (0, 0) where the clock did not run (the compiling
-        step)."""
-        if not self.running or end.it <= self.since.it:
-            return 0.0, 0
-        start, self.since = self.since, end
-        if start.event is not None:
-            end.event.synchronize()
-            return start.event.elapsed_time(end.event) / 1e3, end.it - start.it  # the device's clock, gaps included
-        return end.time - start.time, end.it - start.it
 
 
 # -- the run's other lines: its banner, and where an interrupted run stands -----------------------------------

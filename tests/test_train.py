@@ -164,12 +164,20 @@ def test_checkpoint_loads_with_weights_only(char_data, tmp_path):
     assert ckpt["model_config"]["n_layer"] == 2 and not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tmp_path):
+def test_a_diverging_loss_stops_and_names_the_checkpoint_kept_only_where_one_was_saved(char_data, tmp_path):
+    diverge = ["--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0.0"]
+    fresh = tmp_path / "fresh"  # diverges before its first save: no checkpoint is named, and no log stays behind
+    with pytest.raises(UserError, match="training diverged .*; no checkpoint was saved.$"):
+        train.main(TINY + [f"--data_dir={char_data}", "--max_iters=40", "--eval_interval=100", *diverge,
+                           f"--out_dir={fresh}"])
+    assert not fresh.exists()  # the folder it made goes with it: the retry with a lower rate is not refused
+    train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={fresh}"])
+
     train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
     before = (tmp_path / "ckpt.pt").read_bytes()
-    with pytest.raises(UserError, match="training diverged .*the last good checkpoint in .* is kept"):
+    with pytest.raises(UserError, match=f"training diverged .*the checkpoint of iter 2 in {tmp_path} is kept"):
         train.main(TINY + [f"--data_dir={char_data}", "--max_iters=40", "--eval_interval=2", "--init_from=resume",
-                           "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0.0", f"--out_dir={tmp_path}"])
+                           *diverge, f"--out_dir={tmp_path}"])
     assert (tmp_path / "ckpt.pt").read_bytes() == before
 
 
@@ -383,7 +391,7 @@ def test_every_line_times_exactly_the_steps_it_counts(char_data, tmp_path, monke
     """A step takes 1 s on the timer's clock and an evaluation 50 s: every line reads 1000 ms/iter, whatever the
     intervals, resumed or not, compiled (whose first step is not timed) or not."""
     clock = StepClock()
-    monkeypatch.setattr(train_metrics, "time", clock)
+    monkeypatch.setattr(train, "time", clock)
     real_step, real_estimate = train.Trainer.step, train.estimate_loss
 
     def step(self, batches):
