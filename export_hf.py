@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from core import errors, files
 from core import runtime
 from engine.checkpoint import Checkpoint
-from engine.reader import load_checkpoint
+from engine.reader import build_model, load_checkpoint
 from core.configurator import PATH, configure
 from core.errors import UserError
 from core.hf import CONV1D_WEIGHTS
@@ -140,7 +140,7 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
         raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
                         f"is overwritten).")
     files.check_writable_dir(hf_dir.parent, setting="hf_dir")  # the checkpoint's folder may be read-only: hf_dir's
-    model = checkpoint.build_model()
+    model = build_model(checkpoint)
     if model.config.window:  # doc_mask exports: within one document HF's causal attention is the same attention
         raise UserError(f"this run attends through a window of {model.config.window} tokens, which Hugging Face's "
                         f"GPT-2 cannot express (its logits would differ); export a run trained with window=0.")

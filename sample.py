@@ -17,7 +17,7 @@ from typing import Optional
 from core import files
 from core import runtime
 from engine.checkpoint import POINTER, sharded_folder
-from engine.reader import load_checkpoint
+from engine.reader import build_model, load_checkpoint
 from core.configurator import PATH, SEED, configure, one_of
 from core.errors import UserError
 from engine.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
@@ -71,7 +71,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str] = None) -> tupl
         path = Path(out_dir) / "ckpt.pt"
         checkpoint = load_checkpoint(path)
         path = sharded_folder(path) or path  # what was read: ckpt.pt, or the newer sharded step
-        model = checkpoint.build_model(**({} if attn is None else {"attn": "sdpa" if attn == "auto" else attn}))
+        model = build_model(checkpoint, **({} if attn is None else {"attn": "sdpa" if attn == "auto" else attn}))
         tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")
         source = f"{path} (iter {checkpoint.iter_num})"
         settings = checkpoint.settings

@@ -206,6 +206,7 @@ class TrainingRun:
     attn_decision: dict | None = None    # attn=auto's table and pick (None: attn was named)
     saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
     nanogpt_original: bool = False       # out_dir's ckpt.pt is nanoGPT's: copied aside before the first save over it
+    made_out_dir: bool = False           # this run made out_dir: a stop before its first save takes it away again
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log the evaluation's loss (val, and train unless eval_train=False); stop on a NaN/inf; save when val
@@ -248,7 +249,8 @@ class TrainingRun:
         if math.isfinite(loss):
             return
         kept = f"the checkpoint of iter {self.saved_at} in {self.cfg.out_dir} is kept" if self.saved_at is not None \
-            else "no checkpoint was saved"
+            else "no checkpoint was saved" + ("" if self.made_out_dir else " (add --overwrite=True to run again in "
+                                                                          f"{self.cfg.out_dir})")
         raise UserError(f"{which} loss is {loss} at iter {it}; training diverged (try a lower learning_rate, or "
                         f"grad_clip); {kept}.")
 
@@ -260,19 +262,44 @@ def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
 def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
                                            Optional[files.OutDirLock]]:
     """Settings, runtime, the checkpoint a resume continues (None for a new run), the data's folder (prepared if it is
-    an embedded dataset) and the lock on out_dir (rank 0's), with all checked that needs no model before out_dir is
-    made. A resume runs with its checkpoint's settings (Checkpoint.resumed_settings), so every check below is the
+    an embedded dataset) and the lock on out_dir (rank 0's), with all checked that needs no model. out_dir is locked
+    before a resume reads its checkpoint (a run training there meanwhile may be removing old steps), and a refused
+    start releases it. A resume runs with its checkpoint's settings (resumed_settings), so every check below is the
     resumed run's."""
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    checkpoint = None
-    if cfg.init_from == "resume":
-        from engine.reader import load_checkpoint  # only a resume reads a checkpoint
-        checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only,
-                                     data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
-        cfg = checkpoint.resumed_settings(cfg, LIMITS, cfg.out_dir)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
                                  backend=cfg.backend)
-    problems = [UserError(text) for wrong, text in (  # every start-up problem of the command, printed at once
+    lock = None  # rank 0's lock on out_dir, for the run's life; evaluation writes nothing and takes none
+    if not cfg.eval_only:
+        lock = runtime.on_master(lambda: files.claim_out_dir(Path(cfg.out_dir), cfg.init_from == "resume",
+                                                             cfg.overwrite, describe_run), rt.device)
+    try:
+        checkpoint = None
+        if cfg.init_from == "resume":  # only a resume reads a checkpoint
+            from engine.reader import load_checkpoint
+            from engine.resume import resumed_settings
+            checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only,
+                                         data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
+            command, cfg = cfg, resumed_settings(checkpoint, cfg, LIMITS, cfg.out_dir)
+            if any(getattr(cfg, k) != getattr(command, k) for k in ("device", "dtype", "muon_dtype", "threads")):
+                rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt)
+        data_dir = check_start(cfg, rt)
+    except BaseException:
+        if lock is not None:
+            lock.release(failed=True)
+        raise
+    return cfg, rt, checkpoint, data_dir, lock
+
+
+def describe_run(ckpt: Path) -> str:  # a few words on the checkpoint a refused claim names
+    from engine.reader import describe_checkpoint
+    return describe_checkpoint(ckpt)
+
+
+def check_start(cfg: Settings, rt: Runtime) -> Path:
+    """Every start-up problem of the command, printed at once (with the CPU recipe where the model is GPU-sized),
+    before anything is written; else the data's folder, prepared if it is an embedded dataset."""
+    problems = [UserError(text) for wrong, text in (
         (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
          "under --parallel=fsdp: Muon orthogonalizes each whole weight matrix and FSDP2 gives every rank a shard of "
          "it; use --parallel=ddp."),
@@ -281,7 +308,6 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoin
         (cfg.gradient_accumulation_steps % rt.world_size, f"gradient_accumulation_steps="
          f"{cfg.gradient_accumulation_steps} is not divisible by the {rt.world_size} ranks; make it a multiple of the "
          f"world size.")) if wrong]
-    # before anything is written: a run that cannot log, or has no data, leaves no empty out_dir behind
     if cfg.wandb_log:
         from tools.wandb_check import check_wandb
         problems += errors.problems_of(lambda: runtime.on_master(check_wandb, rt.device))
@@ -292,15 +318,10 @@ def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoin
     except UserError as e:
         problems.append(e)
     hint = cpu_hint(cfg, rt)
-    errors.refuse_all(problems, hint)  # one line for them all, with the CPU recipe where the model is GPU-sized
+    errors.refuse_all(problems, hint)
     if hint and rt.is_master:
         print(f"note: {hint}", file=sys.stderr)
-    lock = None  # rank 0's lock on out_dir, for the run's life; evaluation writes nothing and takes none
-    if not cfg.eval_only:
-        from engine.reader import claim_out_dir  # what out_dir holds, read before anything is written
-        lock = runtime.on_master(lambda: claim_out_dir(Path(cfg.out_dir), checkpoint is not None, cfg.overwrite),
-                                 rt.device)
-    return cfg, rt, checkpoint, data_dir, lock
+    return data_dir
 
 
 CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py "
@@ -403,7 +424,7 @@ def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
     """Everything a resumed run takes from its checkpoint, in one place, once the model and optimizers are placed:
     weights, optimizer state (not for eval_only), RNG streams (the data position among them), step, best val loss,
     training time and attn=auto's decision (reused by choose_attention where the workload is the same). Its settings
-    were read before the model was built (Checkpoint.resumed_settings, in start). Returns the step it resumes at."""
+    were read before the model was built (resumed_settings, in start). Returns the step it resumes at."""
     model, optimizers = run.trainer.model, run.trainer.optimizers
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
         from tools.sharded import load_into
@@ -464,7 +485,8 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
         meta = read_nanogpt_meta(data_dir / "meta.pkl")
 
     if checkpoint is not None:
-        checkpoint.check_tokens(meta, cfg.out_dir)
+        from engine.resume import check_tokens
+        check_tokens(checkpoint, meta, cfg.out_dir)
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
@@ -475,7 +497,7 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, saver)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, saver, made_out_dir=made_out_dir)
     resumed_at = restore(run, checkpoint) if checkpoint is not None else None
     choose_attention(run)
     run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
@@ -500,8 +522,8 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     try:
         train_loop(run, resumed_at)
     except BaseException as e:  # diverged, Ctrl-C, SIGTERM during a save: what is kept, and how to go on
-        if rt.is_master and run.saved_at is None:  # a new run with nothing to resume: its log goes, so the same
-            (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)  # command can run again in out_dir
+        if rt.is_master and run.saved_at is None and made_out_dir:  # nothing to resume: the folder goes, as it came
+            (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
         if rt.is_master and isinstance(e, KeyboardInterrupt):
             print(resume_hint(cfg, run, argv), file=sys.stderr)
         raise

@@ -26,7 +26,7 @@ def settings(namespace: dict) -> dict:
             if not k.startswith("_") and not k.isupper() and isinstance(v, PLAIN_TYPES)}
 
 
-def _coerce(key: str, value, default, current):
+def coerce(key: str, value, default, current):
     """`value` as the type of `default`: an int is a fine float, anything goes for a None default. `current`: the
     value so far (a config file's, else the default), what an error line shows."""
     if default is None or value is None or type(value) is type(default):
@@ -217,7 +217,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             value = _parse_value(text)
             if isinstance(defaults[key], str) and isinstance(value, (int, float)):  # --start=2024 is the text "2024"
                 value = text
-            namespace[key] = _coerce(key, value, defaults[key], namespace[key])
+            namespace[key] = coerce(key, value, defaults[key], namespace[key])
             typed[key] = "the command line"
             continue
         path = Path(arg)
@@ -233,33 +233,12 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             raise UserError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}.") from None
         for key, value in settings(scope).items():
             _check_key(key, defaults)
-            namespace[key] = _coerce(key, value, defaults[key], namespace[key])
+            namespace[key] = coerce(key, value, defaults[key], namespace[key])
             typed[key] = str(path)
     values = settings({k: namespace[k] for k in defaults})
     if limits is not None:
         check_limits(values, limits, defaults)
     return Settings(typed, **values)
-
-
-def with_saved(cfg: Settings, saved: dict, limits: dict, keep: tuple) -> tuple[Settings, list[str]]:
-    """A resumed run's settings: `saved` (the run's own, from its checkpoint) for every setting this command left at
-    its default, this command's where it set one (a flag or a config file), and `keep` always this command's. A saved
-    value this version refuses is left at the default. Returns them and the settings this command changed, in words."""
-    values, typed, changed = cfg.as_dict(), cfg.typed, []
-    for key, value in saved.items():
-        if key not in values or key in keep:
-            continue
-        if key in typed:
-            if values[key] != value:
-                changed.append(f"{key}={values[key]!r} (the run had {value!r}, {typed[key]})")
-            continue
-        try:
-            value = _coerce(key, value, values[key], values[key])
-            check_limits({key: value}, {key: limits[key]} if key in limits else {}, {})
-        except UserError:
-            continue  # an older version's value: this version's default stands
-        values[key] = value
-    return Settings(typed, **values), changed
 
 
 def as_list(value, cast=str) -> list:

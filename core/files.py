@@ -218,6 +218,26 @@ class OutDirLock:
             self.out.rmdir()
 
 
+def claim_out_dir(out: Path, resuming: bool, overwrite: bool, describe: Callable[[Path], str]) -> OutDirLock:
+    """out_dir, locked for this run (one run at a time) and writable, before anything in it is read; a new run takes
+    no other run's out_dir unless --overwrite=True (the old metrics.jsonl is replaced at the new run's first line, the
+    old checkpoint at its first save: a run refused before then leaves both as they were). `describe(ckpt)`: a few
+    words on the checkpoint a refusal names."""
+    made = not out.exists()
+    check_writable_dir(out)
+    lock = OutDirLock(out, made_dir=made)
+    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
+    saved = ckpt.exists() or (out / "latest").is_file()  # ckpt.pt, or the pointer to a sharded step
+    if (saved or log.exists()) and not resuming and not overwrite:
+        lock.release(failed=True)
+        if not saved:  # a run stopped before its first checkpoint: there is nothing to resume
+            raise UserError(f"{out} already holds the metrics.jsonl of a run that saved no checkpoint; replace it "
+                            f"with --overwrite=True, or pass another --out_dir=.")
+        raise UserError(f"{out} already holds another run's checkpoint ({describe(ckpt)}); continue it "
+                        f"with --init_from=resume, pass another --out_dir=, or replace it with --overwrite=True.")
+    return lock
+
+
 def cache_folder() -> Path:
     """The project's measurements kept between runs: $XDG_CACHE_HOME (or ~/.cache)/nanogpt-attn/ (attn=auto's
     decisions, bench's read bandwidths)."""

@@ -196,17 +196,23 @@ class Runtime:
 
 
 def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str = "auto",
-                    distributed: bool = False, threads: int = 0, backend: str = "auto") -> Runtime:
+                    distributed: bool = False, threads: int = 0, backend: str = "auto",
+                    joined: Optional[Runtime] = None) -> Runtime:
     """The one place device, autocast dtype, Muon's dtype and CPU threads are decided (bf16_native says where each
-    picks bf16); a cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first."""
+    picks bf16); a cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first.
+    `joined`: decided again for a resume's settings, in the ranks (and under torchrun on the device) already joined."""
     set_threads(threads)
-    if distributed and "RANK" in os.environ:  # before CUDA starts, which reads CUDA_VISIBLE_DEVICES once
+    if distributed and "RANK" in os.environ and joined is None:  # before CUDA starts: it reads CUDA_VISIBLE_DEVICES
         from core.distributed import one_mig_slice_per_rank
         note = one_mig_slice_per_rank(os.environ)
         if note:
             print(note, file=sys.stderr)
-    device = pick_device(device)
-    rank, local_rank, world_size, device = init_distributed(device, backend) if distributed else (0, 0, 1, device)
+    if joined is not None:
+        rank, local_rank, world_size = joined.rank, joined.local_rank, joined.world_size
+        device = joined.device if joined.is_distributed else pick_device(device)
+    else:
+        device = pick_device(device)
+        rank, local_rank, world_size, device = init_distributed(device, backend) if distributed else (0, 0, 1, device)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -3,12 +3,13 @@ The checkpoint train.py writes: ckpt.pt, the full state gathered on rank 0, tens
 (torch.load(weights_only=True) reads it), written whole or not at all.
 
     Checkpoint(model=model.state_dict(), model_config=asdict(model.config), iter_num=100, ...).save(path)
+
+engine/reader.py reads one back (and builds its model); engine/resume.py is what a resume adds.
 """
 
 import dataclasses
 import math
 import re
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from core import files
 from core import runtime
-from core.configurator import Settings, with_saved
-from core.errors import UserError
-from model import GPT, IMPLEMENTATIONS, RUN_FIELDS, GPTConfig
 from core.runtime import Runtime
 
 POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (tools/sharded.py)
@@ -29,11 +27,6 @@ TRAIN = "train"  # a sharded step's key for everything but the tensors of the mo
 # DCP says so at every save and load of a process without a process group, which is how one process works here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-
-# what the weights fix and a resume keeps: GPTConfig's fields but what a run chooses and the data's vocabulary
-SHAPE_SETTINGS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_FIELDS, "vocab_size"))
-TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
-RESUME_KEEPS = ("init_from", "out_dir", "overwrite", "eval_only")  # a resume's own: never the saved run's
 
 
 def describe_tokens(meta: dict) -> str:
@@ -56,54 +49,6 @@ class Checkpoint:
     attn_decision: Optional[dict] = None  # attn=auto's table and pick, which a resume on the same shapes reuses
     shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
                                          # whose model and optimizer state each rank reads in place (train.restore)
-
-    def build_model(self, **overrides) -> GPT:
-        """The model it holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
-        shape = self.model_config
-        if "attn" not in overrides and shape.get("attn") not in IMPLEMENTATIONS:  # every one computes the same
-            print(f"note: the checkpoint was trained with attn={shape.get('attn')!r}, which this version does not "
-                  f"have; it is read through attn='sdpa' (--attn= picks another).", file=sys.stderr)
-            shape = {**shape, "attn": "sdpa"}
-        model = GPT(GPTConfig.build(shape, overrides))
-        model.load_state_dict(self.model)
-        return model
-
-    def resumed_settings(self, cfg: Settings, limits: dict, where: str) -> Settings:
-        """The settings a resume runs, decided once: the run's own (saved here) for every setting the command leaves
-        at its default, the command's where it sets one (named in one note), and the weights' shape, vocab_size
-        included. A shape setting typed on the command line that differs, or another optimizer, is one error line; one
-        from a config file gives way to the checkpoint, with a note (nanoGPT's habit). nanoGPT's checkpoints keep only
-        their shape: their settings are nanoGPT's, not this project's."""
-        changed = []
-        if self.rng is not None:  # this project's checkpoint
-            cfg, changed = with_saved(cfg, self.settings, limits, keep=RESUME_KEEPS)
-        settings, typed = cfg.as_dict(), cfg.typed
-        optimizer = self.settings.get("optimizer", "adamw")  # nanoGPT's: AdamW
-        if optimizer != settings["optimizer"]:
-            raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")
-        for key in SHAPE_SETTINGS:
-            saved = self.model_config.get(key, settings[key])
-            if settings[key] == saved or typed.get(key) is None:
-                continue
-            if typed[key] == "the command line":
-                raise UserError(f"--{key}={settings[key]!r} differs from the checkpoint in {where} ({key}={saved!r}), "
-                                f"and a resumed run keeps the checkpoint's shape; drop --{key}= (or pass "
-                                f"--{key}={saved!r}), or start a new run in another --out_dir=.")
-            print(f"note: {key}={settings[key]!r} from {typed[key]} is not the checkpoint's ({key}={saved!r}); the "
-                  f"resumed run keeps the checkpoint's shape.", file=sys.stderr)
-            changed = [c for c in changed if not c.startswith(f"{key}=")]
-        if changed:
-            print(f"note: resuming with the run's own settings, but for {', '.join(changed)}", file=sys.stderr)
-        shape = {key: self.model_config[key] for key in (*SHAPE_SETTINGS, "vocab_size") if key in self.model_config}
-        return Settings(typed, **{**settings, **shape})
-
-    def check_tokens(self, meta: dict | None, where: str) -> None:
-        """A dataset whose vocabulary has the checkpoint's size may still map its ids to other text: one error line."""
-        same_size = self.meta and meta and self.meta.get("vocab_size") == meta.get("vocab_size")
-        if same_size and [self.meta.get(k) for k in TOKENS] != [meta.get(k) for k in TOKENS]:
-            raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
-                            f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(self.meta)}); "
-                            f"resume on that dataset, or start a new run in another --out_dir=.")
 
     def save(self, path: Path) -> None:
         """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""

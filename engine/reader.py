@@ -1,10 +1,9 @@
 """
 Reading a checkpoint of this project or nanoGPT's: what sample, export and a resume all call, for every format
 (ckpt.pt, a sharded step read through DCP, nanoGPT's ckpt.pt). A sharded resume's tensors are read in place later,
-by tools/sharded.py; Hugging Face's files are core/hf.py's. And what an out_dir holds, which a new run claims only when
-it holds no other run's.
+by tools/sharded.py; Hugging Face's files are core/hf.py's.
 
-    model = load_checkpoint(out_dir / "ckpt.pt").build_model(attn="flash")
+    model = build_model(load_checkpoint(out_dir / "ckpt.pt"), attn="flash")
 """
 
 import dataclasses
@@ -13,12 +12,23 @@ from pathlib import Path
 
 import torch
 
-from core import files
 from core.errors import UserError
 from engine.checkpoint import POINTER, Checkpoint, sharded_folder
-from model import GPT, GPTConfig
+from model import GPT, IMPLEMENTATIONS, GPTConfig
 
 TRAINING_STATE = ("optimizer", "rng")  # what resuming needs beyond the weights and the step
+
+
+def build_model(checkpoint: Checkpoint, **overrides) -> GPT:
+    """The model a checkpoint holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
+    shape = checkpoint.model_config
+    if "attn" not in overrides and shape.get("attn") not in IMPLEMENTATIONS:  # every one computes the same
+        print(f"note: the checkpoint was trained with attn={shape.get('attn')!r}, which this version does not "
+              f"have; it is read through attn='sdpa' (--attn= picks another).", file=sys.stderr)
+        shape = {**shape, "attn": "sdpa"}
+    model = GPT(GPTConfig.build(shape, overrides))
+    model.load_state_dict(checkpoint.model)
+    return model
 
 
 def describe_checkpoint(path: Path) -> str:
@@ -123,22 +133,3 @@ def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:
     from tools.sharded import check_step, read_step  # a sharded checkpoint's reader
     check_step(shards, path.parent / POINTER)
     return read_step(shards, parts)
-
-
-def claim_out_dir(out: Path, resuming: bool, overwrite: bool) -> files.OutDirLock:
-    """out_dir, locked for this run (one run at a time) and writable; a new run takes no other run's out_dir unless
-    --overwrite=True (the old metrics.jsonl is replaced at the new run's first line, the old checkpoint at its first
-    save: a run refused before then leaves both as they were)."""
-    made = not out.exists()
-    files.check_writable_dir(out)
-    lock = files.OutDirLock(out, made_dir=made)
-    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
-    saved = ckpt.exists() or sharded_folder(ckpt) is not None
-    if (saved or log.exists()) and not resuming and not overwrite:
-        lock.release(failed=True)
-        if not saved:  # a run stopped before its first checkpoint: there is nothing to resume
-            raise UserError(f"{out} already holds the metrics.jsonl of a run that saved no checkpoint; replace it "
-                            f"with --overwrite=True, or pass another --out_dir=.")
-        raise UserError(f"{out} already holds another run's checkpoint ({describe_checkpoint(ckpt)}); continue it "
-                        f"with --init_from=resume, pass another --out_dir=, or replace it with --overwrite=True.")
-    return lock

@@ -42,7 +42,7 @@ def cosine(fraction: float, start: float, end: float) -> float:
 
 
 def make_optimizers(model: GPT, cfg: Settings, rt: Runtime) -> list:
-    """AdamW, or Muon and AdamW (a resume's: its checkpoint's, checked in Checkpoint.resumed_settings); each group's
+    """AdamW, or Muon and AdamW (a resume's: its checkpoint's, checked in engine/resume.py); each group's
     peak rate is kept as `initial_lr`, which the schedule scales."""
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "adamw":

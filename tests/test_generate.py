@@ -258,8 +258,8 @@ def test_the_cache_holds_block_size_positions_per_layer_in_the_keys_dtype():
 @pytest.fixture(scope="module")
 def trained(trained_char_run) -> GPT:
     """conftest's tiny char model trained for 150 steps: logits with real structure, so greedy tokens mean something."""
-    from engine.reader import load_checkpoint
-    return load_checkpoint(trained_char_run / "ckpt.pt").build_model().eval()
+    from engine.reader import build_model, load_checkpoint
+    return build_model(load_checkpoint(trained_char_run / "ckpt.pt")).eval()
 
 
 def test_int8_logits_are_within_2_percent_of_fp32_and_greedy_tokens_agree(trained, char_data):

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 import export_hf
 import sample
 import train
-from engine.reader import load_checkpoint
+from engine.reader import build_model, load_checkpoint
 from conftest import REPO, TINY, checkpoint_of, metrics
 from core.errors import UserError
 from model import GPT, GPTConfig
@@ -118,7 +118,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits_and_reads_back_the
                         gelu="none" if kind == "char" else "tanh")
     hf_dir = tmp_path / "hf"
     assert export_hf.main([f"--out_dir={out}", f"--hf_dir={hf_dir}"]) == 0
-    ours = load_checkpoint(out / "ckpt.pt").build_model().eval()
+    ours = build_model(load_checkpoint(out / "ckpt.pt")).eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
     for loaded in (GPT2LMHeadModel.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir)):
         assert loaded.config.vocab_size == ours.config.vocab_size  # the padding is undone
@@ -205,7 +205,7 @@ def test_the_exported_tokenizer_encodes_and_decodes_as_this_repos(kind, char_dat
 def test_a_model_without_biases_exports_with_zero_biases_and_the_same_logits(char_data, trained, tmp_path):
     out = trained(char_data, "--bias=False")  # nanoGPT's default
     hf_dir = export_hf.export(load_checkpoint(out / "ckpt.pt"), tmp_path / "hf")
-    ours = load_checkpoint(out / "ckpt.pt").build_model().eval()
+    ours = build_model(load_checkpoint(out / "ckpt.pt")).eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
     with torch.no_grad():
         theirs = GPT2LMHeadModel.from_pretrained(hf_dir).eval()(ids).logits
@@ -301,7 +301,7 @@ def hf_reference(state: dict, vocab_size: int, activation: str) -> GPT2LMHeadMod
 def test_a_nanogpt_checkpoint_computes_nanogpts_logits(char_data, tmp_path):
     chars = chars_of(char_data)
     folder, raw = nanogpt_out_dir(tmp_path / "nano", chars)
-    ours = load_checkpoint(folder / "ckpt.pt").build_model().eval()
+    ours = build_model(load_checkpoint(folder / "ckpt.pt")).eval()
     ids = torch.randint(0, len(chars), (2, 32))
     with torch.no_grad():
         exact = hf_reference(raw["model"], len(chars), "gelu")(ids).logits
@@ -313,7 +313,7 @@ def test_a_nanogpt_checkpoint_computes_nanogpts_logits(char_data, tmp_path):
 def test_nanogpts_padded_gpt2_vocabulary_reads_as_the_real_one_padded(tmp_path):
     folder, raw = nanogpt_out_dir(tmp_path / "nano", None, vocab_size=50304)  # nanoGPT's GPT-2 default
     checkpoint = load_checkpoint(folder / "ckpt.pt")
-    ours = checkpoint.build_model().eval()
+    ours = build_model(checkpoint).eval()
     assert checkpoint.meta["tokenizer"] == "gpt2" and (ours.config.vocab_size, ours.config.padded_vocab_size) == (
         50257, 50304)
     ids = torch.randint(0, 50257, (1, 32))

@@ -36,16 +36,20 @@ HOLD = textwrap.dedent("""
 """)
 
 
-def test_a_second_run_on_a_trained_out_dir_is_refused_naming_the_holder_and_kill_9_frees_it(char_data, tmp_path):
+def test_a_second_run_on_a_trained_out_dir_is_refused_naming_the_holder_and_kill_9_frees_it(char_data, tmp_path,
+                                                                                                  monkeypatch):
+    """A resume takes the lock before it reads: the run holding out_dir may be removing the step it would read."""
     out = tmp_path / "run"
     assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-        for args in (["--max_iters=4", "--init_from=resume"], ["--max_iters=2", "--overwrite=True"]):
-            with pytest.raises(UserError, match=rf"{out} is in use by another run; wait"):
-                train.main(tiny(char_data, out, *args))
+        with monkeypatch.context() as patch:
+            patch.setattr("engine.reader.read", lambda *args, **kwargs: pytest.fail("read before the lock was held"))
+            for args in (["--max_iters=4", "--init_from=resume"], ["--max_iters=2", "--overwrite=True"]):
+                with pytest.raises(UserError, match=rf"{out} is in use by another run; wait"):
+                    train.main(tiny(char_data, out, *args))
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written
         _, tok, _, _ = sample.load_model("resume", str(out))  # readers read while a run holds it
     finally:

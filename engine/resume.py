@@ -1,0 +1,81 @@
+"""
+What only a resume needs beyond reading its checkpoint (engine/reader.py): the settings it runs with, and the check
+that its data's ids mean what the checkpoint's meant. train.py imports it for --init_from=resume alone.
+
+    cfg = resumed_settings(checkpoint, cfg, LIMITS, cfg.out_dir)
+"""
+
+import dataclasses
+import sys
+
+from core.configurator import Settings, check_limits, coerce
+from core.errors import UserError
+from engine.checkpoint import Checkpoint, describe_tokens
+from model import RUN_FIELDS, GPTConfig
+
+# what the weights fix and a resume keeps: GPTConfig's fields but what a run chooses and the data's vocabulary
+SHAPE_SETTINGS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_FIELDS, "vocab_size"))
+TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
+RESUME_KEEPS = ("init_from", "out_dir", "overwrite", "eval_only")  # a resume's own: never the saved run's
+
+
+def with_saved(cfg: Settings, saved: dict, limits: dict) -> tuple[Settings, list[str]]:
+    """`saved` (the run's own settings) for every setting this command left at its default, this command's where it
+    set one (a flag or a config file), and RESUME_KEEPS always this command's. A saved value this version refuses is
+    left at the default. Returns them and the settings this command changed, in words."""
+    values, typed, changed = cfg.as_dict(), cfg.typed, []
+    for key, value in saved.items():
+        if key not in values or key in RESUME_KEEPS:
+            continue
+        if key in typed:
+            if values[key] != value:
+                changed.append(f"{key}={values[key]!r} from {typed[key]} (the run had {value!r})")
+            continue
+        try:
+            value = coerce(key, value, values[key], values[key])
+            check_limits({key: value}, {key: limits[key]} if key in limits else {}, {})
+        except UserError:
+            continue  # an older version's value: this version's default stands
+        values[key] = value
+    return Settings(typed, **values), changed
+
+
+def resumed_settings(checkpoint: Checkpoint, cfg: Settings, limits: dict, where: str) -> Settings:
+    """The settings a resume runs, decided once: the run's own (saved in the checkpoint) for every setting the command
+    leaves at its default, the command's where it sets one (named in one note), and the weights' shape, vocab_size
+    included. A shape setting given on the command line that differs, or another optimizer, is one error line; one
+    from a config file gives way to the checkpoint, with a note (nanoGPT's habit). nanoGPT's checkpoints keep only
+    their shape: their settings are nanoGPT's, not this project's."""
+    changed = []
+    if checkpoint.rng is not None:  # this project's checkpoint
+        cfg, changed = with_saved(cfg, checkpoint.settings, limits)
+    settings, typed = cfg.as_dict(), cfg.typed
+    optimizer = checkpoint.settings.get("optimizer", "adamw")  # nanoGPT's: AdamW
+    if optimizer != settings["optimizer"]:
+        raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")
+    for key in SHAPE_SETTINGS:
+        saved = checkpoint.model_config.get(key, settings[key])
+        if settings[key] == saved or typed.get(key) is None:
+            continue
+        if typed[key] == "the command line":
+            raise UserError(f"--{key}={settings[key]!r} differs from the checkpoint in {where} ({key}={saved!r}), "
+                            f"and a resumed run keeps the checkpoint's shape; drop --{key}= (or pass "
+                            f"--{key}={saved!r}), or start a new run in another --out_dir=.")
+        print(f"note: {key}={settings[key]!r} from {typed[key]} is not the checkpoint's ({key}={saved!r}); the "
+              f"resumed run keeps the checkpoint's shape.", file=sys.stderr)
+        changed = [c for c in changed if not c.startswith(f"{key}=")]
+    if changed:
+        print(f"note: resuming with the run's own settings, but for {', '.join(changed)}", file=sys.stderr)
+    shape = {key: checkpoint.model_config[key] for key in (*SHAPE_SETTINGS, "vocab_size")
+             if key in checkpoint.model_config}
+    return Settings(typed, **{**settings, **shape})
+
+
+def check_tokens(checkpoint: Checkpoint, meta: dict | None, where: str) -> None:
+    """A dataset whose vocabulary has the checkpoint's size may still map its ids to other text: one error line."""
+    saved = checkpoint.meta
+    same_size = saved and meta and saved.get("vocab_size") == meta.get("vocab_size")
+    if same_size and [saved.get(k) for k in TOKENS] != [meta.get(k) for k in TOKENS]:
+        raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
+                        f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(saved)}); "
+                        f"resume on that dataset, or start a new run in another --out_dir=.")
