@@ -307,15 +307,15 @@ class CausalSelfAttention(nn.Module):
         self.attend = IMPLEMENTATIONS[config.attn].fn  # chosen once (GPT.set_attention), called as is
 
     def forward(self, x: torch.Tensor, mask=None, cache: Optional["KVCache"] = None,
-                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+                input_pos: Optional[torch.Tensor] = None, keys: slice = slice(None)) -> torch.Tensor:
         """x (B, T, C), attended causally within `mask`; with a cache, k and v are written at input_pos too, and a
-        decode step (T == 1) attends to the cached keys it sees."""
+        decode step (T == 1) attends to the cache positions `keys`."""
         B, T, C = x.size()
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs) each
                    for t in self.c_attn(x).split(self.n_embd, dim=2))
         if cache is not None:
-            seen_k, seen_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, keys the step sees, hs)
-            k, v = (seen_k, seen_v) if T == 1 else (k, v)
+            cache_k, cache_v = cache.update(self.layer, input_pos, k, v)  # (B, nh, block_size, hs) each
+            k, v = (cache_k[:, :, keys], cache_v[:, :, keys]) if T == 1 else (k, v)  # (B, nh, keys read, hs)
         y = self.attend(q, k, v, mask, self.attn_dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
@@ -343,8 +343,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask=None, cache: Optional["KVCache"] = None, input_pos: Optional[torch.Tensor] = None):
-        x = x + self.attn(self.ln_1(x), mask, cache, input_pos)
+    def forward(self, x, mask=None, cache: Optional["KVCache"] = None, input_pos: Optional[torch.Tensor] = None,
+                keys: slice = slice(None)):
+        x = x + self.attn(self.ln_1(x), mask, cache, input_pos, keys)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -369,7 +370,6 @@ class GPT(nn.Module):
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
         self.cache: Optional[KVCache] = None  # decode state, made by setup_cache
-        self.checked: set = set()  # the (attn, device, dtype, mode) settings the implementation was checked for
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -388,11 +388,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters()) - (self.transformer.wpe.weight.numel() if non_embedding else 0)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                input_pos: Optional[torch.Tensor] = None, all_positions: bool = False):
+                input_pos: Optional[torch.Tensor | int] = None, all_positions: bool = False):
         """idx (B, T) -> logits over the padded vocabulary, padded ids at -inf. With targets: (B, T, V) logits and
         the mean cross-entropy (targets of -1 ignored), as nanoGPT's; with config.chunked_loss, None and the same
-        loss. Without: the last position's (B, 1, V), or every position's with all_positions. With input_pos (T,),
-        after setup_cache: a prefill at positions 0 .. T-1, then one token at a time at the next position."""
+        loss. Without: the last position's (B, 1, V), or every position's with all_positions. With input_pos, after
+        setup_cache: a prefill at positions 0 .. T-1 ((T,) tensor), then one token at a time at the next position:
+        an int (the step reads the keys it sees) or a (1,) tensor (the whole cache behind a mask row: one shape at
+        every position, as a compiled step needs)."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise user_error(f"cannot forward a sequence of {T} tokens: block_size is "
@@ -403,12 +405,15 @@ class GPT(nn.Module):
         if not torch.compiler.is_compiling():  # a trace cannot run the probe: set_attention checked what it traces
             self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T,
                                  decoding=input_pos is not None)
+        position = input_pos if isinstance(input_pos, int) else None  # an eager decode step's, on the host
+        if position is not None:
+            input_pos = torch.full((1,), position, device=idx.device)  # (1,): a fill, not a copy from the host
         pos = torch.arange(T, dtype=torch.long, device=idx.device) if input_pos is None else input_pos  # (T,)
-        mask = self._attention_mask(idx, cache, input_pos)  # one for every layer
+        mask, keys = self._attention_mask(idx, cache, input_pos, position)  # one for every layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         try:
             for block in self.transformer.h:
-                x = block(x, mask, cache, input_pos)
+                x = block(x, mask, cache, input_pos, keys)
         except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the check could not foresee
             if "No available kernel" in str(e):
                 shape = (B, self.config.n_head, T, self.config.head_size)  # q's
@@ -431,28 +436,39 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def _attention_mask(self, idx: torch.Tensor, cache: Optional["KVCache"], input_pos: Optional[torch.Tensor]):
-        """The mask every layer takes beyond causality: for training and a prefill, None (causal) or the documents'
-        and window's mask in the implementation's layout; for a decode step, the row of the keys it sees."""
-        if cache is not None and idx.size(1) == 1:
-            return cache.step(idx, input_pos, self.config.attn)
+    def _attention_mask(self, idx: torch.Tensor, cache: Optional["KVCache"], input_pos: Optional[torch.Tensor],
+                        position: Optional[int]):
+        """(mask, keys) for every layer: for training and a prefill, None (causal) or the documents' and window's mask
+        in the implementation's layout, over all keys; for a decode step, the cache positions it reads and the mask
+        over them (attention/masks.py's decode_step): at a host `position`, a range around the keys it sees; at a
+        tensor input_pos alone, the whole cache."""
         if cache is not None:
-            cache.prefill(idx)
-        if not self.config.masked:
-            return None
+            cache.update_documents(idx, input_pos)
+        cfg = self.config
+        if cache is not None and idx.size(1) == 1:
+            whole = position is None
+            if not IN_REPOSITORY:  # model.py copied by itself: no documents, no window: every key written so far
+                row = (torch.arange(cfg.block_size, device=idx.device) <= input_pos)[None, None, None, :]
+                return (row, slice(None)) if whole else (None, slice(0, position + 1))
+            from attention.kernels import decodes_with_mask
+            from attention.masks import decode_step
+            impl, dtype = IMPLEMENTATIONS[cfg.attn], cache.dtype
+            takes_mask = whole or decodes_with_mask(cfg.attn, impl, idx.device.type, dtype, cfg.head_size)
+            keys, mask = decode_step(impl.mask, input_pos + 1 if whole else position + 1, cfg.window, cfg.block_size,
+                                     takes_mask, idx.device, None if whole else dtype, cache.doc_start)
+            return mask, keys
+        if not cfg.masked:
+            return None, slice(None)
         needs_repository("doc_mask and window")
         from attention.masks import doc_window_mask  # documents and windows: only a run that asks for them
-        return doc_window_mask(self.config, IMPLEMENTATIONS[self.config.attn].mask, idx)
+        return doc_window_mask(cfg, IMPLEMENTATIONS[cfg.attn].mask, idx), slice(None)
 
     def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
                         problem: Optional[str] = None, decoding: bool = True) -> None:
-        """Once per new (attn, device, dtype, mode): whether the implementation runs here, else one error line naming
-        what does (training is checked with its backward, at its own length; inference at block_size, with a decode
-        step unless `decoding` is False: a forward without a KV cache, an evaluation's)."""
+        """Whether the implementation runs here (attention/kernels.py decides, once per call it is asked), else one
+        error line naming what does (training is checked with its backward, at its own length; inference at
+        block_size, with a decode step unless `decoding` is False: a forward without a KV cache, an evaluation's)."""
         decoding = decoding and not training
-        key = (self.config.attn, device_type, dtype, training, seq_len if training else 0, decoding)
-        if key in self.checked and problem is None:
-            return
         if not IN_REPOSITORY:  # no probe: a kernel that cannot run here raises PyTorch's own error
             if self.config.attn in ("flex", "varlen"):
                 needs_repository(f"attn='{self.config.attn}'")
@@ -463,7 +479,6 @@ class GPT(nn.Module):
                         seq_len=seq_len if training else self.config.block_size, masked=self.config.masked,
                         decode_step=decoding)
         refuse_unless_runs(self.config.attn, call, IMPLEMENTATIONS, problem)
-        self.checked.add(key)
 
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:  # the one KV cache
         weight = self.transformer.wpe.weight
@@ -506,7 +521,6 @@ class GPT(nn.Module):
                              f"use --block_size={self.config.block_size} or less.")
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
-        self.checked.clear()
         self.clear_cache()
 
     # -- optimizer and FLOPs ---------------------------------------------------------------------------
@@ -649,72 +663,36 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
 class KVCache(nn.Module):
     """Every layer's keys and values for positions [0, block_size), in fixed buffers (one shape at every position,
-    so a decode step compiles once), each row's document start, and on the host how many positions are written."""
+    so a decode step compiles once), and each row's document start. The decode loop owns the position."""
 
     def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
         super().__init__()
-        self.window, self.eot_token, self.block_size = config.window, config.eot_token, config.block_size
-        self.batch_size, self.dtype = batch_size, dtype
+        self.eot_token, self.batch_size, self.dtype = config.eot_token, batch_size, dtype
         shape = (batch_size, config.n_head, config.block_size, config.head_size)
         for layer in range(config.n_layer):  # buffers of their own: CPU flex refuses a key tensor inside another's
             self.register_buffer(f"k{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
             self.register_buffer(f"v{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         starts = torch.zeros(batch_size, dtype=torch.long, device=device) if config.doc_mask else None  # (B,)
         self.register_buffer("doc_start", starts, persistent=False)
-        self.length, self.keys = 0, slice(None)  # on the host: positions written; those the decode step reads
-        self.masked_decode: dict = {}  # attn -> whether its eager decode step takes a mask row (takes_mask)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return the keys and values the step sees."""
+        """Write layer's k, v (B, nh, T, hs) at input_pos (T,); return its whole cache, (B, nh, block_size, hs) each."""
         cache_k, cache_v = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
         cache_k.index_copy_(2, input_pos, k.to(cache_k.dtype))
         cache_v.index_copy_(2, input_pos, v.to(cache_v.dtype))
-        keys = slice(None) if torch.compiler.is_compiling() else self.keys
-        return cache_k[:, :, keys], cache_v[:, :, keys]  # (B, nh, seen, hs) each
+        return cache_k, cache_v
 
-    def prefill(self, idx: torch.Tensor) -> None:
-        """A prompt idx (B, T) from position 0: where its rows' last documents start (0 without end-of-text)."""
-        if self.doc_start is not None:
+    def update_documents(self, idx: torch.Tensor, input_pos: torch.Tensor) -> None:
+        """Where each row's last document starts (with doc_mask): a prompt idx (B, T) from position 0 sets it (0
+        without end-of-text); a decode step (T == 1) that writes end-of-text opens one."""
+        if self.doc_start is None:
+            return
+        if idx.size(1) > 1:
             pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
             self.doc_start.copy_(torch.where(idx == self.eot_token, pos, 0).amax(dim=1))  # (B,)
-        if not torch.compiler.is_compiling():
-            self.length, self.keys = idx.size(1), slice(None)  # a new text: no decode step's keys yet
-
-    def step(self, idx: torch.Tensor, input_pos: torch.Tensor, attn: str):
-        """A decode step writes idx (B, 1) at input_pos (1,) and sees [max(document start, pos - window + 1), pos];
-        an end-of-text it writes opens a document. Sets the cache positions it reads (self.keys) and returns the mask
-        over them, made once for all layers, or None where it reads exactly the keys it sees (attention/masks.py's
-        decode_step decides both)."""
-        if self.doc_start is not None:
-            self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, self.doc_start))  # (B,)
-        compiling = torch.compiler.is_compiling()
-        if not compiling:  # eagerly the host counts positions; a compiled step reads the whole cache at every one
-            self.length += 1
-        if not IN_REPOSITORY:  # model.py copied by itself: no documents, no window, so every key written so far
-            if compiling:
-                return (torch.arange(self.block_size, device=idx.device) <= input_pos)[None, None, None, :]
-            self.keys = slice(0, self.length)
-            return None
-        from attention.masks import decode_step
-        keys, mask = decode_step(IMPLEMENTATIONS[attn].mask, input_pos + 1 if compiling else self.length, self.window,
-                                 self.block_size, compiling or self.takes_mask(attn), idx.device,
-                                 None if compiling else self.dtype, self.doc_start)
-        if not compiling:
-            self.keys = keys
-        return mask
-
-    def takes_mask(self, attn: str) -> bool:  # whether attn's eager decode step takes a mask row, asked once per attn
-        if attn not in self.masked_decode:
-            from attention.kernels import decodes_with_mask
-            self.masked_decode[attn] = decodes_with_mask(attn, IMPLEMENTATIONS[attn], self.k0.device.type, self.dtype,
-                                                         self.k0.size(-1))
-        return self.masked_decode[attn]
-
-    def reset(self) -> None:
-        """A new text from position 0: nothing written, no document started (a one-token prompt is not prefilled)."""
-        self.length, self.keys = 0, slice(None)
-        if self.doc_start is not None:
-            self.doc_start.zero_()
+        else:
+            start = torch.where(input_pos == 0, 0, self.doc_start)  # position 0: a new text
+            self.doc_start.copy_(torch.where(idx[:, 0] == self.eot_token, input_pos, start))  # (B,)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
@@ -730,8 +708,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
-def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor]) -> torch.Tensor:
-    # one generation step: idx (B, T) at positions input_pos (None: no cache) -> next-token logits (B, V)
+def last_logits(model: GPT, idx: torch.Tensor, input_pos: Optional[torch.Tensor | int]) -> torch.Tensor:
+    # one generation step: idx (B, T) at input_pos (None: no cache; a decode step's: an int) -> next logits (B, V)
     logits, _ = model(idx, input_pos=input_pos)  # (B, 1, V)
     return logits[:, -1]
 
@@ -740,7 +718,8 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
                   top_k: Optional[int] = None, generator: Optional[torch.Generator] = None, use_cache: bool = True,
                   prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
-    model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py)."""
+    model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py); the
+    loop owns the position, and hands a decode step its own as an int."""
     if idx.dim() != 2 or idx.size(1) == 0:
         raise user_error(f"generation needs a prompt of at least one token per row, shape (B, T), got "
                          f"{tuple(idx.shape)}; start from a token such as end-of-text.")
@@ -754,24 +733,20 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
         if model.cache is None or model.cache.batch_size != idx.size(0) or model.cache.dtype != dtype:
             model.setup_cache(idx.size(0), dtype)  # else reused: compiled steps keep reading the same buffers
         cache = model.cache
-    written = 0  # positions of this text in the cache; the cache's own count is set from it before every step
-    token, position = None, None  # the token sampled last, (B, 1), and its position, (1,): a decode step's input
+    written, token = 0, None  # positions of this text in the cache, and the token sampled last (B, 1)
     for _ in range(max_new_tokens):
         context = idx[:, -block_size:]  # (B, <= block_size)
         if cache is None:
             logits = last_logits(model, context, None)
         elif 0 < written < block_size and written == idx.size(1) - 1:  # one new token fits after them
-            cache.length = written
-            logits = decode(model, token, position)
-            position, written = position + 1, written + 1  # on the device: the host never waits
+            logits = decode(model, token, written)
+            written += 1
         else:  # the first step, or the text outgrew block_size and every position shifted: run it all again
-            positions = torch.arange(context.size(1), device=idx.device)  # (T,)
-            step = prefill if context.size(1) > 1 else decode
-            cache.reset()
             # a fresh contiguous tensor, never a view of idx: one layout, so one compiled prefill serves all
-            logits = step(model, context.clone(memory_format=torch.contiguous_format), positions)
+            context = context.clone(memory_format=torch.contiguous_format)
+            positions = torch.arange(context.size(1), device=idx.device)  # (T,)
+            logits = prefill(model, context, positions) if context.size(1) > 1 else decode(model, context, 0)
             written = context.size(1)
-            position = torch.full((1,), written, device=idx.device)  # (1,): a fill, not a copy from the host
         token = sample_next(logits, temperature, top_k, generator)  # (B, 1): the next step's input
         idx = torch.cat((idx, token), dim=1)
     return idx

@@ -21,8 +21,9 @@ class MockModel:
         self.calls: list[tuple[list[int], list[int] | None]] = []  # (last tokens of each call, positions)
         self.caches: list[tuple[int, torch.dtype]] = []
 
-    def __call__(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None):
-        self.calls.append((idx[0].tolist(), None if input_pos is None else input_pos.tolist()))
+    def __call__(self, idx: torch.Tensor, input_pos: torch.Tensor | int | None = None):
+        positions = input_pos if input_pos is None or torch.is_tensor(input_pos) else torch.tensor([input_pos])
+        self.calls.append((idx[0].tolist(), None if positions is None else positions.tolist()))
         logits = torch.nn.functional.one_hot((idx[:, -1:] + 1) % VOCAB, VOCAB).float()  # (B, 1, V)
         return logits, None
 
@@ -31,8 +32,7 @@ class MockModel:
 
     def setup_cache(self, batch_size: int, dtype: torch.dtype) -> None:
         self.caches.append((batch_size, dtype))
-        self.cache = SimpleNamespace(batch_size=batch_size, dtype=dtype, length=0)
-        self.cache.reset = lambda: setattr(self.cache, "length", 0)
+        self.cache = SimpleNamespace(batch_size=batch_size, dtype=dtype)  # buffers only: the loop owns the position
 
 
 def greedy(model: MockModel, prompt: list[list[int]], new_tokens: int, use_cache: bool = True) -> list[list[int]]:
@@ -44,6 +44,7 @@ def test_a_prefill_from_position_0_then_one_token_per_step_at_its_own_position()
     model = MockModel(block_size=16)
     assert greedy(model, [[3, 4, 5]], 4) == [[3, 4, 5, 6, 7, 8, 9]]
     assert model.calls == [([3, 4, 5], [0, 1, 2]), ([6], [3]), ([7], [4]), ([8], [5])]
+    assert vars(model.cache).keys() == {"batch_size", "dtype"}  # the loop kept its position to itself
     assert model.caches == [(1, torch.float32)]
 
 

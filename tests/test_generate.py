@@ -55,6 +55,14 @@ def host_reads(monkeypatch) -> list:
     return reads
 
 
+def as_compiled(model, idx, input_pos):
+    """A step as tools/decoding.py's compiled steps call the model, uncompiled: a decode step's position a tensor."""
+    from model import last_logits
+    if isinstance(input_pos, int):
+        input_pos = torch.full((1,), input_pos, device=idx.device)
+    return last_logits(model, idx, input_pos)
+
+
 @pytest.mark.parametrize("window", [0, 4])
 def test_decoding_makes_no_host_read_per_token_in_the_loop_or_the_compiled_step(monkeypatch, window):
     """The compiled step's Python runs as it is traced (torch.compiler.is_compiling() true): stood in for here by
@@ -64,9 +72,11 @@ def test_decoding_makes_no_host_read_per_token_in_the_loop_or_the_compiled_step(
     model = GPT(GPTConfig(**SMALL, attn="flash", window=window)).eval()
     x = prompts(B=1)
     expected = decode_tokens(model, x, 8, temperature=0)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     reads = host_reads(monkeypatch)
-    assert torch.equal(decode_tokens(model, x, 8, temperature=0), expected) and reads == []
+    assert torch.equal(decode_tokens(model, x, 8, temperature=0), expected) and reads == []  # eager
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(decode_tokens(model, x, 8, temperature=0, prefill=as_compiled, decode=as_compiled),
+                       expected) and reads == []
 
 
 class HostSyncs(TorchDispatchMode):
@@ -101,10 +111,12 @@ def test_a_decode_makes_no_op_that_would_sync_a_gpu(monkeypatch, compiled, top_k
     x = prompts(B=2, T=prompt_len)
     generator = torch.Generator().manual_seed(0)
     decode_tokens(model, x, 4, temperature=1.0, top_k=top_k, generator=generator)  # the checks, asked once
+    steps = {}
     if compiled:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        steps = dict(prefill=as_compiled, decode=as_compiled)
     with HostSyncs() as syncs:
-        decode_tokens(model, x, 6, temperature=1.0, top_k=top_k, generator=generator)
+        decode_tokens(model, x, 6, temperature=1.0, top_k=top_k, generator=generator, **steps)
     assert syncs.seen == []
 
 

@@ -277,7 +277,7 @@ def test_varlen_packs_each_document_of_each_row_as_one_sequence(mask, monkeypatc
 
 
 def test_one_function_builds_what_a_decode_step_hands_attention_where_it_runs_is_probed_and_is_timed(monkeypatch):
-    """KVCache.step, eager and compiled, the kernel probe and attn=auto's timing all hand attention what
+    """A decode step, eager and compiled, the kernel probe and attn=auto's timing all hand attention what
     masks.decode_step builds, so what is probed and timed is what runs (the warm-ups meet its key lengths through
     the same decode_keys)."""
     import functools as ft
@@ -300,10 +300,10 @@ def test_one_function_builds_what_a_decode_step_hands_attention_where_it_runs_is
     model.setup_cache(1)
     with torch.no_grad():
         model(torch.arange(133)[None] % 11, input_pos=torch.arange(133))  # a prefill of 133
-        eager = model(torch.ones(1, 1, dtype=torch.long), input_pos=torch.tensor([133]))[0]  # the step at 133
+        eager = model(torch.ones(1, 1, dtype=torch.long), input_pos=133)[0]  # the step at 133, its position an int
         calls.clear()
-        model.cache.length = 133  # as the decode loop sets it before a step
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled branch, run eagerly
+        # a compiled step's position: a (1,) tensor (tools/decoding.py), run eagerly here with its trace's flag set
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         traced = model(torch.ones(1, 1, dtype=torch.long), input_pos=torch.tensor([133]))[0]
     monkeypatch.undo()
     monkeypatch.setattr(masks, "decode_step", recorded)

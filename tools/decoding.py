@@ -19,7 +19,7 @@ from core.errors import UserError
 from model import IMPLEMENTATIONS, GPT, last_logits
 from attention.kernels import decodes_with_mask
 
-Step = Callable[[GPT, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+Step = Callable[[GPT, torch.Tensor, Optional[torch.Tensor | int]], torch.Tensor]
 
 
 # Two functions with one body: dynamo keeps compiled code per code object, so the prefill (dynamic length) and the
@@ -60,6 +60,8 @@ def _compiled_step(step: Step, freeze: bool = False) -> Step:
     """The compiled step as decoding calls it: inductor's own warnings kept off the console, and freezing on while it
     compiles (it is read outside torch.compile's per-call options)."""
     def call(model, idx, input_pos):
+        if isinstance(input_pos, int):  # the decode loop's position: a (1,) tensor to the graph, the same graph at each
+            input_pos = torch.full((1,), input_pos, device=idx.device)  # a fill, not a copy from the host
         with torch._inductor.config.patch(freezing=freeze), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching")
