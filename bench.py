@@ -31,7 +31,7 @@ from tqdm import tqdm
 from core import flops
 from core import files
 from core import runtime
-from benchmarks.measure import audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
+from benchmarks.measure import AUDIT, audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
 from core.configurator import PATH, SEED, Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
 from attention.kernels import AttnCall, attention_pass, attention_problem
@@ -185,7 +185,7 @@ def compiled(fn, cfg: Settings):
 def eager_reference(attn: str, problem: Optional[str], cfg: Settings, rt: Runtime) -> bool:
     """True for a flex row that runs (no `problem`) PyTorch's unfused eager reference: not compiled, and not on
     CUDA (where model.flex_causal_attention always compiles it)."""
-    return problem is None and not cfg.compile and rt.device_type in IMPLEMENTATIONS[attn].eager_reference.split()
+    return problem is None and not cfg.compile and rt.device_type in AUDIT[attn].eager_reference.split()
 
 
 # -- train mode ------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from engine.checkpoint import Checkpoint
 from engine.reader import build_model, load_checkpoint
 from core.configurator import PATH, configure
 from core.errors import UserError
-from core.hf import CONV1D_WEIGHTS
+from model import CONV1D_WEIGHTS
 from tools.decoding import quiet_imports
 from model import GPT
 from core.tokenizer import GPT2_EOT_TOKEN, check_gpt2_files, gpt2_files_dir

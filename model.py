@@ -20,9 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-# model.py copied by itself into another project trains and generates with manual, sdpa_mask, sdpa and flash; the rest
-# (the kernel probe and its error line, documents and windows, flex, varlen, attn=auto, from_pretrained) needs the
-# repository
+# model.py copied by itself into another project trains and generates with manual, sdpa_mask, sdpa and flash, and
+# from_pretrained reads GPT-2 through transformers; the rest (the kernel probe and its error line, documents and
+# windows, flex, varlen, attn=auto) needs the repository
 IN_REPOSITORY = (Path(__file__).resolve().parent / "attention" / "kernels.py").is_file()
 
 
@@ -175,11 +175,10 @@ def varlen_attention(q, k, v, mask, dropout_p):
 
 @dataclass(frozen=True)
 class Attention:
-    """An implementation, and what the rest of the repository asks of it (attention/kernels.py and masks.py, bench)."""
+    """An implementation, and what the model asks of it where it runs (attention/kernels.py and masks.py); what bench's
+    audit expects to see it run is benchmarks/measure.py's AUDIT."""
     fn: Callable               # (q, k, v, mask, dropout_p) -> y, as above
     title: str                 # what an error line calls it
-    kernels: str               # the kernels bench's audit may see it run, '+' between (benchmarks/measure.py)
-    ops: tuple = ()            # profiler ops of a kernel of its own, which the audit labels with `kernels`
     mask: str = "dense"        # the layout of documents' and windows' masks: "dense" (bool), "block" (flex's),
                                # "packed" (varlen's)
     devices: str = "cpu cuda mps"  # where it runs; where it takes attention dropout; where it has a backward
@@ -187,43 +186,39 @@ class Attention:
     grad: str = "cpu cuda mps"
     backend: Optional[SDPBackend] = None  # the SDPA kernel it forces (flash: FlashAttention-2, cuDNN's before it)
     picks: bool = False        # SDPA picks the kernel (on Hopper it may pick cuDNN)
+    tries_cudnn: bool = False  # tries cuDNN's flash kernel first where SDPA ranks it first (flash: flash_kernels)
     skips_future_keys: bool = False  # computes none of the keys causal attention leaves out
-    decode: str = ""           # the kernels its decode steps run, when another's (varlen: SDPA's), for bench's audit
-    eager_reference: str = ""  # devices where an eager call runs PyTorch's unfused reference (flex off CUDA)
 
     def __call__(self, q, k, v, mask, dropout_p):
         return self.fn(q, k, v, mask, dropout_p)
 
     def kernels_on(self, device: torch.device) -> str:
         """For a banner: the CUDA kernels it tries on `device`, first choice first, where they depend on the GPU."""
-        if self.fn is not flash_attention or device.type != "cuda":
+        if not self.tries_cudnn or device.type != "cuda":
             return ""
         names = {SDPBackend.CUDNN_ATTENTION: "cuDNN's flash kernel", SDPBackend.FLASH_ATTENTION: "FlashAttention-2"}
         return ", then ".join(names[b] for b in flash_kernels(device))
 
 
-def sdpa_forcing(backend: SDPBackend, title: str, kernel: str, **record) -> Attention:
-    return Attention(forced(backend), title, kernel, backend=backend, **record)
+def sdpa_forcing(backend: SDPBackend, title: str, **record) -> Attention:
+    return Attention(forced(backend), title, backend=backend, **record)
 
 
 IMPLEMENTATIONS = {  # nanoGPT's masked softmax and SDPA's two calls first, then SDPA's kernels forced, flex and varlen
-    "manual": Attention(manual_attention, "the masked softmax", "none"),
-    "sdpa_mask": Attention(sdpa_mask_attention, "SDPA with a mask", "flash+efficient+cudnn+math", picks=True),
-    "sdpa": Attention(sdpa_attention, "SDPA", "flash+efficient+cudnn", picks=True, skips_future_keys=True),
-    "flash": Attention(flash_attention, "the flash kernel", "flash+cudnn", backend=SDPBackend.FLASH_ATTENTION,
-                       dropout="cuda", skips_future_keys=True),
-    "flash2": sdpa_forcing(SDPBackend.FLASH_ATTENTION, "PyTorch's FlashAttention-2", "flash", devices="cuda",
+    "manual": Attention(manual_attention, "the masked softmax"),
+    "sdpa_mask": Attention(sdpa_mask_attention, "SDPA with a mask", picks=True),
+    "sdpa": Attention(sdpa_attention, "SDPA", picks=True, skips_future_keys=True),
+    "flash": Attention(flash_attention, "the flash kernel", backend=SDPBackend.FLASH_ATTENTION, dropout="cuda",
+                       tries_cudnn=True, skips_future_keys=True),
+    "flash2": sdpa_forcing(SDPBackend.FLASH_ATTENTION, "PyTorch's FlashAttention-2", devices="cuda",
                            skips_future_keys=True),
-    "efficient": sdpa_forcing(SDPBackend.EFFICIENT_ATTENTION, "the memory-efficient kernel", "efficient",
-                              devices="cuda", skips_future_keys=True),
-    "cudnn": sdpa_forcing(SDPBackend.CUDNN_ATTENTION, "the cuDNN kernel", "cudnn", devices="cuda",
-                          skips_future_keys=True),
-    "math": sdpa_forcing(SDPBackend.MATH, "the math kernel", "math"),
-    "flex": Attention(flex_causal_attention, "FlexAttention", "flex", ops=("FlexAttentionAutogradOp", FLEX_REGION),
-                      mask="block", dropout="", grad="cuda", eager_reference="cpu mps"),
-    "varlen": Attention(varlen_attention, "varlen_attn", "varlen",
-                        ops=("torch_attn::_varlen_attn",), mask="packed", devices="cuda", dropout="",
-                        skips_future_keys=True, decode="sdpa"),
+    "efficient": sdpa_forcing(SDPBackend.EFFICIENT_ATTENTION, "the memory-efficient kernel", devices="cuda",
+                              skips_future_keys=True),
+    "cudnn": sdpa_forcing(SDPBackend.CUDNN_ATTENTION, "the cuDNN kernel", devices="cuda", skips_future_keys=True),
+    "math": sdpa_forcing(SDPBackend.MATH, "the math kernel"),
+    "flex": Attention(flex_causal_attention, "FlexAttention", mask="block", dropout="", grad="cuda"),
+    "varlen": Attention(varlen_attention, "varlen_attn", mask="packed", devices="cuda", dropout="",
+                        skips_future_keys=True),
 }
 
 
@@ -551,15 +546,21 @@ class GPT(nn.Module):
     def from_pretrained(cls, model_type: str, override_args: Optional[dict] = None) -> "GPT":
         """GPT-2's weights: a nanoGPT name (gpt2 ... gpt2-xl, from the Hugging Face hub) or a local Hugging Face
         directory. override_args may set dropout, as nanoGPT's does, and attn, pad_vocab and the masks."""
-        needs_repository("from_pretrained")
-        from core import hf  # Hugging Face's format: read only here
         overrides, allowed = dict(override_args or {}), {"pad_vocab", *RUN_FIELDS}
         if set(overrides) - allowed:
             raise user_error(f"from_pretrained can only override {sorted(allowed)}, got {sorted(overrides)}.")
-        shape, state_dict = hf.read_gpt2(model_type)
+        if IN_REPOSITORY:
+            from core import hf  # Hugging Face's files, read with one error line where they are not GPT-2's
+            shape, state_dict = hf.read_gpt2(model_type)
+        else:  # model.py copied by itself: transformers reads them, as in nanoGPT's model.py
+            from transformers import GPT2LMHeadModel
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+            c, state_dict = hf_model.config, hf_model.state_dict()
+            shape = dict(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                         n_embd=c.n_embd, bias=True, gelu="none" if c.activation_function == "gelu" else "tanh")
         config = GPTConfig.build({**shape, "pad_vocab": overrides.pop("pad_vocab", False)}, overrides)
         model = cls(config)
-        model.load_state_dict(hf.convert_hf_state_dict(state_dict, config.vocab_size, config.padded_vocab_size))
+        model.load_state_dict(from_hf_names(state_dict, config))
         return model
 
     @torch.no_grad()
@@ -578,6 +579,28 @@ class GPT(nn.Module):
         """nanoGPT's MFU: the fraction of an A100's bf16 peak (or `peak_flops`) reached by an iteration of
         fwdbwd_per_iter sequences of block_size tokens in dt seconds."""
         return self.model_flops_utilization(fwdbwd_per_iter * self.config.block_size / dt, peak_flops)
+
+
+# Hugging Face's GPT-2 stores these as Conv1D, (in, out): nn.Linear's are (out, in)
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def from_hf_names(hf_state_dict: dict, config: GPTConfig) -> dict:
+    """A Hugging Face GPT2LMHeadModel state dict in this model's names and layout, the token embedding padded to
+    config.padded_vocab_size (lm_head tied to it)."""
+    out = {}
+    for key, tensor in hf_state_dict.items():
+        key = key.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+            continue  # causal-mask buffers, and lm_head, which is tied to wte
+        out["transformer." + key] = tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor
+    wte = out["transformer.wte.weight"]
+    if wte.size(0) != config.vocab_size:
+        raise user_error(f"the checkpoint has {wte.size(0)} token embeddings but vocab_size is {config.vocab_size}.")
+    padded = torch.zeros(config.padded_vocab_size, wte.size(1), dtype=wte.dtype)
+    padded[:config.vocab_size] = wte
+    out["transformer.wte.weight"] = out["lm_head.weight"] = padded
+    return out
 
 
 # -----------------------------------------------------------------------------

@@ -57,8 +57,8 @@ def cudnn_mask_hazard(impl, needs_grad: bool, masked: bool, seq_len: int, capabi
     explicit_mask = masked or (impl.picks and not impl.skips_future_keys)  # SDPA handed a causal mask (sdpa_mask)
     if not (needs_grad and explicit_mask and seq_len % 128 == 64):
         return None
-    picks_cudnn = "cudnn" in impl.kernels.split("+") and (impl.backend == SDPBackend.CUDNN_ATTENTION
-                                                          or cudnn_first(capability, cudnn_version))
+    picks_cudnn = impl.backend == SDPBackend.CUDNN_ATTENTION or (
+        (impl.picks or impl.tries_cudnn) and cudnn_first(capability, cudnn_version))
     if not picks_cudnn:
         return None
     return (f"cuDNN's backward with an explicit mask can give NaN gradients at a length of 64 past a multiple of 128 "
@@ -117,7 +117,7 @@ def _rules(impl, call: AttnCall) -> Optional[str]:
         return f"{impl.title} has no attention dropout{' on ' + device.upper() if impl.dropout else ''}"
     if call.needs_grad and device not in impl.grad.split():
         return f"{impl.title} has no backward pass on {device.upper()}"
-    if device == "cuda" and not impl.picks and "cudnn" in impl.kernels.split("+"):  # cudnn, and flash where it is first
+    if device == "cuda" and (impl.backend == SDPBackend.CUDNN_ATTENTION or impl.tries_cudnn):  # cudnn; flash
         return cudnn_mask_hazard(impl, call.needs_grad, call.masked, call.seq_len, *cuda_facts())
     return None
 

@@ -22,8 +22,8 @@ from core.errors import UserError
 from engine.generate import Decoder, for_inference
 from engine.generate import weight_bytes
 from benchmarks.measure import audit as audit_kernel
-from benchmarks.measure import (compile_health, counted, kernel_context, out_of_memory, paired_speedup, profiled_run,
-                                summarize, time_round_robin)
+from benchmarks.measure import (AUDIT, compile_health, counted, kernel_context, out_of_memory, paired_speedup,
+                                profiled_run, summarize, time_round_robin)
 from attention.masks import decode_keys
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
@@ -112,7 +112,7 @@ def audit_generation(rows: dict[str, Row], described: dict[str, dict], rt: Runti
         ops, _ = profiled_run(twin.generation(min(8, row.new_tokens)), rt)
         d = described[key]
         # eager flex off CUDA is PyTorch's unfused reference, run as such; compiled or on CUDA it is a fallback
-        d["eager_reference"] = (rt.device_type in IMPLEMENTATIONS[d["attn"]].eager_reference.split()
+        d["eager_reference"] = (rt.device_type in AUDIT[d["attn"]].eager_reference.split()
                                 and row.cache != "compiled")
         d.update(audit_kernel(ops, ran_ops, d["attn"], rt.device_type, d["eager_reference"],
                               d.get("recompile_limit_hits", 0), generation=True),

@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
@@ -21,12 +22,27 @@ from torch import profiler
 from torch.autograd import DeviceType
 
 from core import runtime
-from model import IMPLEMENTATIONS
+from model import FLEX_REGION
 from core.runtime import Runtime
 
+@dataclass(frozen=True)
+class Audit:
+    """What the audit may see an implementation run."""
+    kernels: str               # its kernels, '+' between
+    ops: tuple = ()            # profiler ops of a kernel of its own, labelled with `kernels`
+    decode: str = ""           # the implementation its decode steps run through, when another (varlen: SDPA)
+    eager_reference: str = ""  # devices where an eager call runs PyTorch's unfused reference (flex off CUDA)
+
+
+AUDIT = {"manual": Audit("none"), "sdpa_mask": Audit("flash+efficient+cudnn+math"),
+         "sdpa": Audit("flash+efficient+cudnn"), "flash": Audit("flash+cudnn"), "flash2": Audit("flash"),
+         "efficient": Audit("efficient"), "cudnn": Audit("cudnn"), "math": Audit("math"),
+         "flex": Audit("flex", ops=("FlexAttentionAutogradOp", FLEX_REGION), eager_reference="cpu mps"),
+         "varlen": Audit("varlen", ops=("torch_attn::_varlen_attn",), decode="sdpa")}
+
 # The op that names the kernel SDPA dispatched to (forward; the backward ops mirror them), and the ops of the
-# implementations with kernels of their own (model.Attention.ops: flex's autograd op and profiler region, varlen's
-# custom op). Compiled code is audited through an eager twin (bench.py): inductor decomposes math and generates flex's.
+# implementations with kernels of their own (AUDIT's ops: flex's autograd op and profiler region, varlen's custom op).
+# Compiled code is audited through an eager twin (bench.py): inductor decomposes math and generates flex's.
 KERNEL_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
     "aten::_scaled_dot_product_flash_attention": "flash",
@@ -34,7 +50,7 @@ KERNEL_OPS = {
     "aten::_scaled_dot_product_cudnn_attention": "cudnn",
     "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_attention_math_for_mps": "math",
-    **{op: impl.kernels for impl in IMPLEMENTATIONS.values() for op in impl.ops},
+    **{op: audit.kernels for audit in AUDIT.values() for op in audit.ops},
 }
 CPU_KERNELS = {"none", "flash", "math", "flex"}  # SDPA has no efficient or cuDNN kernel off CUDA
 # On CUDA the kernels themselves say what ran, whatever op launched them (cuDNN's through attn=flash on Hopper, or
@@ -72,9 +88,9 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def expected_kernels(attn: str, device_type: str, generation: bool = False) -> set[str]:
-    """The kernels an honest run of `attn` may show in the audit (its record's, model.Attention.kernels); anything
-    else is a silent fallback. A generation row's decode steps may run through another (varlen's through SDPA)."""
-    impl = IMPLEMENTATIONS[attn]
+    """The kernels an honest run of `attn` may show in the audit (AUDIT's); anything else is a silent fallback. A
+    generation row's decode steps may run through another (varlen's through SDPA)."""
+    impl = AUDIT[attn]
     kernels = set(impl.kernels.split("+"))
     if device_type != "cuda":
         kernels = kernels & CPU_KERNELS or kernels

@@ -245,8 +245,8 @@ def cache_folder() -> Path:
 
 
 def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dict:
-    """A JSON cache in the user's cache folder, as far as it can be used; what cannot is left out and printed in one line,
-    and the caller measures again."""
+    """A JSON cache in the user's cache folder, as far as it can be used; what cannot is left out and printed in one
+    line, and the caller measures again."""
     if not path.exists():
         return {}
     try:

@@ -1,6 +1,6 @@
 """
-GPT-2 weights in Hugging Face's format, read from a local directory or the hub and renamed to this project's
-names; GPT.from_pretrained builds the model from them.
+GPT-2 weights in Hugging Face's format, read from a local directory or the hub, with one error line where they are
+not GPT-2's; GPT.from_pretrained renames them to the model's (model.from_hf_names) and builds the model.
 
     model = GPT.from_pretrained("gpt2", dict(attn="flash"))
 """
@@ -13,16 +13,13 @@ import torch
 from core.errors import UserError
 
 def read_gpt2(name_or_path: str) -> tuple[dict, dict]:
-    """GPT-2's shape (GPTConfig's fields) and its weights in this model's names, the token embedding unpadded."""
+    """GPT-2's shape (GPTConfig's fields) and its weights, in Hugging Face's names."""
     hf_config, state_dict = load_hf_checkpoint(name_or_path)
     shape = dict(block_size=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
                  n_layer=hf_config["n_layer"], n_head=hf_config["n_head"], n_embd=hf_config["n_embd"], bias=True,
                  gelu=gelu_of(hf_config, name_or_path))
     return shape, state_dict
 
-
-# Hugging Face's GPT-2 stores these as Conv1D, (in, out): our nn.Linear wants (out, in).
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 # GPT2Config.activation_function -> GPTConfig.gelu: OpenAI's GPT-2 uses the tanh approximation ("gelu_new");
 # nanoGPT and models exported from here with gelu='none' use the exact one ("gelu")
@@ -41,24 +38,6 @@ def gelu_of(hf_config: dict, source: str) -> str:
                         f"{hf_config.get('scale_attn_by_inverse_layer_idx')}); only 4 x n_embd MLPs and plain "
                         f"1/sqrt(head_size) attention load.")
     return HF_ACTIVATIONS[activation]
-
-
-def convert_hf_state_dict(hf_state_dict: dict, vocab_size: int, padded_vocab_size: int) -> dict:
-    """A Hugging Face GPT2LMHeadModel state dict -> this model's, the token embedding padded to padded_vocab_size."""
-    out = {}
-    for key, tensor in hf_state_dict.items():
-        key = key.removeprefix("transformer.") if key.startswith("transformer.") else key
-        if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-            continue  # causal-mask buffers, and lm_head, which is tied to wte
-        out["transformer." + key] = tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor
-    wte = out["transformer.wte.weight"]
-    if wte.size(0) != vocab_size:
-        raise UserError(f"the checkpoint has {wte.size(0)} token embeddings but vocab_size is {vocab_size}.")
-    padded = torch.zeros(padded_vocab_size, wte.size(1), dtype=wte.dtype)
-    padded[:vocab_size] = wte
-    out["transformer.wte.weight"] = padded
-    out["lm_head.weight"] = padded
-    return out
 
 
 def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:

@@ -133,23 +133,27 @@ def test_a_setting_imports_the_tool_it_needs_and_nothing_else(char_data, tmp_pat
 WITH_ONE_MORE = """
 import runpy, sys
 import model
-# a new implementation, as a developer would add it to model.IMPLEMENTATIONS: its function and its record
+from benchmarks import measure
+# a new implementation, as a developer would add it to model.IMPLEMENTATIONS: its function and its record; and for
+# bench's kernel audit, what it runs (no SDPA op here)
 model.IMPLEMENTATIONS["mine"] = model.Attention(lambda q, k, v, mask, p: model.manual_attention(q, k, v, mask, p),
-                                                "the test's own", "none")
+                                                "the test's own")
+measure.AUDIT["mine"] = measure.Audit("none")
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
 def test_a_new_implementation_runs_in_train_sample_and_bench_from_its_record_alone(char_data, tmp_path):
-    """What adding an implementation takes: its entry in model.py, nothing else. Train, sample and bench's attention
-    rows with their kernel audit all run it (the audit expects what its record says: no SDPA op)."""
+    """What adding an implementation takes: its entry in model.py, and the kernels bench's audit may see it run
+    (benchmarks/measure.py's AUDIT), nothing else. Train, sample and bench's attention rows with their kernel audit
+    all run it (the audit expects what its AUDIT entry says: no SDPA op)."""
     from conftest import TINY
     out = tmp_path / "run"
 
     def run(*argv) -> str:
         done = subprocess.run([sys.executable, "-c", WITH_ONE_MORE, *argv], cwd=REPO, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THDEFAULT_PATHS": "1"})
+                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout
     assert "attn=mine" in run("train.py", *TINY, f"--data_dir={char_data}", f"--out_dir={out}", "--attn=mine",

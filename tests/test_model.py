@@ -13,7 +13,6 @@ from benchmarks.measure import profiled_run
 from core.runtime import Runtime
 
 from engine.generate import Decoder
-from core.hf import convert_hf_state_dict
 from model import IMPLEMENTATIONS
 from attention.kernels import AttnCall, attention_problem, refuse_unless_runs
 from benchmarks.compare import attention_names
@@ -123,7 +122,7 @@ def test_logits_equal_hf_gpt2_eager_and_sdpa(hf_gpt2, attn, pad_vocab):
     hf = hf_gpt2
     config = GPTConfig(**TINY, attn=attn, pad_vocab=pad_vocab, gelu="tanh")
     model = GPT(config).eval()
-    model.load_state_dict(convert_hf_state_dict(hf.state_dict(), config.vocab_size, config.padded_vocab_size))
+    model.load_state_dict(model_module.from_hf_names(hf.state_dict(), config))
     x, y = batch()
     with torch.no_grad():
         logits, _ = model(x, y)
@@ -606,3 +605,33 @@ def test_model_py_copied_by_itself_trains_and_generates_and_its_extras_say_they_
     assert lines[4:] == [f"refused: {what} needs the rest of the nanoGPT-attn repository (attention/, core/), which "
                          f"model.py copied by itself does not have; copy the whole repository, or do without {what}."
                          for what in ("doc_mask and window", "attn='flex'")]
+
+
+FROM_PRETRAINED = '''
+import sys, torch, transformers
+from model import GPT
+hf = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval()
+model = GPT.from_pretrained(sys.argv[1], dict(attn="sdpa", pad_vocab=True)).eval()  # nanoGPT's call
+x = torch.randint(0, 101, (2, 16))
+with torch.no_grad():
+    ours = model(x, all_positions=True)[0][..., :101]
+    print(model.config.vocab_size, model.config.padded_vocab_size, (ours - hf(x).logits).abs().max().item())
+'''
+
+
+def test_from_pretrained_works_from_model_py_copied_by_itself_on_a_local_hugging_face_folder(tmp_path, hf_gpt2):
+    """nanoGPT's model.py reads GPT-2 through transformers inside from_pretrained; copied by itself, this one does
+    too (a hub name where there is network, a local folder always)."""
+    import shutil
+    import subprocess
+    import sys
+    hf_gpt2.save_pretrained(tmp_path / "hf")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(model_module.__file__, alone / "model.py")
+    done = subprocess.run([sys.executable, "-c", FROM_PRETRAINED, str(tmp_path / "hf")], cwd=alone,
+                          capture_output=True, text=True, timeout=300,
+                          env={"PATH": "", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    vocab, padded, diff = done.stdout.split()
+    assert (vocab, padded) == ("101", "128") and float(diff) < 1e-4
