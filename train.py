@@ -16,18 +16,17 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from core import flops
 from core import files
 from core import errors
 from core import runtime
-from engine.checkpoint import FULL_STATE, Checkpoint, SingleFileSaver, describe_tokens, restore_rng, rng_state
+from engine.checkpoint import Checkpoint, SingleFileSaver, describe_tokens, rng_state
 from core.configurator import PATH, SEED, Settings, configure, one_of
 from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError
 from engine.metrics import MetricsLog, Progress, banner, resume_hint
-from engine.trainer import Trainer, load_optimizer_state, lr_multiplier, make_optimizers, set_learning_rates
+from engine.trainer import Trainer, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, IMPLEMENTATIONS, GPTConfig
 from core.runtime import Runtime
 
@@ -420,30 +419,6 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
         run.log.close()
 
 
-def restore(run: TrainingRun, checkpoint: Checkpoint) -> int:
-    """Everything a resumed run takes from its checkpoint, in one place, once the model and optimizers are placed:
-    weights, optimizer state (not for eval_only), RNG streams (the data position among them), step, best val loss,
-    training time and attn=auto's decision (reused by choose_attention where the workload is the same). Its settings
-    were read before the model was built (resumed_settings, in start). Returns the step it resumes at."""
-    model, optimizers = run.trainer.model, run.trainer.optimizers
-    if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
-        from tools.sharded import load_into
-        load_optimizer_state(model, optimizers, load_into(model, optimizers, Path(checkpoint.shards)),
-                             StateDictOptions())
-    else:  # every rank holds the whole state; FSDP2 keeps its own shard of it
-        set_model_state_dict(model, checkpoint.model, options=FULL_STATE)
-        if not run.cfg.eval_only:
-            load_optimizer_state(model, optimizers, checkpoint.optimizer, FULL_STATE)
-    if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
-        restore_rng(checkpoint.rng, run.batches.generator, run.rt)
-    run.nanogpt_original = checkpoint.rng is None and not run.cfg.eval_only
-    run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
-    run.time_before, run.saved_at = checkpoint.train_time_s, checkpoint.iter_num
-    run.attn_decision = checkpoint.attn_decision
-    checkpoint.model = checkpoint.optimizer = None  # applied: its copy of the state is freed before training
-    return checkpoint.iter_num
-
-
 def choose_attention(run: TrainingRun) -> None:
     """Set the attention this run trains with, before the first forward (compiling is lazy): the one named, or for
     attn=auto the resumed decision where this run's workload is the one it decided, else measured now on rank 0 for
@@ -498,7 +473,10 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
     run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, saver, made_out_dir=made_out_dir)
-    resumed_at = restore(run, checkpoint) if checkpoint is not None else None
+    resumed_at = None
+    if checkpoint is not None:
+        from engine.resume import restore
+        resumed_at = restore(run, checkpoint)
     choose_attention(run)
     run_config = {**cfg.as_dict(), "world_size": rt.world_size, "device_name": rt.name, "resolved_dtype": rt.dtype,
                   "resolved_muon_dtype": rt.muon_dtype if cfg.optimizer == "muon" else None,

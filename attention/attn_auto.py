@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from core.errors import UserError
-from core import files, runtime
+from core import files
 from core.runtime import Runtime, compile_isolated, time_call
 from attention.kernels import AttnCall, attention_pass, attention_problem, decodes_with_mask
 
@@ -182,7 +182,7 @@ def measure(w: Workload, rt: Runtime, implementations: dict, budget_s: float) ->
     # as many rounds as the budget left holds (by the warm-up's times), at least one and at most MAX_ROUNDS
     per_round = sum(spent.get(a, 0.0) for a in calls) or 1e-3
     rounds = max(1, min(MAX_ROUNDS, int((budget_s - (time.perf_counter() - started)) / per_round)))
-    times = runtime.round_robin(list(calls), rounds, lambda attn: 1e3 * time_candidate(attn, calls[attn], rt))
+    times = round_robin(list(calls), rounds, lambda attn: 1e3 * time_candidate(attn, calls[attn], rt))
     for attn, ms in times.items():
         rows[attn]["ms"] = sorted(ms)[len(ms) // 2]
     ran = [r for r in rows.values() if r["status"] == "ok"]
@@ -271,3 +271,21 @@ def choose_for_model(model, implementations: dict, training: bool = False, dtype
     decision = choose(w, rt, implementations)
     print(decision.line())
     return decision.pick
+
+
+def round_robin(keys: list, rounds: int, time_one: Callable[[object], Optional[float]],
+                after_round: Optional[Callable[[dict], None]] = None) -> dict[object, list[float]]:
+    """Round-robin timing (bench's rows, attn=auto's candidates): each round times every key once, starting one
+    further along each time, so drift hits them alike. `time_one(key)` returns seconds, or None to drop the key."""
+    times, dropped = {key: [] for key in keys}, set()
+    for i in range(rounds):
+        live = [key for key in times if key not in dropped]
+        for key in live[i % len(live):] + live[:i % len(live)] if live else []:
+            seconds = time_one(key)
+            if seconds is None:
+                dropped.add(key)
+            else:
+                times[key].append(seconds)
+        if after_round is not None:
+            after_round({key: v for key, v in times.items() if key not in dropped})
+    return {key: v for key, v in times.items() if key not in dropped}

@@ -21,6 +21,7 @@ import torch
 from torch import profiler
 from torch.autograd import DeviceType
 
+from attention.attn_auto import round_robin
 from core import runtime
 from model import FLEX_REGION
 from core.runtime import Runtime
@@ -225,7 +226,7 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
 
 def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,
                      after_round: Optional[Callable[[dict], None]] = None) -> dict[str, list[float]]:
-    """Milliseconds of each call, `iters` rounds of runtime.round_robin, the device synchronized around each call.
+    """Milliseconds of each call, `iters` rounds of attn_auto.round_robin, the device synchronized around each call.
     A call that runs out of memory drops out, its reason put in `failed`. `after_round` sees the times so far."""
     def time_one(key: str) -> Optional[float]:
         try:
@@ -235,7 +236,7 @@ def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,
             return None
         finally:
             bar.update()
-    return runtime.round_robin([key for key in calls if key not in failed], iters, time_one, after_round)
+    return round_robin([key for key in calls if key not in failed], iters, time_one, after_round)
 
 
 def out_of_memory(e: Exception, rt: Runtime) -> str:

@@ -291,30 +291,12 @@ def mean_across_ranks(value: float, device: str) -> float:
 
 def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
     """What `call` returns and the seconds it took, its queued device work included (the device is synchronized
-    before and after): sample's and bench's clock, and attn=auto's (train's steps are timed by its StepTimer)."""
+    before and after): sample's and bench's clock, and attn=auto's (train.py's train_loop times its steps)."""
     rt.synchronize()
     t0 = time.perf_counter()
     result = call()
     rt.synchronize()
     return result, time.perf_counter() - t0
-
-
-def round_robin(keys: list, rounds: int, time_one: Callable[[object], Optional[float]],
-                after_round: Optional[Callable[[dict], None]] = None) -> dict[object, list[float]]:
-    """Round-robin timing (bench's rows, attn=auto's candidates): each round times every key once, starting one
-    further along each time, so drift hits them alike. `time_one(key)` returns seconds, or None to drop the key."""
-    times, dropped = {key: [] for key in keys}, set()
-    for i in range(rounds):
-        live = [key for key in times if key not in dropped]
-        for key in live[i % len(live):] + live[:i % len(live)] if live else []:
-            seconds = time_one(key)
-            if seconds is None:
-                dropped.add(key)
-            else:
-                times[key].append(seconds)
-        if after_round is not None:
-            after_round({key: v for key, v in times.items() if key not in dropped})
-    return {key: v for key, v in times.items() if key not in dropped}
 
 
 # -- scripts ------------------------------------------------------------------------------------------

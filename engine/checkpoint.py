@@ -84,16 +84,6 @@ def rng_state(data_generator: torch.Generator, rt: Runtime) -> dict:
     return {"per_rank": per_rank, "data": data_generator.get_state()}
 
 
-def restore_rng(state: dict, data_generator: torch.Generator, rt: Runtime) -> None:
-    data_generator.set_state(state["data"])
-    if len(state["per_rank"]) != rt.world_size:
-        return  # another world size: dropout streams cannot continue, the seeds already set stand
-    saved, cpu_size = state["per_rank"][rt.rank], torch.get_rng_state().numel()
-    torch.set_rng_state(saved[:cpu_size])
-    if rt.is_cuda and saved.numel() > cpu_size:
-        torch.cuda.set_rng_state(saved[cpu_size:])
-
-
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 

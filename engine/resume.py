@@ -1,17 +1,24 @@
 """
-What only a resume needs beyond reading its checkpoint (engine/reader.py): the settings it runs with, and the check
-that its data's ids mean what the checkpoint's meant. train.py imports it for --init_from=resume alone.
+What only a resume needs beyond reading its checkpoint (engine/reader.py): the settings it runs with, the check that
+its data's ids mean what the checkpoint's meant, and `restore`, which applies the rest once the model is placed.
+train.py imports it for --init_from=resume alone.
 
-    cfg = resumed_settings(checkpoint, cfg, LIMITS, cfg.out_dir)
+    cfg = resumed_settings(checkpoint, cfg, LIMITS, cfg.out_dir)   # in train.start, before the model is built
+    resumed_at = restore(run, checkpoint)                          # in train.train, once it is placed
 """
 
 import dataclasses
 import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from core.configurator import Settings, check_limits, coerce
 from core.errors import UserError
-from engine.checkpoint import Checkpoint, describe_tokens
-from model import RUN_FIELDS, GPTConfig
+from core.runtime import Runtime
+from engine.checkpoint import FULL_STATE, Checkpoint, describe_tokens
+from model import RUN_FIELDS, GPT, GPTConfig
 
 # what the weights fix and a resume keeps: GPTConfig's fields but what a run chooses and the data's vocabulary
 SHAPE_SETTINGS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_FIELDS, "vocab_size"))
@@ -79,3 +86,45 @@ def check_tokens(checkpoint: Checkpoint, meta: dict | None, where: str) -> None:
         raise UserError(f"this dataset's meta.json maps its ids to other text than the dataset the checkpoint in "
                         f"{where} was trained on ({describe_tokens(meta)} against {describe_tokens(saved)}); "
                         f"resume on that dataset, or start a new run in another --out_dir=.")
+
+
+def restore(run, checkpoint: Checkpoint) -> int:  # run: train.TrainingRun
+    """Everything a resumed run takes from its checkpoint, in one place, once the model and optimizers are placed:
+    weights, optimizer state (not for eval_only), RNG streams (the data position among them), step, best val loss,
+    training time and attn=auto's decision (reused by choose_attention where the workload is the same). Its settings
+    were read before the model was built (resumed_settings, in start). Returns the step it resumes at."""
+    model, optimizers = run.trainer.model, run.trainer.optimizers
+    if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
+        from tools.sharded import load_into
+        load_optimizer_state(model, optimizers, load_into(model, optimizers, Path(checkpoint.shards)),
+                             StateDictOptions())
+    else:  # every rank holds the whole state; FSDP2 keeps its own shard of it
+        set_model_state_dict(model, checkpoint.model, options=FULL_STATE)
+        if not run.cfg.eval_only:
+            load_optimizer_state(model, optimizers, checkpoint.optimizer, FULL_STATE)
+    if checkpoint.rng is not None:  # a nanoGPT checkpoint has none: the seeds already set stand
+        restore_rng(checkpoint.rng, run.batches.generator, run.rt)
+    run.nanogpt_original = checkpoint.rng is None and not run.cfg.eval_only
+    run.iter_num, run.best_val_loss = checkpoint.iter_num, checkpoint.best_val_loss
+    run.time_before, run.saved_at = checkpoint.train_time_s, checkpoint.iter_num
+    run.attn_decision = checkpoint.attn_decision
+    checkpoint.model = checkpoint.optimizer = None  # applied: its copy of the state is freed before training
+    return checkpoint.iter_num
+
+
+def load_optimizer_state(model: GPT, optimizers: list, state: dict, options: StateDictOptions) -> None:
+    """A checkpoint's optimizer state; the peak rates stay this run's settings (a saved group's would win)."""
+    peaks = [group["initial_lr"] for optimizer in optimizers for group in optimizer.param_groups]
+    set_optimizer_state_dict(model, optimizers, state, options=options)
+    for group, peak in zip((g for optimizer in optimizers for g in optimizer.param_groups), peaks):
+        group["initial_lr"] = peak
+
+
+def restore_rng(state: dict, data_generator: torch.Generator, rt: Runtime) -> None:
+    data_generator.set_state(state["data"])
+    if len(state["per_rank"]) != rt.world_size:
+        return  # another world size: dropout streams cannot continue, the seeds already set stand
+    saved, cpu_size = state["per_rank"][rt.rank], torch.get_rng_state().numel()
+    torch.set_rng_state(saved[:cpu_size])
+    if rt.is_cuda and saved.numel() > cpu_size:
+        torch.cuda.set_rng_state(saved[cpu_size:])

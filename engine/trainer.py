@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from core.configurator import Settings
 from core.runtime import Runtime
@@ -54,14 +53,6 @@ def make_optimizers(model: GPT, cfg: Settings, rt: Runtime) -> list:
     for group in (g for optimizer in optimizers for g in optimizer.param_groups):
         group["initial_lr"] = group["lr"]
     return optimizers
-
-
-def load_optimizer_state(model: GPT, optimizers: list, state: dict, options: StateDictOptions) -> None:
-    """A checkpoint's optimizer state; the peak rates stay this run's settings (a saved group's would win)."""
-    peaks = [group["initial_lr"] for optimizer in optimizers for group in optimizer.param_groups]
-    set_optimizer_state_dict(model, optimizers, state, options=options)
-    for group, peak in zip((g for optimizer in optimizers for g in optimizer.param_groups), peaks):
-        group["initial_lr"] = peak
 
 
 def set_learning_rates(optimizers: list, multiplier: float) -> None:  # each group's own peak x the schedule
