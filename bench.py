@@ -358,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = environment(rt, argv)
     path = out / f"{cfg.mode}.json"
 
-    def save(rows: list[dict], complete: bool = False) -> None:  # whole or not at all: an earlier save stays
+    def save(rows: list[dict], complete: bool = False) -> None:  # completely or not at all: an earlier save stays
         with files.staged_outputs(out, [path.name], what=f"the results to {path}") as tmp:
             tmp[path.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete,
                                                       rows=rows), indent=1))

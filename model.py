@@ -84,6 +84,7 @@ def forced(backend: SDPBackend):
     def attention(q, k, v, mask, dropout_p):
         # cuDNN refuses a key length of 1, which the first step of cache-free generation from a one-token prompt
         # asks for; the one key visible then takes all the weight, so its value is the exact answer
+        # (docs/torch_versions.md)
         if backend == SDPBackend.CUDNN_ATTENTION and k.size(-2) == 1 and mask is None and dropout_p == 0.0:
             return v  # (B, nh, 1, hs)
         with sdpa_kernel(backend):
@@ -140,6 +141,7 @@ def flex_causal_attention(q, k, v, mask, dropout_p):
         raise user_error("FlexAttention has no attention dropout; set dropout=0.0 or pick another attn.")
     if q.size(-2) == 1 and torch.compiler.is_compiling():
         # inductor's CPU flex lowering (torch 2.13) fails on a one-query view with an odd stride; a copy compiles
+        # (docs/torch_versions.md)
         q = q.clone(memory_format=torch.contiguous_format)
     block_mask = mask if isinstance(mask, BlockMask) else None
     score_mod = mask if mask is not None and block_mask is None else None
@@ -271,7 +273,7 @@ class GPTConfig:
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
         """The one way a config is made (scratch, a checkpoint, Hugging Face's or nanoGPT's files): `shape`, what the
-        weights fix (keys that are not fields are ignored), then `run`, what this run chooses (RUN_FIELDS)."""
+        weights determine (keys that are not fields are ignored), then `run`, what this run chooses (RUN_FIELDS)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"chunked_loss"}  # the caller's, never the weights'
         return cls(**{**{k: v for k, v in shape.items() if k in names},
                       **{k: v for k, v in run.items() if k in RUN_FIELDS}})

@@ -209,7 +209,7 @@ class TrainingRun:
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log the evaluation's loss (val, and train unless eval_train=False); stop on a NaN/inf; save when val
-        improved (or always_save_checkpoint)."""
+        improved (or always_save_checkpoint), never at iter 0."""
         losses = estimate_loss(self.trainer.wrapped, self.cfg, self.data_dir, self.rt, first=self.saved_at is None
                                and self.iter_num == 0)
         train_time_s += self.time_before  # this run's, continuing the resumed one's
@@ -233,7 +233,7 @@ class TrainingRun:
 
 
     def print_line(self, it: int, lr: float, loss: float, steps: int, seconds: float, peak_flops) -> None:
-        """A log point's line: its training loss, and the speed over the `steps` timed since the last line."""
+        """A logged step's line: its training loss, and the speed over the `steps` timed since the last line."""
         self.stop_if_diverged("training", loss, it)
         metrics = {"iter": it, "train/loss": loss, "lr": lr}
         if steps:  # none when the only step since the last line was the compiling one
@@ -336,7 +336,7 @@ def cpu_hint(cfg: Settings, rt: Runtime) -> str:
 
 
 class StepEnd(NamedTuple):
-    """Where a log point's step ends, marked as it is queued: the host's clock, and on CUDA an event behind the step."""
+    """Where a logged step ends, marked as it is queued: the host's clock, and on CUDA an event behind the step."""
     it: int
     time: float
     event: Optional[object]
@@ -345,7 +345,7 @@ class StepEnd(NamedTuple):
 def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating and saving every eval_interval steps and at the end (a resumed
     run not again at resumed_at). The clock: a line times the steps from the last line's step end to its own (on CUDA
-    between events, the device's time); it stops for the compiling step and for evaluations, and a log point's loss,
+    between events, the device's time); it stops for the compiling step and for evaluations, and a logged step's loss,
     copied to the host behind its step, is read once the next step is queued, so the device never waits on the host."""
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
@@ -354,7 +354,7 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
         print(flops.peak_line(rt, peak_flops))
     trained, started = 0.0, 0.0  # seconds of training before the clock last started, and when it did (host clock)
     since: Optional[StepEnd] = None  # the clock's start: the last line's step end; None while it is stopped
-    waiting = None  # the log point whose line is printed next: (StepEnd, lr, loss and out-of-time flag on the host)
+    waiting = None  # the logged step whose line is printed next: (StepEnd, lr, loss and out-of-time flag on the host)
     steps_run, out_of_time = 0, False
 
     def print_waiting() -> bool:  # returns whether any rank ran out of max_seconds (the flag travels with the loss)
@@ -405,14 +405,14 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             run.iter_num += 1
             timed_out = cfg.max_seconds > 0 and since is not None and \
                 trained + time.perf_counter() - started >= cfg.max_seconds
-            if not rt.is_distributed:  # under torchrun the ranks stop together on the flag their log point carries
+            if not rt.is_distributed:  # under torchrun the ranks stop together on the flag their logged step carries
                 out_of_time = timed_out
             point = None  # every log_interval steps, and the step before an evaluation (the clock stops there)
             if run.iter_num % cfg.log_interval == 0 or evaluates(run.iter_num) or out_of_time:
                 values, event = rt.copy_behind(runtime.sum_across_ranks_(torch.stack([loss.detach().float(),
                     torch.full_like(loss, float(rt.is_distributed and timed_out), dtype=torch.float32)])))
                 point = (StepEnd(run.iter_num, time.perf_counter(), event), lr, values)
-            out_of_time |= print_waiting()  # the last log point's line: its step is done or nearly
+            out_of_time |= print_waiting()  # the last logged step's line: its step is done or nearly
             waiting = point
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
@@ -465,7 +465,8 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
-    # one rank reads the files through (a chunked scan of every id); the others wait and stop with it on an error
+    # one rank scans the files for their largest id (remembered per file: a repeat start reads nothing); the others
+    # wait and stop with it on an error
     runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place

@@ -225,7 +225,7 @@ def choose(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20
 def choose_across_ranks(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20.0,
                         refresh: bool = False) -> Decision:
     """choose() on rank 0 and its answer on every rank (all must run the same kernel); if measuring fails, one line
-    and FALLBACK everywhere; a UserError stops every rank with the same sentence."""
+    and FALLBACK everywhere; a UserError stops every rank with the same error line."""
     decision, problem = None, None
     if rt.is_master:
         try:

@@ -2,8 +2,8 @@
 Whether an attention implementation runs here, asked once per device, dtype and mode (GPT.check_attention, attn=auto,
 bench), and the error line when it cannot: what was asked, why it cannot run, and what can.
 
-    problem = attention_problem("flash", AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1),
-                                model.IMPLEMENTATIONS["flash"])
+    call = AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1)
+    problem = attention_problem("flash", call, model.IMPLEMENTATIONS["flash"])   # None, or why it cannot run
     refuse_unless_runs("flash", call, model.IMPLEMENTATIONS)   # raises UserError naming what runs instead
 """
 
@@ -30,7 +30,7 @@ _TRIGGERED = re.compile(r"\s*\(Triggered internally at .*\)\s*$")  # what a warn
 
 def refusal_reason(messages: list[str], backend: Optional[SDPBackend]) -> Optional[str]:
     """The first reason SDPA's warnings give for refusing the `backend` forced (any kernel's where none is), without
-    the C++ source location; None if they give none."""
+    the C++ source location; None if they give none. The text is torch 2.11-2.13's (docs/torch_versions.md)."""
     sections: dict[Optional[str], list[str]] = {}
     current = None
     for message in messages:
@@ -50,10 +50,10 @@ def refusal_reason(messages: list[str], backend: Optional[SDPBackend]) -> Option
 
 def cudnn_mask_hazard(impl, needs_grad: bool, masked: bool, seq_len: int, capability: tuple[int, int],
                       cudnn_version: int) -> Optional[str]:
-    """A known cuDNN bug (torch 2.13): its backward with an explicit mask gives NaN gradients when the length is 64
+    """A known cuDNN bug (torch 2.13, docs/torch_versions.md): its backward with an explicit mask gives NaN gradients when the length is 64
     past a multiple of 128 and a row's logsumexp is very negative. A forced `cudnn` row meets it; `sdpa` and
     `sdpa_mask` meet it where SDPA picks cuDNN for a masked call (torch 2.13 prefers cuDNN newer than 9.15 on
-    compute capability 9.x and 10.x, and its checks look at the mask's shape only). The sentence, or None."""
+    compute capability 9.x and 10.x, and its checks look at the mask's shape only). The message, or None."""
     explicit_mask = masked or (impl.picks and not impl.skips_future_keys)  # SDPA handed a causal mask (sdpa_mask)
     if not (needs_grad and explicit_mask and seq_len % 128 == 64):
         return None
@@ -73,7 +73,8 @@ def cuda_facts(device=None) -> tuple[tuple[int, int], int]:
 def cudnn_first(capability: tuple[int, int], cudnn_version: int) -> bool:
     """Whether SDPA ranks cuDNN's fused flash attention first on this GPU, as torch 2.13's sdp_utils.cpp does: on
     Hopper and Blackwell (compute capability 9.x, 10.x) with cuDNN newer than 9.15. There it uses instructions
-    (TMA, wgmma) that PyTorch's FlashAttention-2 predates, so attn='flash' runs it first too (model.flash_kernels)."""
+    (TMA, wgmma) that PyTorch's FlashAttention-2 predates, so attn='flash' runs it first too (model.flash_kernels).
+    Checked against each release's sdp_utils.cpp (docs/torch_versions.md)."""
     return capability[0] in (9, 10) and cudnn_version > 91500
 
 

@@ -7,7 +7,7 @@ One rule, `allowed`, in the layout each implementation takes (build_mask picks i
     block_mask      a FlexAttention BlockMask: blocks where nothing is allowed are skipped
     varlen_packing  the documents as varlen_attn's cu_seqlens (and the window as its window_size)
     visible_mask    a decode step's visible keys: a row over the cache, or a score mod for flex
-    decode_step     what one decode step, eager or compiled, hands attention: the cache positions it reads and
+    decode_step     what one decode step, eager or compiled, passes to attention: the cache positions it reads and
                     visible_mask over them
 
 Positions stay GPT-2's absolute ones (position p is p whatever document it is in).
@@ -68,7 +68,7 @@ def block_mask(docs: Optional[torch.Tensor], window: int, T: int, device) -> Blo
     """The same rule as a FlexAttention BlockMask (one per row when documents are given)."""
     # Built eagerly and handed to a compiled flex (bench.py), the window rides as a tensor (T: no limit): compiled
     # flex would see another window as a dynamic int, which torch 2.13's CPU flex template fails to compile (C++
-    # "cur_qSplitSize0 was not declared"). Built inside a compiled model it stays the model's int: a tensor made
+    # "cur_qSplitSize0 was not declared"; docs/torch_versions.md). Built inside a compiled model it stays the model's int: a tensor made
     # there is a constant the CPU template cannot read ("No choices to select").
     span = window if torch.compiler.is_compiling() else _window_tensor(window or T, str(device))
     if docs is None:
@@ -127,7 +127,8 @@ def visible_mask(layout: str, start: torch.Tensor, end: torch.Tensor, kv_len: in
         return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
     first, length = start, end - start  # (1 or B,) each
     if not start.is_cuda and torch.compiler.is_compiling():
-        # torch 2.13's CPU flex template reads only tensors inductor materialises: reductions over the row are
+        # torch 2.13's CPU flex template reads only tensors inductor materialises (docs/torch_versions.md): a reduction
+        # over a row is one, the start and length tensors passed in are not
         rows = visible_mask("dense", start, end, kv_len)[:, 0, 0]  # (1 or B, kv_len)
         first, length = rows.int().argmax(-1), rows.sum(-1)  # (1 or B,) each: argmax finds the first True
     per_row = first.size(0) > 1
@@ -153,12 +154,13 @@ def decode_keys(end: int, window: int, block_size: int) -> tuple[int, int, int]:
 
 def decode_step(layout: str, end, window: int, block_size: int, takes_mask: bool, device,
                 dtype: Optional[torch.dtype] = None, doc_start: Optional[torch.Tensor] = None):
-    """What a decode step at position end - 1 hands attention, decided here alone for every caller: the model's step
-    (KVCache.step, once for all layers), the kernel probe (attention/kernels.py) and attn=auto's timing. Returns (the
-    cache positions it reads, the mask over them).
+    """What a decode step at position end - 1 passes to attention, decided here alone for every caller: the model's
+    step (GPT._attention_mask, once for all layers), the kernel probe (attention/kernels.py) and attn=auto's timing.
+    Returns (the cache positions it reads, the mask over them).
 
-    - compiled (`end` a (1,) tensor): the whole cache behind a mask row, one shape at every position (gpt-fast's);
-    - eager (`end` an int, known on the host): the keys it sees, read within decode_keys' range behind a mask row, so
+    - `end` a (1,) tensor (a compiled step's): the whole cache behind a mask row, one shape at every position
+      (gpt-fast's);
+    - `end` an int (the decode loop's position, known on the host): the keys it sees, read within decode_keys' range behind a mask row, so
       attention meets a few shapes (cuDNN builds a plan per shape); an implementation that takes no mask
       (FlashAttention-2, `takes_mask` False) reads exactly the keys it sees.
     Each row sees keys from its document's start on (doc_start (B,)), and at most `window` back."""

@@ -66,7 +66,7 @@ def build_rows(cfg, rt: Runtime, pad: bool) -> tuple[dict[str, dict], dict[str, 
             call = AttnCall(rt.device_type, dtype, cfg.n_embd // cfg.n_head, seq_len=cfg.seq_len)
             problem = attention_problem(attn, call, IMPLEMENTATIONS[attn])
             model = None
-            try:  # int8 without torchao: its rows are skipped in its sentence, the others run
+            try:  # int8 without torchao: its rows are skipped with its error line, the others run
                 model = None if problem else for_inference(copy.deepcopy(base).set_attention(attn, dtype=dtype),
                                                            rt.device, dtype, quantize)
             except UserError as e:

@@ -115,7 +115,8 @@ def comma_list_of(*words: str) -> Choice:
     return Choice(tuple(words), many=True)
 
 
-SEED = "[0, 9223372036854775808) int"  # a LIMITS entry: what torch's generators take (a signed 64-bit seed)
+SEED = "[0, 9223372036854775808) int"  # a LIMITS entry: seeds below 2**63 (torch's generators take up to 2**64 - 1;
+                                        # numpy's and JSON readers' signed 64-bit integers do not)
 PATH = "a path"  # a LIMITS entry: a file or folder name, each part short enough for the filesystem
 NAME_MAX = 255    # bytes in one file or folder name on Linux and macOS filesystems
 
@@ -163,19 +164,19 @@ def check_limits(values: dict, limits: dict, defaults: dict) -> None:
 
 
 class Settings(SimpleNamespace):
-    """A script's settings, read as attributes: cfg.batch_size; `typed`: where each setting not left at its default
+    """A script's settings, read as attributes: cfg.batch_size; `set_by`: where each setting not left at its default
     was set ("the command line", or a config file's path)."""
 
-    def __init__(self, typed: dict | None = None, **values):
+    def __init__(self, set_by: dict | None = None, **values):
         super().__init__(**values)
-        object.__setattr__(self, "_typed", dict(typed or {}))
+        object.__setattr__(self, "_set_by", dict(set_by or {}))
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k != "_typed"}
+        return {k: v for k, v in vars(self).items() if k != "_set_by"}
 
     @property
-    def typed(self) -> dict:
-        return dict(self._typed)
+    def set_by(self) -> dict:
+        return dict(self._set_by)
 
     def __repr__(self) -> str:
         return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
@@ -207,7 +208,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
         raise SystemExit(0)
     namespace = dict(namespace)
     defaults = settings(namespace)  # types are checked against these, whatever a config file set before
-    typed = {}  # key -> where it was set last
+    set_by = {}  # key -> where it was set last
     for arg in argv:
         if arg.startswith("--"):
             key, sep, text = arg[2:].partition("=")
@@ -218,7 +219,7 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             if isinstance(defaults[key], str) and isinstance(value, (int, float)):  # --start=2024 is the text "2024"
                 value = text
             namespace[key] = coerce(key, value, defaults[key], namespace[key])
-            typed[key] = "the command line"
+            set_by[key] = "the command line"
             continue
         path = Path(arg)
         if not path.is_file():
@@ -234,11 +235,11 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
         for key, value in settings(scope).items():
             _check_key(key, defaults)
             namespace[key] = coerce(key, value, defaults[key], namespace[key])
-            typed[key] = str(path)
+            set_by[key] = str(path)
     values = settings({k: namespace[k] for k in defaults})
     if limits is not None:
         check_limits(values, limits, defaults)
-    return Settings(typed, **values)
+    return Settings(set_by, **values)
 
 
 def as_list(value, cast=str) -> list:

@@ -1,5 +1,5 @@
 """
-A launch of several ranks (runtime.init_distributed opens it where RANK is set): torchrun's variables checked, the
+A launch of several ranks (runtime.init_distributed imports it where RANK is set): torchrun's variables checked, the
 process group joined on a store of this restart's own, and the model wrapped for it (DDP or FSDP2).
 """
 
@@ -95,7 +95,7 @@ def wrap(model: torch.nn.Module, parallel: str, compile: bool, rt) -> torch.nn.M
 
 def wrap_ddp(model: torch.nn.Module, rt) -> torch.nn.Module:
     """DDP without its broadcast of buffers before every forward: the only one (the padded-vocab bias) is derived
-    and alike on every rank (0.2 MB at GPT-2 size). torch 2.13 renamed the switch."""
+    and alike on every rank (0.2 MB at GPT-2 size). torch 2.13 renamed the switch (docs/torch_versions.md)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
     no_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}

@@ -22,7 +22,7 @@ class UserError(ValueError):
 
 
 class StoppedWithRank0(UserError):
-    """A rank stopping because rank 0's work failed: rank 0 prints its sentence; this rank exits with 2 quietly, so
+    """A rank stopping because rank 0's work failed: rank 0 prints its error line; this rank exits with 2 quietly, so
     a torchrun console shows the error once."""
 
 
@@ -101,9 +101,9 @@ def problems_of(work: Callable[[], object]) -> list[UserError]:
 def refuse_all(problems: list[UserError], hint: str = "") -> None:
     """One UserError saying every problem found, numbered, with `hint` after them; none raised when there is none.
     A rank other than 0 stops quietly (rank 0 prints the line)."""
-    quiet = [p for p in problems if isinstance(p, StoppedWithRank0)]
-    if quiet:
-        raise quiet[0]
+    after_rank0 = [p for p in problems if isinstance(p, StoppedWithRank0)]  # rank 0 prints the error line
+    if after_rank0:
+        raise after_rank0[0]
     if problems:
         text = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)) if len(problems) > 1 else str(problems[0])
         raise UserError((f"{len(problems)} problems: " if len(problems) > 1 else "") + text

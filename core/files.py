@@ -82,9 +82,10 @@ def eot_token_of(meta: dict | None) -> int:
 @contextlib.contextmanager
 def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                    advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
-    """How every file is written (checkpoints, prepared data, reports, caches): temporary paths of this process's own
+    """How a file is written completely or not at all (checkpoints, prepared data, reports, caches, a log's first line; metrics.jsonl's
+    later lines are appended, and export_hf.py stages a whole folder): temporary paths of this process's own
     to write, renamed over the real names only when the block finishes without an error, so a crash, a full disk or a
-    second writer at once keeps the previous files whole. A failure is one error line."""
+    second writer at once keeps the previous files intact. A failure is one error line."""
     out_dir = Path(out_dir)
     tmp = {name: out_dir / f"{name}.{os.getpid()}.tmp" for name in names}  # two writers never share one
     # a Ctrl-C or SIGTERM in the block is noted, stops save_through's writer at its next write (errors.stop_if_asked)
@@ -189,8 +190,8 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
 
 class OutDirLock:
     """One run per out_dir: flock on out_dir/.lock (an empty file) for the run's life, released by the OS when the
-    process dies. The file stays: a lock on a file another run had already unlinked would be no lock. Readers take
-    none: a checkpoint is renamed into place whole."""
+    process dies. The file stays once a run has trained (a lock on a file another run had already unlinked would be
+    no lock); a refused run removes the one it made. Readers take none: a checkpoint is renamed into place once complete."""
 
     def __init__(self, out_dir: Path, made_dir: bool):
         import fcntl
@@ -210,7 +211,8 @@ class OutDirLock:
                   f"so start no other run on this out_dir until it ends.", file=sys.stderr)
 
     def release(self, failed: bool = False) -> None:
-        """Unlock; a refused or failed run leaves out_dir as it found it: no .lock it made, no folder it made empty."""
+        """Unlock; a refused or failed run takes away the .lock it made, and the folder it made when nothing else is
+        in it (train.py removes the log of a run that saved no checkpoint in a folder it made)."""
         if failed and self.made_lock:
             self.path.unlink(missing_ok=True)
         self.file.close()  # closing the file drops the lock
@@ -222,7 +224,7 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool, describe: Callable
     """out_dir, locked for this run (one run at a time) and writable, before anything in it is read; a new run takes
     no other run's out_dir unless --overwrite=True (the old metrics.jsonl is replaced at the new run's first line, the
     old checkpoint at its first save: a run refused before then leaves both as they were). `describe(ckpt)`: a few
-    words on the checkpoint a refusal names."""
+    words on the checkpoint the error line names."""
     made = not out.exists()
     check_writable_dir(out)
     lock = OutDirLock(out, made_dir=made)
@@ -240,7 +242,7 @@ def claim_out_dir(out: Path, resuming: bool, overwrite: bool, describe: Callable
 
 def cache_folder() -> Path:
     """The project's measurements kept between runs: $XDG_CACHE_HOME (or ~/.cache)/nanogpt-attn/ (attn=auto's
-    decisions, bench's read bandwidths)."""
+    decisions, the largest token id of each data file read, bench's read bandwidths)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt-attn"
 
 
@@ -272,7 +274,7 @@ def write_cache(path: Path, entries: dict) -> None:
 
 
 def write_json(path: Path, contents: dict, setting: str) -> None:
-    """A report written whole (sample's --json, time_to_loss's); a failure names the setting to change."""
+    """A report written completely or not at all (sample's --json, time_to_loss's); a failure names the setting to change."""
     path = Path(path)
     with staged_outputs(path.parent, [path.name], what=str(path), advice=f"pass --{setting}= a writable path") as tmp:
         tmp[path.name].write_text(json.dumps(contents, indent=1) + "\n")

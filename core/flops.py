@@ -30,7 +30,8 @@ def peak_line(rt: Runtime, peak: Optional[float]) -> str:
 class GpuPeak:
     words: tuple[str, ...]  # all must be words of the upper-cased device name, '-' read as a space
     half: float             # dense bf16/fp16 tensor-core TFLOP/s (sparsity figures halved)
-    fp32: float             # dense TF32 tensor-core TFLOP/s: resolve_runtime turns TF32 on for fp32 matmuls
+    fp32: float             # dense fp32 TFLOP/s: TF32 tensor cores where the GPU has them (Ampere on: resolve_runtime
+                            # turns TF32 on for fp32 matmuls), plain fp32 on the V100 and T4, which have none
     bf16: bool = True       # False: bf16 would be emulated, so it has no datasheet peak
 
 

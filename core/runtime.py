@@ -142,8 +142,9 @@ class Runtime:
         return tuple(t if t.is_cuda else t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
 
     def stream_event(self) -> Optional["torch.cuda.Event"]:
-        """On CUDA, a timing event recorded behind the work queued so far on the current stream; elsewhere None
-        (CPU work has run by the time its call returns)."""
+        """On CUDA, a timing event recorded behind the work queued so far on the current stream; elsewhere None (a
+        CPU's work has run by the time its call returns; on MPS, copy_behind waits for the device, and the clock is
+        read after it)."""
         if not self.is_cuda:
             return None
         event = torch.cuda.Event(enable_timing=True)
@@ -225,7 +226,8 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str =
 
 def compile_isolated(fn, recompile_limit: int = 8, **compile_options):
     """torch.compile a function, or a module in place, with a recompile count of its own: dynamo counts recompiles per
-    code object (GPT.forward is shared by every model), and past its limit runs later models eagerly without a word."""
+    code object (GPT.forward is shared by every model), and past its limit runs later models eagerly without a word.
+    Releases without isolate_recompiles raise dynamo's global limit instead (docs/torch_versions.md)."""
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         options = {"isolate_recompiles": True, "recompile_limit": recompile_limit, **compile_options}
     else:

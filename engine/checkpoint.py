@@ -1,6 +1,6 @@
 """
 The checkpoint train.py writes: ckpt.pt, the full state gathered on rank 0, tensors and plain types only
-(torch.load(weights_only=True) reads it), written whole or not at all.
+(torch.load(weights_only=True) reads it), written completely or not at all.
 
     Checkpoint(model=model.state_dict(), model_config=asdict(model.config), iter_num=100, ...).save(path)
 
@@ -51,7 +51,7 @@ class Checkpoint:
                                          # whose model and optimizer state each rank reads in place (train.restore)
 
     def save(self, path: Path) -> None:
-        """Write it whole or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
+        """Write it completely or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
         path = Path(path)
         # not asdict (it copies tensors); `shards` says where a loaded one lives, it is not part of the file
         contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shards"}

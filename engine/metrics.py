@@ -48,7 +48,7 @@ class MetricsLog:
     def __init__(self, cfg: Settings, run_config: dict, enabled: bool, to_file: bool = True):
         self.enabled, self.wandb = enabled, None
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if to_file else None
-        self.replace = cfg.init_from != "resume"  # a new run's first line replaces an old log whole (--overwrite)
+        self.replace = cfg.init_from != "resume"  # a new run's first line replaces an old log at once (--overwrite)
         if enabled and cfg.wandb_log:
             import wandb  # mode (online/offline/disabled) comes from WANDB_MODE, never hard-coded
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run_config)

@@ -20,7 +20,7 @@ from core.runtime import Runtime
 from engine.checkpoint import FULL_STATE, Checkpoint, describe_tokens
 from model import RUN_FIELDS, GPT, GPTConfig
 
-# what the weights fix and a resume keeps: GPTConfig's fields but what a run chooses and the data's vocabulary
+# the shape the weights determine, which a resume keeps: GPTConfig's fields but what a run chooses and the data's vocabulary
 SHAPE_SETTINGS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_FIELDS, "vocab_size"))
 TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
 RESUME_KEEPS = ("init_from", "out_dir", "overwrite", "eval_only")  # a resume's own: never the saved run's
@@ -30,13 +30,13 @@ def with_saved(cfg: Settings, saved: dict, limits: dict) -> tuple[Settings, list
     """`saved` (the run's own settings) for every setting this command left at its default, this command's where it
     set one (a flag or a config file), and RESUME_KEEPS always this command's. A saved value this version refuses is
     left at the default. Returns them and the settings this command changed, in words."""
-    values, typed, changed = cfg.as_dict(), cfg.typed, []
+    values, set_by, changed = cfg.as_dict(), cfg.set_by, []
     for key, value in saved.items():
         if key not in values or key in RESUME_KEEPS:
             continue
-        if key in typed:
+        if key in set_by:
             if values[key] != value:
-                changed.append(f"{key}={values[key]!r} from {typed[key]} (the run had {value!r})")
+                changed.append(f"{key}={values[key]!r} from {set_by[key]} (the run had {value!r})")
             continue
         try:
             value = coerce(key, value, values[key], values[key])
@@ -44,7 +44,7 @@ def with_saved(cfg: Settings, saved: dict, limits: dict) -> tuple[Settings, list
         except UserError:
             continue  # an older version's value: this version's default stands
         values[key] = value
-    return Settings(typed, **values), changed
+    return Settings(set_by, **values), changed
 
 
 def resumed_settings(checkpoint: Checkpoint, cfg: Settings, limits: dict, where: str) -> Settings:
@@ -56,26 +56,26 @@ def resumed_settings(checkpoint: Checkpoint, cfg: Settings, limits: dict, where:
     changed = []
     if checkpoint.rng is not None:  # this project's checkpoint
         cfg, changed = with_saved(cfg, checkpoint.settings, limits)
-    settings, typed = cfg.as_dict(), cfg.typed
+    settings, set_by = cfg.as_dict(), cfg.set_by
     optimizer = checkpoint.settings.get("optimizer", "adamw")  # nanoGPT's: AdamW
     if optimizer != settings["optimizer"]:
         raise UserError(f"the checkpoint's optimizer state is {optimizer}'s; resume with --optimizer={optimizer}.")
     for key in SHAPE_SETTINGS:
         saved = checkpoint.model_config.get(key, settings[key])
-        if settings[key] == saved or typed.get(key) is None:
+        if settings[key] == saved or set_by.get(key) is None:
             continue
-        if typed[key] == "the command line":
+        if set_by[key] == "the command line":
             raise UserError(f"--{key}={settings[key]!r} differs from the checkpoint in {where} ({key}={saved!r}), "
                             f"and a resumed run keeps the checkpoint's shape; drop --{key}= (or pass "
                             f"--{key}={saved!r}), or start a new run in another --out_dir=.")
-        print(f"note: {key}={settings[key]!r} from {typed[key]} is not the checkpoint's ({key}={saved!r}); the "
+        print(f"note: {key}={settings[key]!r} from {set_by[key]} is not the checkpoint's ({key}={saved!r}); the "
               f"resumed run keeps the checkpoint's shape.", file=sys.stderr)
         changed = [c for c in changed if not c.startswith(f"{key}=")]
     if changed:
         print(f"note: resuming with the run's own settings, but for {', '.join(changed)}", file=sys.stderr)
     shape = {key: checkpoint.model_config[key] for key in (*SHAPE_SETTINGS, "vocab_size")
              if key in checkpoint.model_config}
-    return Settings(typed, **{**settings, **shape})
+    return Settings(set_by, **{**settings, **shape})
 
 
 def check_tokens(checkpoint: Checkpoint, meta: dict | None, where: str) -> None:

@@ -42,7 +42,7 @@ def from_nanogpt(contents: dict, path: Path, for_training: bool = False, data_di
 
 
 def keep_original(path: Path) -> None:
-    """Keep nanoGPT's ckpt.pt beside the file this run saves over it, as ckpt.nanogpt.pt (written whole); train.py
+    """Keep nanoGPT's ckpt.pt beside the file this run saves over it, as ckpt.nanogpt.pt (written completely); train.py
     calls it on rank 0, before its first save."""
     kept = path.with_name("ckpt.nanogpt.pt")
     if kept.exists():

@@ -3,7 +3,7 @@ Sharded checkpoints (checkpoint_format='sharded'): DCP writes each rank's part, 
 reading. Only the folder `latest` names is read, so a save killed half-way leaves the previous step loadable:
 
     out_dir/step-000500/   DCP's files, one per rank, and .metadata (written last)
-    out_dir/latest         the newest whole step's name, replaced only once a save is whole
+    out_dir/latest         the newest complete step's name, replaced only once a save is complete
 """
 
 import re
@@ -34,7 +34,7 @@ def step_folder(out: Path, iter_num: int) -> Path:
 
 
 def steps_in(out: Path) -> dict[int, Path]:
-    """out_dir's step folders, whole or not, by step."""
+    """out_dir's step folders, complete or not, by step."""
     found = {}
     for path in Path(out).glob("step-*"):
         if match := re.fullmatch(r"step-(\d+)", path.name):
@@ -140,7 +140,7 @@ class ShardedSaver:
             shutil.rmtree(folder)
 
     def commit(self, step: int) -> None:
-        """Rank 0, once a save is whole: point `latest` at it, then keep the newest `keep` whole steps up to it (later
+        """Rank 0, once a save is complete: point `latest` at it, then keep the newest `keep` complete steps up to it (later
         steps and unfinished folders go)."""
         folder = step_folder(self.out, step)
         with files.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
@@ -164,7 +164,7 @@ class ShardedSaver:
 # a sharded step, as DCP wrote it
 
 def check_step(folder: Path, pointer: Path) -> None:
-    """One sentence, if the step to read is not there whole: what is wrong with the pointer or the folder, and what
+    """One error line, if the step to read is not complete: what is wrong with the pointer or the folder, and what
     can be read instead (fallback)."""
     if folder == pointer:  # sharded_folder: the pointer names no step
         held = pointer.read_bytes()
@@ -191,7 +191,7 @@ def fallback(out: Path, failed: Path | None = None) -> str:
 
 
 def unreadable(folder: Path, error: BaseException) -> UserError:
-    """DCP's CheckpointException (a BaseException holding each rank's error) as the sentence of a damaged step."""
+    """DCP's CheckpointException (a BaseException holding each rank's error) as the error line of a damaged step."""
     failures = getattr(error, "failures", None)
     cause = next(iter(failures.values()))[0] if failures else error
     reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
