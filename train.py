@@ -19,12 +19,12 @@ import torch
 
 from core import flops
 from core import files
-from core import errors
 from core import runtime
 from engine.checkpoint import Checkpoint, SingleFileSaver, describe_tokens, rng_state
 from core.configurator import PATH, SEED, Settings, configure, one_of
-from core.dataset import Batches, check_token_files, dataset_dir, prepare_if_missing
+from core.dataset import Batches, check_token_files
 from core.errors import UserError
+from engine import startup
 from engine.metrics import MetricsLog, Progress, banner, resume_hint
 from engine.trainer import Trainer, lr_multiplier, make_optimizers, set_learning_rates
 from model import GPT, IMPLEMENTATIONS, GPTConfig
@@ -232,17 +232,26 @@ class TrainingRun:
         self.saved_at = self.iter_num
 
 
-    def print_line(self, it: int, lr: float, loss: float, steps: int, seconds: float, peak_flops) -> None:
-        """A logged step's line: its training loss, and the speed over the `steps` timed since the last line."""
-        self.stop_if_diverged("training", loss, it)
-        metrics = {"iter": it, "train/loss": loss, "lr": lr}
-        if steps:  # none when the only step since the last line was the compiling one
+    def print_line(self, end: "StepEnd", lr: float, values: torch.Tensor, since: Optional["StepEnd"],
+                   peak_flops: Optional[float]) -> bool:
+        """A logged step's line, printed once the next step is queued: its loss (`values`, copied to the host behind
+        it with the out-of-time flag), and the speed over the steps from the last line's step end `since` (None: the
+        clock did not run). Returns whether any rank ran out of max_seconds."""
+        if end.event is not None:
+            end.event.synchronize()  # its own step alone: .item() would wait for the step queued since as well
+        loss, out_of_time = values.tolist()
+        self.stop_if_diverged("training", loss / self.rt.world_size, end.it)
+        metrics = {"iter": end.it, "train/loss": loss / self.rt.world_size, "lr": lr}
+        steps = end.it - since.it if since is not None else 0  # 0: the only step since the last line compiled
+        if steps:
+            seconds = since.event.elapsed_time(end.event) / 1e3 if end.event is not None else end.time - since.time
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
             if peak_flops is not None:
                 metrics["mfu"] = self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size,
                                                                            peak_flops, self.cfg.block_size)
         self.log.log({**metrics, **self.rt.memory_metrics()})
+        return out_of_time > 0
 
     def stop_if_diverged(self, which: str, loss: float, it: int) -> None:
         if math.isfinite(loss):
@@ -260,79 +269,9 @@ def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
 
 def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
                                            Optional[files.OutDirLock]]:
-    """Settings, runtime, the checkpoint a resume continues (None for a new run), the data's folder (prepared if it is
-    an embedded dataset) and the lock on out_dir (rank 0's), with all checked that needs no model. out_dir is locked
-    before a resume reads its checkpoint (a run training there meanwhile may be removing old steps), and a refused
-    start releases it. A resume runs with its checkpoint's settings (resumed_settings), so every check below is the
-    resumed run's."""
-    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
-                                 backend=cfg.backend)
-    lock = None  # rank 0's lock on out_dir, for the run's life; evaluation writes nothing and takes none
-    if not cfg.eval_only:
-        lock = runtime.on_master(lambda: files.claim_out_dir(Path(cfg.out_dir), cfg.init_from == "resume",
-                                                             cfg.overwrite, describe_run), rt.device)
-    try:
-        checkpoint = None
-        if cfg.init_from == "resume":  # only a resume reads a checkpoint
-            from engine.reader import load_checkpoint
-            from engine.resume import resumed_settings
-            checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only,
-                                         data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
-            command, cfg = cfg, resumed_settings(checkpoint, cfg, LIMITS, cfg.out_dir)
-            if any(getattr(cfg, k) != getattr(command, k) for k in ("device", "dtype", "muon_dtype", "threads")):
-                rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt)
-        data_dir = check_start(cfg, rt)
-    except BaseException:
-        if lock is not None:
-            lock.release(failed=True)
-        raise
-    return cfg, rt, checkpoint, data_dir, lock
-
-
-def describe_run(ckpt: Path) -> str:  # a few words on the checkpoint a refused claim names
-    from engine.reader import describe_checkpoint
-    return describe_checkpoint(ckpt)
-
-
-def check_start(cfg: Settings, rt: Runtime) -> Path:
-    """Every start-up problem of the command, printed at once (with the CPU recipe where the model is GPU-sized),
-    before anything is written; else the data's folder, prepared if it is an embedded dataset."""
-    problems = [UserError(text) for wrong, text in (
-        (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
-         "under --parallel=fsdp: Muon orthogonalizes each whole weight matrix and FSDP2 gives every rank a shard of "
-         "it; use --parallel=ddp."),
-        (cfg.async_save and cfg.checkpoint_format == "single",
-         "async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded."),
-        (cfg.gradient_accumulation_steps % rt.world_size, f"gradient_accumulation_steps="
-         f"{cfg.gradient_accumulation_steps} is not divisible by the {rt.world_size} ranks; make it a multiple of the "
-         f"world size.")) if wrong]
-    if cfg.wandb_log:
-        from tools.wandb_check import check_wandb
-        problems += errors.problems_of(lambda: runtime.on_master(check_wandb, rt.device))
-    data_dir = None
-    try:
-        data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
-        runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
-    except UserError as e:
-        problems.append(e)
-    hint = cpu_hint(cfg, rt)
-    errors.refuse_all(problems, hint)
-    if hint and rt.is_master:
-        print(f"note: {hint}", file=sys.stderr)
-    return data_dir
-
-
-CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py "
-               "--gradient_accumulation_steps=2 --batch_size=16 --out_dir=out-ddp-cpu")
-
-
-def cpu_hint(cfg: Settings, rt: Runtime) -> str:
-    """On a CPU, for a GPU-sized model (GPT-2 124M and up): the command that runs here."""
-    if rt.device_type != "cpu" or 12 * cfg.n_layer * cfg.n_embd ** 2 <= 50e6:
-        return ""
-    return f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe is " \
-           f"{CPU_COMMAND}"
+    """This command's settings, checked against LIMITS, then engine/startup.py's start: the runtime, out_dir locked,
+    a resume's checkpoint and its settings, every start-up problem at once, the data prepared."""
+    return startup.start(configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS), LIMITS)
 
 
 class StepEnd(NamedTuple):
@@ -357,20 +296,11 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     waiting = None  # the logged step whose line is printed next: (StepEnd, lr, loss and out-of-time flag on the host)
     steps_run, out_of_time = 0, False
 
-    def print_waiting() -> bool:  # returns whether any rank ran out of max_seconds (the flag travels with the loss)
+    def print_waiting() -> bool:  # whether any rank ran out of max_seconds (the flag travels with the loss)
         nonlocal since, waiting
-        if waiting is None:
-            return False
-        (end, lr, values), waiting = waiting, None
-        if end.event is not None:
-            end.event.synchronize()  # its own step alone: .item() would wait for the step queued since as well
-        steps = end.it - since.it if since is not None else 0  # 0: the only step since the last line compiled
-        seconds = (since.event.elapsed_time(end.event) / 1e3 if end.event is not None else end.time - since.time) \
-            if steps else 0.0
-        since = end if since is not None else None
-        loss, flag = values.tolist()
-        run.print_line(end.it, lr, loss / rt.world_size, steps, seconds, peak_flops)
-        return flag > 0
+        out_of_time = waiting is not None and run.print_line(*waiting, since, peak_flops)
+        since, waiting = waiting[0] if waiting is not None and since is not None else since, None
+        return out_of_time
 
     def evaluates(it: int) -> bool:  # at max_iters and every eval_interval; time running out evaluates too
         return it >= cfg.max_iters or it % cfg.eval_interval == 0

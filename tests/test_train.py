@@ -17,6 +17,7 @@ import torch
 
 from core import errors, runtime
 from engine import metrics as train_metrics
+from engine import startup
 from engine import trainer
 import train
 from core.configurator import configure
@@ -653,7 +654,7 @@ def test_every_start_up_problem_of_a_command_is_printed_at_once_with_the_cpu_rec
     assert said.startswith("2 problems: (1) async_save=True writes sharded checkpoints only; add "
                            "--checkpoint_format=sharded. (2) dataset 'openwebtext' is not prepared")
     assert said.endswith(f"(this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU "
-                         f"recipe is {train.CPU_COMMAND})")
+                         f"recipe is {startup.CPU_COMMAND})")
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError, match=r"^async_save=True writes sharded checkpoints only; add "
                                         r"--checkpoint_format=sharded\.$"):  # one problem, a small model: as before
