@@ -9,6 +9,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -79,41 +80,59 @@ def eot_token_of(meta: dict | None) -> int:
 
 # -- writing safely -----------------------------------------------------------------------------------
 
+def written_as(path: Path) -> tuple[Path, bool]:
+    """Where a write of `path` lands, and whether it is a stream: a symlink is written through (its target, which the
+    write replaces), and an existing device, FIFO or socket (/dev/stdout, a named pipe) is written to as it is,
+    never renamed over."""
+    try:
+        mode = os.stat(path).st_mode  # through any links
+    except OSError:  # nothing there yet (or a link to nothing): its target is made
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        return Path(path), True
+    return Path(os.path.realpath(path)), False
+
+
 @contextlib.contextmanager
 def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                    advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
-    """How a file is written completely or not at all (checkpoints, prepared data, reports, caches, a log's first line; metrics.jsonl's
-    later lines are appended, and export_hf.py stages a whole folder): temporary paths of this process's own
-    to write, renamed over the real names only when the block finishes without an error, so a crash, a full disk or a
-    second writer at once keeps the previous files intact. A failure is one error line."""
+    """How a file is written completely or not at all (checkpoints, prepared data, reports, caches, a log's first
+    line; metrics.jsonl's later lines are appended, and export_hf.py stages a whole folder): temporary paths of this
+    process's own to write, beside each file (a symlink's target: written_as), renamed over it only when the block
+    finishes without an error, so a crash, a full disk or a second writer at once keeps the previous files intact.
+    A device or FIFO is written to directly. A failure is one error line."""
     out_dir = Path(out_dir)
-    tmp = {name: out_dir / f"{name}.{os.getpid()}.tmp" for name in names}  # two writers never share one
+    targets = {name: written_as(out_dir / name) for name in names}
+    tmp = {name: target if stream else target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two writers: two names
+           for name, (target, stream) in targets.items()}
+    staged = {name: path for name, path in tmp.items() if not targets[name][1]}
     # a Ctrl-C or SIGTERM in the block is noted, stops save_through's writer at its next write (errors.stop_if_asked)
     # and is raised before any rename, once the temporary files are removed; a later one ends the process at once
     with errors.deferred_signals() as stop:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             yield tmp
-            for name, path in tmp.items():
+            for path in staged.values():
                 if not path.exists():
                     raise RuntimeError(f"staged output {path} was never written")
             if stop.pending is not None:
                 raise stop.pending
         except BaseException as e:  # still inside deferred_signals: a Ctrl-C now is noted, not raised mid-cleanup
-            for path in tmp.values():
+            for path in staged.values():
                 with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
                     path.unlink(missing_ok=True)
             if isinstance(e, OSError):  # a read-only folder or a full disk
-                kept = [name for name in names if (out_dir / name).exists()]
+                kept = [name for name in staged if targets[name][0].exists()]
                 kept_text = f"the previous {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else \
-                    "nothing was written"
+                    "nothing was written" if staged else "what reached it may be partial"
                 raise UserError(f"could not write {what or f'to {out_dir}'} ({e.strerror or e}); {kept_text} - "
                                 f"{advice}.") from None
             raise
-        for name, path in tmp.items():  # a signal from here on is raised once the new files are in place
+        for name, path in staged.items():  # a signal from here on is raised once the new files are in place
             durable(path)  # the new bytes on disk before they replace the old: a node crash keeps one or the other
-            os.replace(path, out_dir / name)
-        durable(out_dir)  # and the renames
+            os.replace(path, targets[name][0])
+        for folder in {targets[name][0].parent for name in staged}:
+            durable(folder)  # and the renames
 
 
 def durable(path: Path) -> None:
@@ -169,10 +188,15 @@ def save_through(file, save: Callable) -> None:
 
 
 def check_writable_file(path: Path, setting: str) -> None:
-    """A file a script writes at its end, checked before any work: a path that is no folder, in a writable one."""
+    """A file a script writes at its end, checked before any work: a path that is no folder, in a writable one (a
+    symlink's target's), or a device or FIFO this process may write to."""
     if path.is_dir():
         raise UserError(f"{setting} {path} is a folder; pass --{setting}= a file path, such as {path / 'out.json'}.")
-    check_writable_dir(path.parent, setting)
+    target, stream = written_as(path)
+    if stream and not os.access(target, os.W_OK):
+        raise UserError(f"{setting} {path} cannot be written to (no permission); pass --{setting}= a writable path.")
+    if not stream:
+        check_writable_dir(target.parent, setting)
 
 
 def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
@@ -274,7 +298,8 @@ def write_cache(path: Path, entries: dict) -> None:
 
 
 def write_json(path: Path, contents: dict, setting: str) -> None:
-    """A report written completely or not at all (sample's --json, time_to_loss's); a failure names the setting to change."""
+    """A report written completely or not at all (sample's --json, time_to_loss's), or to a device or FIFO as it is;
+    a failure names the setting to change."""
     path = Path(path)
     with staged_outputs(path.parent, [path.name], what=str(path), advice=f"pass --{setting}= a writable path") as tmp:
         tmp[path.name].write_text(json.dumps(contents, indent=1) + "\n")

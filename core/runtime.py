@@ -66,6 +66,10 @@ def set_threads(requested: int) -> None:
     setting = f"--threads={requested}"
     if requested == 0 and omp.isdigit() and int(omp) > 0:
         requested, setting = int(omp), f"OMP_NUM_THREADS={omp}"
+    elif requested == 0 and "OMP_NUM_THREADS" in os.environ:  # OpenMP's own line, if any, names no fix
+        print(f"note: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']!r} is not a positive whole number, so it is "
+              f"not used: this run takes torch's default of {torch.get_num_threads()} threads (set it to a count, or "
+              f"pass --threads=N).", file=sys.stderr)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if requested > MAX_THREADS_PER_CPU * cpus:
         raise UserError(f"{setting} is more threads than the {cpus} CPU(s) this process may use can run; pass "

@@ -3,6 +3,7 @@
 import dataclasses
 import gc
 import json
+import errno
 import os
 import subprocess
 import sys
@@ -194,3 +195,17 @@ def ctrl_c_at_step(monkeypatch, n: int) -> None:
             raise KeyboardInterrupt
         return real_step(self, batches)
     monkeypatch.setattr(train.Trainer, "step", interrupted)
+
+
+class FullDisk:
+    """A file whose every write fails as a full disk's does (the kernel's "No space left on device"): a stand-in for
+    /dev/full that never touches a real /dev path."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):  # flush, fileno, tell ...: the real file's
+        return getattr(self.file, name)

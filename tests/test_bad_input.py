@@ -14,11 +14,12 @@ import torch
 import bench
 from core import configurator
 from core import errors
+from core import files
 from core import dataset
 import sample
 import train
 from engine.reader import load_checkpoint
-from conftest import REPO, TINY, checkpoint_of, metrics
+from conftest import REPO, TINY, FullDisk, checkpoint_of, metrics
 from model import GPT, GPTConfig
 from core.errors import UserError
 
@@ -145,10 +146,11 @@ def test_an_empty_default_folder_of_an_embedded_dataset_is_prepared_there(tmp_pa
     assert (tmp_path / "out" / "ckpt.pt").is_file()
 
 
-def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(trained, char_data):
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(trained, char_data,
+                                                                                              monkeypatch):
     before = (trained / "ckpt.pt").read_bytes()
-    # the temporary file is /dev/full: every write to it fails with the kernel's own "No space left on device"
-    os.symlink("/dev/full", trained / f"ckpt.pt.{os.getpid()}.tmp")
+    # every write of the checkpoint fails as on a full disk ("No space left on device")
+    monkeypatch.setattr(files, "_WholeWrites", lambda file, whole=files._WholeWrites: whole(FullDisk(file)))
     with pytest.raises(UserError, match=r"could not write the checkpoint .*No space left on device.*previous "
                                         r"ckpt.pt is kept"):
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",

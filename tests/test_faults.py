@@ -9,9 +9,11 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ import sample
 import train
 from model import IMPLEMENTATIONS
 from conftest import REPO, SHARDED, TINY
+from core import files
 from core.errors import UserError
 from core.runtime import Runtime
 from attention import attn_auto
@@ -478,3 +481,70 @@ def test_three_preparations_into_one_folder_at_once_each_end_whole(tmp_path):
             for _ in range(3)]
     assert [(p.wait(timeout=300), p.stderr.read()) for p in runs] == [(0, "")] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+# -- a path is written as what it is: a symlink through, a device or FIFO as a stream ---------------------------
+
+def test_a_staged_write_goes_through_a_symlink_and_leaves_the_link(tmp_path):
+    target = tmp_path / "elsewhere" / "target.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    files.write_json(link, {"a": 1}, "json")
+    assert link.is_symlink() and os.readlink(link) == str(target) and json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in target.parent.iterdir()] == ["target.json"]  # staged beside the target, renamed there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link.json"]
+
+
+def test_a_fifo_is_written_as_a_stream_and_stays_a_fifo(tmp_path):
+    """What `--json=/dev/stdout` (piped into jq) meets, made in a temporary folder: written to, never renamed over."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    files.write_json(fifo, {"a": 1}, "json")
+    reader.join(30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and json.loads(got[0]) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+def test_a_stream_that_cannot_take_the_write_is_one_line_and_stays_what_it_was(tmp_path, monkeypatch):
+    """A full device (/dev/full), stood in for by a FIFO whose every write fails: one error line, and the FIFO is still a
+    FIFO (as root, the old code replaced /dev/full with a regular file)."""
+    fifo = tmp_path / "full"
+    os.mkfifo(fifo)
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self == fifo:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(UserError, match=rf"^could not write {fifo} \(No space left on device\); what reached it may "
+                                        rf"be partial - pass --json= a writable path\.$"):
+        files.write_json(fifo, {"a": 1}, "json")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and [p.name for p in tmp_path.iterdir()] == ["full"]
+
+
+def test_sample_json_and_a_checkpoint_are_written_through_links_in_out_dir(trained_char_run, char_data, tmp_path):
+    """One rule for every link a user makes, whoever writes it: sample's --json, a checkpoint save and the log's
+    lines all land in the link's target, and the links stay links."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    report = tmp_path / "report.json"
+    report.symlink_to(elsewhere / "report.json")
+    assert sample.main([f"--out_dir={trained_char_run}", "--num_samples=1", "--max_new_tokens=2",
+                        f"--json={report}"]) == 0
+    assert report.is_symlink() and json.loads((elsewhere / "report.json").read_text())["samples"]
+    out = tmp_path / "run"
+    tiny(char_data, out, "--max_iters=2")
+    for name in ("ckpt.pt", "metrics.jsonl"):
+        shutil.move(out / name, elsewhere / name)
+        (out / name).symlink_to(elsewhere / name)
+    lines = len((elsewhere / "metrics.jsonl").read_text().splitlines())
+    tiny(char_data, out, f"--max_iters={load_checkpoint(out / 'ckpt.pt').iter_num + 2}", "--init_from=resume")
+    assert (out / "ckpt.pt").is_symlink() and (out / "metrics.jsonl").is_symlink()
+    assert load_checkpoint(elsewhere / "ckpt.pt").iter_num == load_checkpoint(out / "ckpt.pt").iter_num
+    assert len((elsewhere / "metrics.jsonl").read_text().splitlines()) > lines

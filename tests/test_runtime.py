@@ -283,3 +283,15 @@ def test_a_thread_count_no_machine_runs_is_one_sentence_not_a_hang(where, monkey
     with pytest.raises(UserError, match=rf"{where}=10000 is more threads than the \d+ CPU\(s\).*at most \d+"):
         runtime.set_threads(10000 if where == "--threads" else 0)
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "-1"])
+def test_an_omp_num_threads_no_machine_runs_is_named_once_with_what_runs_instead(monkeypatch, capsys, value,
+                                                                                 keep_threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    before = torch.get_num_threads()
+    runtime.set_threads(0)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"note: OMP_NUM_THREADS={value!r} is not a positive whole number, so it is not used: this run "
+                     f"takes torch's default of {before} threads (set it to a count, or pass --threads=N)."]
+    assert torch.get_num_threads() == before

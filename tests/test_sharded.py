@@ -2,6 +2,7 @@
 per step, `latest` names the newest whole one, a resume is exact, every reader reads it, and no fault loses the
 previous step. The runs of several ranks (exact resume on 2, resharding 2 -> 1 and 2 -> 3) are at the end."""
 
+import contextlib
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 import export_hf
 import sample
 import train
-from conftest import REPO, SHARDED, TINY, TWO_RANKS, metrics, run_train
+from conftest import REPO, SHARDED, TINY, TWO_RANKS, FullDisk, metrics, run_train
 from engine.reader import load_checkpoint
 from core.errors import UserError
 
@@ -138,9 +139,10 @@ def test_a_full_disk_loses_no_step(char_data, tmp_path, monkeypatch, async_save)
     from torch.distributed.checkpoint.filesystem import FileSystem
     create_stream = FileSystem.create_stream
 
-    def full_disk(self, path, mode):  # every shard's file is /dev/full: the kernel's own "No space left on device"
-        writing_a_shard = str(path).endswith(".distcp") and "w" in mode
-        return create_stream(self, "/dev/full" if writing_a_shard else path, mode)
+    @contextlib.contextmanager
+    def full_disk(self, path, mode):  # every shard's write fails as on a full disk ("No space left on device")
+        with create_stream(self, path, mode) as stream:
+            yield FullDisk(stream) if str(path).endswith(".distcp") and "w" in mode else stream
     monkeypatch.setattr(FileSystem, "create_stream", full_disk)
     with pytest.raises(UserError, match=r"could not write the checkpoint .*step-000004 \(rank 0: No space left on "
                                         r"device\); the previous one .* is kept"):
