@@ -17,8 +17,11 @@ Settings left at None are sized for the device (SIZES). Ratios within one run ar
 iteration visits all rows in turn, so drift and noisy neighbours hit them alike.
 """
 
+import contextlib
 import functools
+import itertools
 import json
+import os
 import platform
 import sys
 import time
@@ -327,14 +330,28 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
             f"runs (the bar counts them), the others are listed with the reason")
 
 
-def keep_earlier(out: Path, mode: str) -> None:
-    """An earlier run's <mode>.json and .png in out_dir are kept under their own time, printed in one line, not
-    replaced: a new sweep never takes away a longer one."""
-    earlier = [p for p in (out / f"{mode}.json", out / f"{mode}.png") if p.exists()]
-    if earlier:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(earlier[0].stat().st_mtime))
-        kept = [p.rename(p.with_name(f"{mode}-{stamp}{p.suffix}")) for p in earlier]
+def keep_earlier(out: Path, mode: str, run: str) -> None:
+    """Another run's <mode>.json and .png in out_dir are kept under that run's own name (its start and process),
+    printed in one line, before this run (`run`) writes its own: a new sweep never takes away a longer one, and runs
+    into one folder at once each keep theirs."""
+    path = out / f"{mode}.json"
+    try:
+        other = json.loads(path.read_text())["environment"]["run"]
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError):  # an older version's file, or not bench's
+        other = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    if other == run:
+        return
+    kept = []
+    for p in (path, out / f"{mode}.png"):
+        with contextlib.suppress(FileNotFoundError):  # a run beside this one may have kept it first
+            kept.append(p.rename(p.with_name(f"{mode}-{other}{p.suffix}")))
+    if kept:
         print(f"kept the earlier {mode} results as {', '.join(str(p) for p in kept)}", file=sys.stderr)
+
+
+RUNS = itertools.count()  # runs of this process (main called in process more than once)
 
 
 def environment(rt: Runtime, argv: list[str]) -> dict:
@@ -342,7 +359,8 @@ def environment(rt: Runtime, argv: list[str]) -> dict:
                 cuda=torch.version.cuda if rt.is_cuda else None, dtype=rt.dtype,
                 threads=torch.get_num_threads(), peak_flops=flops.peak_flops(rt),
                 python=platform.python_version(), platform=platform.platform(),
-                command=" ".join(["python", "bench.py", *argv]), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+                command=" ".join(["python", "bench.py", *argv]), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                run=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(RUNS)}")  # this run's own name
 
 
 def settings(argv: list[str]) -> tuple[Settings, Runtime]:
@@ -359,11 +377,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = out / f"{cfg.mode}.json"
 
     def save(rows: list[dict], complete: bool = False) -> None:  # completely or not at all: an earlier save stays
+        keep_earlier(out, cfg.mode, env["run"])
         with files.staged_outputs(out, [path.name], what=f"the results to {path}") as tmp:
             tmp[path.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete,
                                                       rows=rows), indent=1))
     print(sweep_plan(cfg, rt), file=sys.stderr)
-    keep_earlier(out, cfg.mode)
     try:
         if cfg.mode == "generate":
             rows = generate_sweep(cfg, rt, save)  # saved as rows finish: an interrupted sweep keeps them
@@ -378,6 +396,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         columns = {k: v for k, v in columns.items() if k != "max batch"}
     if cfg.mask == ["causal"]:  # the table as it was before masks
         columns = {k: v for k, v in columns.items() if k not in ("mask", "computed")}
+    save(rows, complete=True)  # before anything is printed: a closed stdout (| head) loses nothing measured
+    chart(out / f"{cfg.mode}.png", rows, cfg, env)
     print(f"{env['device_name']}, torch {env['torch']}, {cfg.dtype}: {env['command']}")
     print(format_table(rows, columns))
     fallbacks = {(r["attn"], r["kernel"], ", ".join(r["kernel_ops"]) or "no SDPA op", " or ".join(r["kernel_expected"]))
@@ -387,8 +407,6 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"back without a word (dropout, a mask, the dtype or the head size)")
     if cfg.mode == "train" and len(cfg.padding) == 2:
         print(padding_note(rows))
-    save(rows, complete=True)
-    chart(out / f"{cfg.mode}.png", rows, cfg, env)
     print(f"wrote {out / (cfg.mode + '.json')} and {out / (cfg.mode + '.png')}")
     return 0
 

@@ -3,6 +3,7 @@ fallback), memory is measured per step, and fused attention fits a larger batch.
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import weakref
@@ -18,7 +19,7 @@ from benchmarks import bench_train, measure
 from core import flops, runtime
 from core.configurator import Settings
 from model import IMPLEMENTATIONS
-from conftest import runnable_on_cpu, strict_recompile_limit
+from conftest import REPO, runnable_on_cpu, strict_recompile_limit
 from core.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -715,3 +716,36 @@ def test_a_max_batch_search_says_each_row_as_it_ends_and_a_stop_keeps_what_was_m
     saved = json.loads((tmp_path / "train.json").read_text())
     assert not saved["complete"] and {r["attn"]: r.get("max_batch") for r in saved["rows"]} == {"manual": 2,
                                                                                                 "sdpa": None}
+
+
+def test_what_was_measured_is_saved_when_stdout_closes_before_the_table(tmp_path, monkeypatch):
+    """`python bench.py | head -n 1`: the reader goes after one line, and the results are written all the same."""
+    from core import errors
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return 1
+    monkeypatch.setattr(sys, "stdout", Closed())
+    monkeypatch.setattr(os, "dup2", lambda *args: None)  # exit_code points the real fd 1 at /dev/null: not here
+    assert errors.exit_code(lambda: bench.main([*TINY, f"--out_dir={tmp_path}", "--attn=manual",
+                                                "--padding=off"])) == 0
+    saved = json.loads((tmp_path / "train.json").read_text())
+    assert saved["complete"] and [r["attn"] for r in saved["rows"]] == ["manual"]
+
+
+@pytest.mark.slow
+def test_runs_into_one_results_folder_at_once_each_keep_their_results(tmp_path):
+    """Three bench.py at once into one folder: each one's results stay, under <mode>.json or its own name."""
+    args = [sys.executable, "bench.py", *TINY, f"--out_dir={tmp_path}", "--padding=off", "--threads=1"]
+    runs = [subprocess.Popen(args + [f"--attn={attn}"], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True) for attn in ("manual", "sdpa", "math")]
+    assert [run.wait(timeout=600) for run in runs] == [0, 0, 0], [run.stderr.read()[-2000:] for run in runs]
+    results = [json.loads(p.read_text()) for p in tmp_path.glob("train*.json")]
+    assert sorted(sorted({row["attn"] for row in r["rows"]}) for r in results if r["complete"]) == [
+        ["manual"], ["manual", "math"], ["manual", "sdpa"]]  # each its own, with the baseline row beside it
