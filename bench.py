@@ -17,6 +17,10 @@ Settings left at None are sized for the device (SIZES). Ratios within one run ar
 iteration visits all rows in turn, so drift and noisy neighbours hit them alike.
 """
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the process quietly (main handles its own)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import functools
 import itertools

@@ -9,6 +9,10 @@ transformers' GPT-2 does not slide its window as sample.py does: prompt and new 
 export's generation_config sets as max_length (a call without max_new_tokens stops there).
 """
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the process quietly (main handles its own)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import json
 
 import os

@@ -10,6 +10,10 @@ The num_samples samples are drawn together, as one batch. --compare runs compare
 that the original attention and SDPA sample alike (with --quantize=int8, also what int8 weights cost).
 """
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the process quietly (main handles its own)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import sys
 from pathlib import Path
 from typing import Optional

@@ -8,6 +8,10 @@ Train a GPT on one CPU, one GPU, or many GPUs with DDP or FSDP2.
 Every setting below can be set in a config file or overridden with --key=value.
 """
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the process quietly (main handles its own)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import dataclasses
 import math
 import sys

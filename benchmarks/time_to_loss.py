@@ -7,6 +7,10 @@ wall time from launch to the first val/loss at or below the target. Ratios are t
     python -m benchmarks.time_to_loss --compare=gpu          # on a GPU: nanoGPT's shakespeare_char vs the fast recipe
 """
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the process quietly (main handles its own)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import json
 import os
 import shlex

@@ -487,3 +487,19 @@ def test_a_signal_while_a_sharded_step_is_written_reads_as_the_signal_not_a_full
     assert now == kept  # the half-written step removed, the pointer still on step 2
     monkeypatch.setattr(filesystem, "_write_item", real)
     assert train.main(resume) == 0  # the resume the hint names
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "bench.py", "export_hf.py",
+                                    "data/shakespeare_char/prepare.py"])
+def test_ctrl_c_while_a_script_is_still_importing_ends_it_without_a_traceback(script, tmp_path):
+    """torch takes seconds to import on a cold machine: a Ctrl-C then ends the script as it would end `sleep`,
+    quietly. Here torch and numpy are stand-ins that take as long as the test needs (the first heavy imports)."""
+    for name in ("torch", "numpy"):
+        (tmp_path / f"{name}.py").write_text("import sys, time\nprint('importing', file=sys.stderr, flush=True)\n"
+                                             "time.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, script, "--help"], cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert process.stderr.readline().strip() == "importing"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGINT and "Traceback" not in err, err[-2000:]

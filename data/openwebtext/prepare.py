@@ -15,6 +15,10 @@ text in --text_column (default "text").
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the process quietly (main handles its own)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import math
 import os

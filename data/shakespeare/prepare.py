@@ -11,6 +11,10 @@ $ python data/shakespeare/prepare.py --input=my_corpus.txt --out_dir=/tmp/my_cor
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the process quietly (main handles its own)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import sys
 from pathlib import Path
 
