@@ -548,3 +548,46 @@ def test_sample_json_and_a_checkpoint_are_written_through_links_in_out_dir(train
     assert (out / "ckpt.pt").is_symlink() and (out / "metrics.jsonl").is_symlink()
     assert load_checkpoint(elsewhere / "ckpt.pt").iter_num == load_checkpoint(out / "ckpt.pt").iter_num
     assert len((elsewhere / "metrics.jsonl").read_text().splitlines()) > lines
+
+
+# -- a sharded checkpoint is read without running code -------------------------------------------------------
+
+class RunsACommand:
+    """What a crafted pickle holds: unpickling it runs `touch <marker>`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def pickled_metadata(out: Path, marker: Path) -> None:
+    """.metadata replaced by a pickle that runs a command when it is loaded."""
+    import pickle
+    (out / "step-000004" / ".metadata").write_bytes(pickle.dumps(RunsACommand(marker)))
+
+
+def one_more_entry(out: Path, marker: Path) -> None:
+    """Step 4 saved again by dcp.save with one more entry, among the settings, whose unpickling runs a command."""
+    import torch.distributed.checkpoint as dcp
+    from tools.sharded import read_step
+    from engine.checkpoint import TRAIN
+    step = out / "step-000004"
+    contents = read_step(step, {"model", "optimizer"})
+    state = {"model": contents.pop("model"), "optimizer": contents.pop("optimizer"), TRAIN: contents}
+    state[TRAIN]["settings"]["extra"] = RunsACommand(marker)
+    shutil.rmtree(step)
+    dcp.save(state, checkpoint_id=step)
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize("craft", [pickled_metadata, one_more_entry], ids=["metadata", "an entry"])
+def test_a_crafted_sharded_step_runs_no_code_in_any_reader_and_is_one_line(sharded_run, char_data, tmp_path, reader,
+                                                                           craft):
+    marker = tmp_path / "ran"
+    out = damaged(sharded_run, tmp_path, lambda out: craft(out, marker))
+    with pytest.raises(UserError, match=rf"^{out}/step-000004's shards cannot be read \(UnpicklingError: .*\); "
+                                        rf"the newest whole step before it is {out}/step-000002") as refused:
+        READERS[reader](out, char_data)
+    assert "\n" not in str(refused.value) and not marker.exists()

@@ -6,6 +6,7 @@ reading. Only the folder `latest` names is read, so a save killed half-way leave
     out_dir/latest         the newest complete step's name, replaced only once a save is complete
 """
 
+import pickle
 import re
 import shutil
 import threading
@@ -15,6 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint._traverse import set_element  # what DCP's own planner sets an entry with
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -199,13 +203,66 @@ def unreadable(folder: Path, error: BaseException) -> UserError:
                      f"{fallback(folder.parent, folder)}")
 
 
+# -----------------------------------------------------------------------------
+# reading without running code: DCP unpickles a step's .metadata and loads its non-tensor entries with
+# weights_only=False, so a crafted step could run a command when read. These read both with an allow-list, as
+# torch.load(weights_only=True) reads ckpt.pt.
+
+METADATA_CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
+                    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata: its own dataclasses, torch's sizes and dtypes, paths; nothing else is looked up."""
+
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if (module, name) in METADATA_CLASSES or \
+            module == "torch.distributed.checkpoint.metadata" or module == "torch" and name in DTYPE_NAMES else None
+        if found is None:
+            raise pickle.UnpicklingError(f"its .metadata names {module}.{name}, which no checkpoint holds: a pickle "
+                                         f"that would run code, not read")
+        return found
+
+
+DTYPE_NAMES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's reader, its .metadata unpickled by MetadataUnpickler (FileSystemReader.read_metadata, pickle.load aside)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank")) if hasattr(self, "_get_metadata_path") else \
+            self.fs.concat_path(self.path, ".metadata")  # releases before per-rank metadata (docs/torch_versions.md)
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = MetadataUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def weights_only_bytes(planner_class):
+    """A DCP load planner whose non-tensor entries (the TRAIN part: counters, RNG state, settings) are read as
+    torch.load(weights_only=True) reads them."""
+    class Planner(planner_class):
+        def load_bytes(self, read_item, value):
+            value = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = value
+    return Planner
+
+
 def read_step(folder: Path, parts: set[str]) -> dict:
     """The named parts of a step ('model', 'optimizer'; TRAIN always) as a Checkpoint's fields, full tensors on the
     CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
     state: dict = {}
     try:
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(folder),
-                         planner=_EmptyStateDictLoadPlanner(keys=parts | {TRAIN}), no_dist=True)
+        SafeReader(folder).read_metadata()  # a refused .metadata in its own words (DCP would wrap them)
+        _load_state_dict(state, storage_reader=SafeReader(folder),
+                         planner=weights_only_bytes(_EmptyStateDictLoadPlanner)(keys=parts | {TRAIN}), no_dist=True)
     except (CheckpointException, Exception) as e:  # DCP's is a BaseException: each rank's error with its traceback
         raise unreadable(folder, e) from None
     return {**state.pop(TRAIN), **state}
@@ -216,7 +273,7 @@ def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
     shaped for set_optimizer_state_dict. Collective under torchrun."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     try:
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, storage_reader=SafeReader(folder), planner=weights_only_bytes(DefaultLoadPlanner)())
     except (CheckpointException, Exception) as e:  # a shard damaged after the step was read for its settings
         raise unreadable(folder, e) from None
     set_model_state_dict(model, state["model"])
