@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from core import runtime
 from core.errors import UserError
 from engine.checkpoint import POINTER, Checkpoint, sharded_folder
 from model import GPT, IMPLEMENTATIONS, GPTConfig
@@ -85,6 +86,8 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
         raise UserError(f"{path} has no {', '.join(missing)}; it is not a {'resumable ' if for_training else ''}"
                         f"checkpoint written by train.py.")
     check_shapes(contents, path)
+    if isinstance(contents.get("model"), dict):  # a sharded step read for training: restore checks it in place
+        check_finite(contents["model"], path)
     unknown = sorted(set(contents["model_config"]) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:  # a newer version's fields: the weights are read as this version's model
         print(f"note: {path}'s model_config has field(s) this version does not know ({', '.join(unknown)}: a newer "
@@ -123,6 +126,20 @@ def check_shapes(contents: dict, path: Path) -> None:
         if name not in shapes or misfit:
             raise UserError(f"{damaged} optimizer state does not fit its model ({name}"
                             f"{' ' + misfit[0] if misfit else ''} is not a parameter of that shape); {fix}.")
+
+
+def check_finite(weights: dict, path, device: str | None = None) -> None:
+    """Weights holding NaN or inf (a run saved after it diverged) are one error line in every reader, not a traceback
+    in sampling or a silent export. `device`: the weights are this rank's shards (a sharded resume), and the ranks
+    agree over it."""
+    bad = 0.0
+    for tensor in weights.values():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # an FSDP shard: this rank's part
+        if torch.is_tensor(local) and local.is_floating_point():
+            bad += float((~torch.isfinite(local)).sum())
+    if (runtime.mean_across_ranks(bad, device) if device else bad) > 0:
+        raise UserError(f"{path} holds weights that are not finite (NaN or inf): the run that saved it had diverged; "
+                        f"use an earlier checkpoint, or train again with a lower learning_rate.")
 
 
 def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:

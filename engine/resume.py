@@ -96,8 +96,10 @@ def restore(run, checkpoint: Checkpoint) -> int:  # run: train.TrainingRun
     model, optimizers = run.trainer.model, run.trainer.optimizers
     if checkpoint.shards is not None:  # sharded: DCP reads each rank's part in place (collective)
         from tools.sharded import load_into
+        from engine.reader import check_finite
         load_optimizer_state(model, optimizers, load_into(model, optimizers, Path(checkpoint.shards)),
                              StateDictOptions())
+        check_finite(model.state_dict(), checkpoint.shards, run.rt.device)
     else:  # every rank holds the whole state; FSDP2 keeps its own shard of it
         set_model_state_dict(model, checkpoint.model, options=FULL_STATE)
         if not run.cfg.eval_only:

@@ -591,3 +591,36 @@ def test_a_crafted_sharded_step_runs_no_code_in_any_reader_and_is_one_line(shard
                                         rf"the newest whole step before it is {out}/step-000002") as refused:
         READERS[reader](out, char_data)
     assert "\n" not in str(refused.value) and not marker.exists()
+
+
+# -- weights that are not finite --------------------------------------------------------------------------------
+
+NAN_READERS = {**{k: v for k, v in READERS.items() if k != "conversion"},
+               "eval_only": lambda out, data: train.main(TINY + [f"--data_dir={data}", f"--out_dir={out}",
+                                                                 "--init_from=resume", "--eval_only=True"])}
+
+
+@pytest.mark.parametrize("reader", list(NAN_READERS))
+@pytest.mark.parametrize("sharded", [False, True], ids=["ckpt.pt", "sharded"])
+def test_a_checkpoint_with_a_nan_weight_is_named_as_such_by_every_reader(char_data, tmp_path, reader, sharded):
+    out = tmp_path / "run"
+    tiny(char_data, out, "--max_iters=2", *(SHARDED if sharded else []))
+    if sharded:  # step 2 saved again with one NaN weight
+        import torch.distributed.checkpoint as dcp
+        from engine.checkpoint import TRAIN
+        from tools.sharded import read_step
+        step = out / "step-000002"
+        contents = read_step(step, {"model", "optimizer"})
+        contents["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+        state = {"model": contents.pop("model"), "optimizer": contents.pop("optimizer"), TRAIN: contents}
+        shutil.rmtree(step)
+        dcp.save(state, checkpoint_id=step)
+    else:
+        saved = torch.load(out / "ckpt.pt", weights_only=True)
+        saved["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+        torch.save(saved, out / "ckpt.pt")
+    with pytest.raises(UserError, match=r"holds weights that are not finite \(NaN or inf\): the run that saved it "
+                                        r"had diverged; use an earlier checkpoint, or train again with a lower "
+                                        r"learning_rate\.$"):
+        NAN_READERS[reader](out, char_data)
+    assert not (tmp_path / "hf").exists()
