@@ -439,6 +439,10 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
             (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
         if rt.is_master and isinstance(e, KeyboardInterrupt):
             print(resume_hint(cfg, run, argv), file=sys.stderr)
+        if rt.is_distributed and isinstance(e, RuntimeError) and runtime.lost_a_rank(e):  # this rank's own line
+            reason = str(e).split("] ", 1)[-1].split(". ")[0]
+            raise UserError(f"another rank stopped mid-run ({reason}); {resume_hint(cfg, run, argv)}",
+                            this_rank=True) from None
         raise
 
 

@@ -284,6 +284,14 @@ def sum_across_ranks_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def lost_a_rank(error: BaseException) -> bool:
+    """Whether a collective failed because another rank's process is gone (killed, or out of memory): gloo's broken
+    connection, or torch's distributed error."""
+    dist_error = getattr(dist, "DistError", ())
+    return isinstance(error, dist_error) or any(text in str(error) for text in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe"))
+
+
 def mean_across_ranks(value: float, device: str) -> float:
     """The mean of a number over all ranks (the number itself in a single process)."""
     if not (dist.is_available() and dist.is_initialized()):

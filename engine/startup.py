@@ -26,6 +26,9 @@ def start(cfg: Settings, limits: dict) -> tuple[Settings, Runtime, Optional[Chec
     resumed run's."""
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
                                  backend=cfg.backend)
+    if rt.is_distributed:  # one config file that differs on one node: refused before anything runs
+        from core.distributed import check_same_settings
+        check_same_settings(cfg.as_dict())
     lock = None  # rank 0's lock on out_dir, for the run's life; evaluation writes nothing and takes none
     if not cfg.eval_only:
         lock = runtime.on_master(lambda: files.claim_out_dir(Path(cfg.out_dir), cfg.init_from == "resume",
@@ -71,13 +74,16 @@ def check_start(cfg: Settings, rt: Runtime) -> Path:
     data_dir = None
     try:
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
-        runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     except UserError as e:
         problems.append(e)
+    if rt.is_distributed:  # a node's own problem stops every rank now, not at a later collective
+        from core.distributed import every_ranks_problems
+        problems = every_ranks_problems(problems)
     hint = cpu_hint(cfg, rt)
     errors.refuse_all(problems, hint)
     if hint and rt.is_master:
         print(f"note: {hint}", file=sys.stderr)
+    runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     return data_dir
 
 

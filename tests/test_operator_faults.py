@@ -503,3 +503,63 @@ def test_ctrl_c_while_a_script_is_still_importing_ends_it_without_a_traceback(sc
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGINT and "Traceback" not in err, err[-2000:]
+
+
+# -- torchrun ranks that fail apart --------------------------------------------------------------------------------
+
+APART = textwrap.dedent("""
+    import os, runpy, signal, sys
+    sys.path.insert(0, os.getcwd())
+    case, rank = sys.argv.pop(1), os.environ["RANK"]
+    if case == "data-missing-on-rank-1" and rank == "1":  # the same settings, a node whose folder is not there
+        from core.errors import UserError
+        from engine import startup
+        def missing(data_dir, name):
+            raise UserError(f"data_dir {data_dir} does not exist; pass --data_dir= the folder that holds train.bin "
+                            f"and val.bin.")
+        startup.dataset_dir = missing
+    if case == "rank-0-killed" and rank == "0":  # SIGKILL (the OOM killer, a scheduler) at its 5th step
+        from engine.trainer import Trainer
+        step, steps = Trainer.step, []
+        def dying(self, batches):
+            steps.append(1)
+            if len(steps) == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(self, batches)
+        Trainer.step = dying
+    sys.argv = ["train.py", *sys.argv[1:]]
+    runpy.run_path("train.py", run_name="__main__")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, said", [
+    ("max-iters-per-rank", "error: the ranks were given different settings: max_iters is rank 0: 4, rank 1: 6; give "
+                           "every rank the same config file and command line."),
+    ("data-missing-on-rank-1", "error: rank 1: data_dir {data} does not exist; pass --data_dir= the folder that "
+                               "holds train.bin and val.bin."),
+    ("rank-0-killed", "error: rank 1: another rank stopped mid-run ("),
+])
+def test_ranks_that_fail_apart_are_one_error_line_and_no_gloo_traceback(char_data, tmp_path, case, said):
+    """A config file that differs on one node, a folder one node lacks, a rank killed mid-run: one `error:` line,
+    naming the setting and the ranks, or the rank and where the checkpoint is; then torchrun's own report."""
+    script, config = tmp_path / "apart.py", tmp_path / "per_rank.py"
+    script.write_text(APART)
+    config.write_text("import os\nmax_iters = 4 if os.environ['RANK'] == '0' else 6\n")
+    out = tmp_path / "out"
+    args = [case, *TINY, f"--data_dir={char_data}", f"--out_dir={out}", "--gradient_accumulation_steps=2",
+            "--eval_interval=2", "--checkpoint_format=sharded"]
+    args = args[:1] + [str(config)] + args[1:] if case == "max-iters-per-rank" else args + ["--max_iters=40"]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = done.stdout + done.stderr
+    errors_said = [line for line in output.splitlines() if line.startswith("error:")]
+    assert done.returncode != 0 and len(errors_said) == 1, output[-3000:]
+    assert errors_said[0].startswith(said.format(data=char_data)) and "[rank1]: Traceback" not in output
+    if case == "rank-0-killed":  # the checkpoint it names resumes
+        assert errors_said[0].endswith("--init_from=resume") and "the checkpoint kept in" in errors_said[0]
+        assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--init_from=resume",
+                                  "--max_iters=6", "--gradient_accumulation_steps=2"]) == 0
+    else:
+        assert not out.exists()  # refused before anything was written
