@@ -107,6 +107,8 @@ def wrap_ddp(model: torch.nn.Module, rt) -> torch.nn.Module:
 def check_same_settings(settings: dict) -> None:
     """Every rank runs the same settings; one that differs (a config file that differs on one node) is one error
     line on every rank, naming it and each rank's value. Collective."""
+    if not dist.is_initialized():
+        return
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, settings)
     differ = [key for key in settings if len({repr(ranks.get(key)) for ranks in gathered}) > 1]
@@ -120,6 +122,8 @@ def check_same_settings(settings: dict) -> None:
 def every_ranks_problems(problems: list[UserError]) -> list[UserError]:
     """The start-up problems of every rank, the same list on each (rank 0 prints them): a problem of one node only
     (its data_dir missing) stops every rank at once, named with its rank, not at a later collective. Collective."""
+    if not dist.is_initialized():
+        return problems
     mine = [str(p) for p in problems if not isinstance(p, StoppedWithRank0)]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
