@@ -76,6 +76,9 @@ def check_start(cfg: Settings, rt: Runtime) -> Path:
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
     except UserError as e:
         problems.append(e)
+    # rank 0 prepares an embedded dataset while the others wait (each takes part, whatever its own data_dir)
+    problems += errors.problems_of(lambda: runtime.on_master(
+        lambda: data_dir and prepare_if_missing(data_dir, cfg.dataset), rt.device))
     if rt.is_distributed:  # a node's own problem stops every rank now, not at a later collective
         from core.distributed import every_ranks_problems
         problems = every_ranks_problems(problems)
@@ -83,7 +86,6 @@ def check_start(cfg: Settings, rt: Runtime) -> Path:
     errors.refuse_all(problems, hint)
     if hint and rt.is_master:
         print(f"note: {hint}", file=sys.stderr)
-    runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
     return data_dir
 
 
