@@ -15,6 +15,7 @@ from core.dataset import dataset_dir, prepare_if_missing
 from core.errors import UserError
 from core.runtime import Runtime
 from engine.checkpoint import Checkpoint
+from engine.trainer import schedule_notes
 
 
 def start(cfg: Settings, limits: dict) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
@@ -86,6 +87,8 @@ def check_start(cfg: Settings, rt: Runtime) -> Path:
     errors.refuse_all(problems, hint)
     if hint and rt.is_master:
         print(f"note: {hint}", file=sys.stderr)
+    for note in schedule_notes(cfg) if rt.is_master and not cfg.eval_only else []:
+        print(f"note: {note}.", file=sys.stderr)
     return data_dir
 
 

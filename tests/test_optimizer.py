@@ -318,3 +318,19 @@ def test_every_time_to_loss_recipe_is_a_valid_train_py_command_line(recipes, mon
     monkeypatch.chdir(time_to_loss.ROOT)  # config files are named from the repository root, where runs start
     for name, args in time_to_loss.RECIPE_SETS[recipes].items():
         assert train.configure(vars(train), args, train.LIMITS), name
+
+
+@pytest.mark.parametrize("settings, note", [
+    (["--warmup_iters=10", "--lr_decay_iters=5"], "note: warmup_iters=10 is past lr_decay_iters=5: the rate climbs for "
+                                                  "10 steps, then drops to min_lr at once; set lr_decay_iters above it "
+                                                  "(often max_iters)."),
+    (["--min_lr=0.01", "--learning_rate=0.001"], "note: min_lr=0.01 is above learning_rate=0.001: the decay raises the "
+                                                 "rate; set min_lr below it (often learning_rate / 10)."),
+    (["--warmup_iters=4", "--early_decay_iters=2"], "note: early_decay_iters=2 is not between warmup_iters=4 and "
+                                                    "lr_decay_iters=100, so there is no early decay."),
+], ids=["warmup past decay", "floor above peak", "early decay in warmup"])
+def test_a_schedule_that_does_not_do_what_its_settings_say_is_named_at_start(char_data, tmp_path, capsys, settings,
+                                                                             note):
+    train.main(TINY + [f"--data_dir={char_data}", "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path}",
+                       *settings])
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")] == [note]
