@@ -377,6 +377,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg, rt = settings(argv)
     out = Path(cfg.out_dir)
     files.check_writable_dir(out)  # before the sweep, not after it
+    if cfg.compile:
+        runtime.check_compile_cache()
     env = environment(rt, argv)
     path = out / f"{cfg.mode}.json"
 

@@ -132,6 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
     if cfg.json:  # find out now, not after a long comparison
         files.check_writable_file(Path(cfg.json), "json")
+    if cfg.compile:
+        runtime.check_compile_cache()
     if cfg.quantize:
         from tools.decoding import int8_weights
         int8_weights()

@@ -9,6 +9,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -226,6 +227,22 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str =
     if muon_dtype == "auto":
         muon_dtype = "bfloat16" if bf16_native(kind) else "float32"
     return Runtime(device, pick_dtype(dtype, device), muon_dtype, rank, local_rank, world_size)
+
+
+def check_compile_cache() -> None:
+    """torch.compile writes the code it generates under TORCHINDUCTOR_CACHE_DIR: a folder set there that cannot be
+    written is one error line before any work, not inductor's traceback at the first compiled step."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        return  # inductor's default, in the temporary folder
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UserError(f"TORCHINDUCTOR_CACHE_DIR={folder} cannot be written to ({e.strerror or e}), and torch.compile "
+                        f"writes its code there; set it to a writable folder, unset it, or pass --compile=False.") \
+            from None
 
 
 def compile_isolated(fn, recompile_limit: int = 8, **compile_options):

@@ -50,8 +50,8 @@ class MetricsLog:
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if to_file else None
         self.replace = cfg.init_from != "resume"  # a new run's first line replaces an old log at once (--overwrite)
         if enabled and cfg.wandb_log:
-            import wandb  # mode (online/offline/disabled) comes from WANDB_MODE, never hard-coded
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run_config)
+            from tools.wandb_check import start_wandb
+            self.wandb = start_wandb(cfg.wandb_project, cfg.wandb_run_name, run_config)
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:

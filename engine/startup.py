@@ -69,9 +69,11 @@ def check_start(cfg: Settings, rt: Runtime) -> Path:
         (cfg.gradient_accumulation_steps % rt.world_size, f"gradient_accumulation_steps="
          f"{cfg.gradient_accumulation_steps} is not divisible by the {rt.world_size} ranks; make it a multiple of the "
          f"world size.")) if wrong]
+    if cfg.compile:
+        problems += errors.problems_of(runtime.check_compile_cache)
     if cfg.wandb_log:
         from tools.wandb_check import check_wandb
-        problems += errors.problems_of(lambda: runtime.on_master(check_wandb, rt.device))
+        problems += errors.problems_of(lambda: runtime.on_master(lambda: check_wandb(cfg.wandb_project), rt.device))
     data_dir = None
     try:
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)

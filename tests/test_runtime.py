@@ -295,3 +295,17 @@ def test_an_omp_num_threads_no_machine_runs_is_named_once_with_what_runs_instead
     assert lines == [f"note: OMP_NUM_THREADS={value!r} is not a positive whole number, so it is not used: this run "
                      f"takes torch's default of {before} threads (set it to a count, or pass --threads=N)."]
     assert torch.get_num_threads() == before
+
+
+def test_a_compile_cache_folder_that_cannot_be_written_is_one_line_before_any_work(char_data, tmp_path, monkeypatch):
+    import train
+    from core.errors import UserError
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a_file" / "cache"))
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=rf"^TORCHINDUCTOR_CACHE_DIR={tmp_path / 'a_file' / 'cache'} cannot be written "
+                                        r"to \(Not a directory\), and torch.compile writes its code there; set it to a "
+                                        r"writable folder, unset it, or pass --compile=False\.$"):
+        train.main(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--device=cpu", "--compile=True",
+                    f"--data_dir={char_data}", f"--out_dir={out}"])
+    assert not out.exists()

@@ -198,11 +198,16 @@ def test_init_from_a_local_hf_directory_crops_to_a_shorter_block_size(char_data,
 
 class FakeWandb:
     """The part of wandb's API MetricsLog uses (init, then the run's log and finish), recording every call."""
+    errors = SimpleNamespace(Error=RuntimeError)
 
     def __init__(self):
         self.configs, self.logged, self.finished = [], {}, 0
 
-    def init(self, project, name, config):
+    @staticmethod
+    def Settings(**settings):
+        return settings
+
+    def init(self, project, name, config, settings):
         self.configs.append(config)
         return self
 
@@ -258,9 +263,41 @@ def test_wandb_without_a_login_is_one_sentence_before_anything_is_written(char_d
     for key, value in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)):
         with monkeypatch.context() as m:
             m.setenv(key, value)
-            check_wandb()  # wandb can log: offline, not at all, or with a key
+            check_wandb("owt")  # wandb can log: offline, not at all, or with a key
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "x" * 40 + "\n")
-    check_wandb()  # `wandb login`'s entry
+    check_wandb("owt")  # `wandb login`'s entry
+
+
+@pytest.mark.parametrize("project, why", [("runs/2026?", "it holds / ?"), ("", "0 characters, not 1 to 128")])
+def test_a_wandb_project_name_wandb_refuses_is_one_line_before_anything_runs(char_data, tmp_path, monkeypatch,
+                                                                               project, why):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "out"
+    with pytest.raises(UserError) as refused:
+        train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--wandb_log=True", f"--wandb_project={project}",
+                           f"--out_dir={out}"])
+    assert str(refused.value) == (f"wandb_project={project!r} is not a name wandb takes ({why}); pass "
+                                  f"--wandb_project= a name without / \\ # ? % :.")
+    assert not out.exists()
+
+
+def test_wandb_without_its_server_is_one_line_in_bounded_time(char_data, tmp_path, monkeypatch):
+    """WANDB_MODE=online with no network: wandb waits INIT_TIMEOUT_S (not its 90 s, retried), then one line."""
+    wandb = pytest.importorskip("wandb")
+    from tools import wandb_check
+    asked = {}
+
+    def unreachable(**kwargs):
+        asked.update(kwargs)
+        raise wandb.errors.CommError("Timed out while retrying: dial tcp: lookup api.wandb.ai: no such host")
+    monkeypatch.setattr(wandb, "init", unreachable)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    with pytest.raises(UserError, match=r"^wandb could not start the run \(CommError: Timed out while retrying: dial "
+                                        r"tcp: lookup api.wandb.ai: no such host\); check the network, log offline "
+                                        r"with WANDB_MODE=offline \(wandb sync later\), or pass --wandb_log=False\.$"):
+        train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--wandb_log=True", f"--out_dir={tmp_path}"])
+    assert asked["settings"].init_timeout == wandb_check.INIT_TIMEOUT_S
 
 
 def test_an_iterations_train_and_val_lines_show_the_same_learning_rate(char_data, tmp_path):
