@@ -185,12 +185,13 @@ def sample(model: GPT, attn: str, tok: Tokenizer, rt: Runtime, sampling: Samplin
     print_samples(tok, prompt, samples)
     rate = tokens_per_s(seconds, sampling)
     weights = f"{quantize} weights, " if quantize else ""
-    gb_per_s = weight_bytes(model) * rate / sampling.num_samples / 1e9  # batch 1 reads every weight once a token
+    per_s = weight_bytes(model) * rate / sampling.num_samples  # batch 1 reads every weight once a token
+    read = f"{per_s / 1e9:.1f} GB/s" if per_s >= 1e9 else f"{per_s / 1e6:.0f} MB/s"
     print(f"attn={model.config.attn}: {rate:.1f} tokens/s ({sampling.num_samples} x {sampling.max_new_tokens} new "
-          f"tokens in one batch, {weights}KV cache{', compiled' if compile else ''}), weights read at {gb_per_s:.1f} "
-          f"GB/s" + (f"; compiling took {warmup_s:.1f} s, untimed" if compile else ""))
+          f"tokens in one batch, {weights}KV cache{', compiled' if compile else ''}), weights read at {read}"
+          + (f"; compiling took {warmup_s:.1f} s, untimed" if compile else ""))
     return dict(attn=model.config.attn, samples=samples, texts=[tok.decode(prompt + x) for x in samples],
-                tokens_per_s=rate, compile_s=warmup_s if compile else None, gb_per_s=gb_per_s)
+                tokens_per_s=rate, compile_s=warmup_s if compile else None, gb_per_s=per_s / 1e9)
 
 
 if __name__ == "__main__":

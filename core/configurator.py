@@ -62,8 +62,13 @@ def interval_text(spec: str) -> str:
     """'[1, inf)' -> 'at least 1', '(0, inf)' -> 'greater than 0', '[0, 1)' -> 'at least 0 and less than 1';
     '[1, inf) int or None' -> 'a whole number at least 1, or None'."""
     left, lo, hi, right, whole, none = _INTERVAL.match(spec).groups()
-    words = [f"{'at least' if left == '[' else 'greater than'} {float(lo):g}"] if float(lo) > -math.inf else []
-    words += [f"{'at most' if right == ']' else 'less than'} {float(hi):g}"] if float(hi) < math.inf else []
+
+    def number(text: str) -> str:  # whole bounds as written out: 9223372036854775808 is 2**63, never 9.22337e+18
+        value = float(text)
+        return f"2**{int(value).bit_length() - 1}" if value == 2 ** 63 else f"{int(value):,}" if value.is_integer() \
+            else f"{value:g}"
+    words = [f"{'at least' if left == '[' else 'greater than'} {number(lo)}"] if float(lo) > -math.inf else []
+    words += [f"{'at most' if right == ']' else 'less than'} {number(hi)}"] if float(hi) < math.inf else []
     text = ("a whole number " if whole else "") + " and ".join(words)
     return text + (", or None" if none else "")
 
@@ -222,6 +227,10 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             set_by[key] = "the command line"
             continue
         path = Path(arg)
+        key, _, text = arg.lstrip("-").partition("=")
+        meant = [key] if key in defaults else difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
+        if not path.is_file() and "=" in arg and meant:  # a setting typed without its dashes
+            raise UserError(f"'{arg}' is not a config file; a setting takes two dashes: pass --{meant[0]}={text}.")
         if not path.is_file():
             raise UserError(f"config file '{arg}' not found; {closest_config(path)}")
         scope: dict = {}

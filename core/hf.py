@@ -5,12 +5,16 @@ not GPT-2's; GPT.from_pretrained renames them to the model's (model.from_hf_name
     model = GPT.from_pretrained("gpt2", dict(attn="flash"))
 """
 
+import difflib
 import json
 from pathlib import Path
 
 import torch
 
 from core.errors import UserError
+
+INIT_WORDS = ("scratch", "resume", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # what --init_from= names
+
 
 def read_gpt2(name_or_path: str) -> tuple[dict, dict]:
     """GPT-2's shape (GPTConfig's fields) and its weights, in Hugging Face's names."""
@@ -43,6 +47,10 @@ def gelu_of(hf_config: dict, source: str) -> str:
 def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
     """(config.json as a dict, state dict) from a local directory, or from the hub when it is a name."""
     path = Path(name_or_path)
+    close = difflib.get_close_matches(name_or_path, INIT_WORDS, n=1, cutoff=0.6)
+    if not path.is_dir() and close and name_or_path not in INIT_WORDS:  # a typo would go to the hub
+        raise UserError(f"init_from={name_or_path!r} is not scratch, resume, a GPT-2 name or a local folder; did you "
+                        f"mean --init_from={close[0]}?")
     if not path.is_dir():
         try:
             from huggingface_hub import snapshot_download

@@ -387,3 +387,36 @@ def test_a_vocabulary_too_large_for_uint16_token_files_is_refused_before_trainin
     (data / "meta.json").write_text(json.dumps({"tokenizer": "some_bpe", "vocab_size": 65536}))
     from core import files
     assert files.read_meta(data)["vocab_size"] == 65536  # every uint16 id: still fits
+
+
+# -- what a newcomer types ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, arg, said", [
+    (train, "batch_size=8", "'batch_size=8' is not a config file; a setting takes two dashes: pass --batch_size=8."),
+    (train, "bacth_size=8", "'bacth_size=8' is not a config file; a setting takes two dashes: pass --batch_size=8."),
+    (sample, "num_samples=2", "'num_samples=2' is not a config file; a setting takes two dashes: pass "
+                              "--num_samples=2."),
+    (bench, "iters=3", "'iters=3' is not a config file; a setting takes two dashes: pass --iters=3."),
+])
+def test_a_setting_typed_without_its_dashes_is_named_with_them(script, arg, said):
+    with pytest.raises(UserError) as refused:
+        script.main([arg])
+    assert str(refused.value) == said
+
+
+@pytest.mark.parametrize("script", [train, sample])
+def test_a_typo_in_init_from_gets_a_did_you_mean_not_the_hub(script, tmp_path, char_data, monkeypatch):
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("went to the hub"))
+    args = [f"--data_dir={char_data}", *TINY[:4]] if script is train else []
+    with pytest.raises(UserError, match=r"^init_from='resum' is not scratch, resume, a GPT-2 name or a local folder; "
+                                        r"did you mean --init_from=resume\?$"):
+        script.main([*args, "--init_from=resum", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_prints_the_seeds_range_as_a_whole_number(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    assert "less than 2**63]" in text.replace("\xa0", " ") and "e+18" not in text

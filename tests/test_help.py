@@ -27,7 +27,7 @@ INTERVALS = {"[1, inf)": "at least 1", "[0, inf)": "at least 0", "(0, inf)": "gr
              "(0, 1)": "greater than 0 and less than 1", "[1, inf) int": "a whole number at least 1",
              "[1, inf) int or None": "a whole number at least 1, or None",
              "[0, inf) int": "a whole number at least 0",
-             "[0, 9223372036854775808) int": "a whole number at least 0 and less than 9.22337e+18",
+             "[0, 9223372036854775808) int": "a whole number at least 0 and less than 2**63",
              "a path": "a path, each name at most 255 bytes"}  # what each declared interval reads as
 
 
