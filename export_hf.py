@@ -49,7 +49,9 @@ def hf_config(model: GPT, meta: Optional[dict]):
     c = model.config
     activation = {"tanh": "gelu_new", "none": "gelu"}[c.gelu]  # GPTConfig allows these two; hf.py reads both back
     eot = GPT2_EOT_TOKEN if is_bpe(meta) else None  # a character vocabulary has no end-of-text token
-    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+    # n_ctx: GPT-2's older name for the context, which the hub's config carries and llama.cpp's converter reads
+    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_ctx=c.block_size, n_embd=c.n_embd,
+                      n_layer=c.n_layer,
                       n_head=c.n_head, n_inner=None, activation_function=activation, resid_pdrop=c.dropout,
                       embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=1e-5, scale_attn_weights=True,
                       scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
@@ -105,7 +107,10 @@ def hf_tokenizer(meta: Optional[dict], block_size: int, folder: Path):
     packaged vocabulary files (checked by hash) copied into `folder` under the hub's names, and loaded from there."""
     from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
     # left padding: a batch of prompts generates on from each prompt's end, as decoder-only models need
-    settings = dict(model_max_length=block_size, clean_up_tokenization_spaces=False, padding_side="left")
+    # what a call returns, named: transformers 4.x otherwise adds token_type_ids, which GPT-2 embeds as positions'
+    # offsets (the newline's row of the embedding added everywhere for a character model)
+    settings = dict(model_max_length=block_size, clean_up_tokenization_spaces=False, padding_side="left",
+                    model_input_names=["input_ids", "attention_mask"])
     if is_bpe(meta):  # bos, eos and unk are <|endoftext|> already; pad is too
         paths = check_gpt2_files(gpt2_files_dir())
         shutil.copyfile(paths["encoder.json"], Path(folder) / "vocab.json")
@@ -126,6 +131,20 @@ def characters(chars: list[str]):
     return tok
 
 
+def check_hf_dir(hf_dir: Path, writable: bool = True) -> Path:
+    """The folder the export is written to (a symlink's target: the link stays): new or empty (checked before
+    anything is loaded), in a writable folder (made if need be, so checked once the checkpoint is read)."""
+    hf_dir = Path(hf_dir)
+    if hf_dir.is_symlink():  # the folder it points to is the one replaced; the link stays
+        hf_dir = hf_dir.resolve()
+    if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
+        raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
+                        f"is overwritten).")
+    if writable:  # the checkpoint's folder may be read-only: hf_dir's parent is what is written
+        files.check_writable_dir(hf_dir.parent, setting="hf_dir")
+    return hf_dir
+
+
 def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k: Optional[int] = 200) -> Path:
     """Write the Hugging Face directory: into a temporary folder beside hf_dir, renamed into place when complete."""
     try:
@@ -137,13 +156,7 @@ def export(checkpoint: Checkpoint, hf_dir: Path, temperature: float = 0.8, top_k
                         f"{str(e).splitlines()[0][:160] if str(e) else 'no message'}); pip install -r "
                         f"requirements.txt.") from None
     hf_logging.disable_progress_bar()  # "Writing model shards": one file, written in a moment
-    hf_dir = Path(hf_dir)
-    if hf_dir.is_symlink():  # the folder it points to is the one replaced; the link stays
-        hf_dir = hf_dir.resolve()
-    if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
-        raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
-                        f"is overwritten).")
-    files.check_writable_dir(hf_dir.parent, setting="hf_dir")  # the checkpoint's folder may be read-only: hf_dir's
+    hf_dir = check_hf_dir(hf_dir)
     model = build_model(checkpoint)
     if model.config.window:  # doc_mask exports: within one document HF's causal attention is the same attention
         raise UserError(f"this run attends through a window of {model.config.window} tokens, which Hugging Face's "
@@ -192,6 +205,7 @@ def write_staged(hf_model, checkpoint: Checkpoint, block_size: int, staging: Pat
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
+    check_hf_dir(Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), writable=False)  # before minutes of loading
     checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
     target = export(checkpoint, Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), cfg.temperature, cfg.top_k)
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "

@@ -176,16 +176,20 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
     count = sum(len(p) for p in pairs.values())  # announced where it may be long: compiling, or many batches
     progress = Progress(f"evaluating {'all of val.bin' if whole else ' and '.join(splits)}", count, rt.is_master,
                         announce=first and (cfg.compile or count >= 100))
+    wide = torch.float32 if rt.device_type == "mps" else torch.float64  # the sum over a whole split: no drift
     for split in splits:
-        total, tokens = torch.zeros((), device=rt.device), 0  # the loss summed over this rank's tokens
+        total, tokens = torch.zeros((), dtype=wide, device=rt.device), 0  # the loss summed over this rank's tokens
         for x, y in pairs[split]:
             with rt.autocast():
                 _, loss = model(*rt.to_device(x, y))
-            total += loss.float() * y.numel()
-            tokens += y.numel()
+            counted = int((y != -1).sum())  # y is on the host: targets already scored are -1
+            total += loss.to(wide) * counted
+            tokens += counted
             progress.tick(total)
         total, tokens = runtime.sum_across_ranks_(torch.stack([total, torch.full_like(total, tokens)])).tolist()
         out["val/loss" if split == "val" else "train/eval_loss"] = total / tokens  # one read per split
+        if whole:
+            out["val/tokens"] = int(tokens)
     model.train()
     return out
 
@@ -420,7 +424,11 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
                   "attn_decision": run.attn_decision}
     run.log = MetricsLog(cfg, run_config, enabled=rt.is_master, to_file=not cfg.eval_only)
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
-        run.log.log({"iter": run.iter_num, **estimate_loss(model, cfg, data_dir, rt, first=True)})
+        losses = estimate_loss(model, cfg, data_dir, rt, first=True)
+        run.log.log({"iter": run.iter_num, **losses})
+        if "val/tokens" in losses and rt.is_master:  # the whole split: the digits to hold lm-eval's figure against
+            print(f"val/loss {losses['val/loss']:.10f} nats a token over {losses['val/tokens']:,} tokens of "
+                  f"val.bin (the sum: {losses['val/loss'] * losses['val/tokens']:.6f} nats)")
         run.log.close()
         return
     if run.attn_decision:  # the whole table beside the run's metrics (wandb has it in the run's config)

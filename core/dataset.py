@@ -126,13 +126,17 @@ class Batches:
 
     def whole_split(self, split: str, rank: int = 0, world_size: int = 1):
         """Every token of a split after the first predicted once, as lm-eval's rolling loss reads a text: consecutive
-        windows of block_size targets (the last one shorter, alone), batch_size at a time, this rank's share: (x, y)."""
+        windows of block_size targets, batch_size at a time, this rank's share: (x, y). The last targets, fewer than
+        block_size, are read as lm-eval reads them: the last full window, its targets already scored set to -1."""
         path, T = self.data_dir / f"{split}.bin", self.block_size
         tokens = os.path.getsize(path) // TOKEN_BYTES
         starts = list(range(0, tokens - 1, T))[rank::world_size]
         full = [s for s in starts if s + T < tokens]
         for i in range(0, len(full), self.batch_size):
             yield self._windows(split, torch.tensor(full[i:i + self.batch_size]))
-        for s in starts[len(full):]:  # the end of the file: fewer than T targets
-            window = read_windows(path, [s], tokens - 1 - s)  # (1, n + 1)
-            yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        for s in starts[len(full):]:  # the end of the file: n < T targets left
+            n = tokens - 1 - s
+            window = read_windows(path, [max(0, tokens - 1 - T)], min(T, tokens - 1))  # (1, <= T + 1)
+            x, y = window[:, :-1].clone(), window[:, 1:].clone()  # (1, T) each, apart: y is written next
+            y[:, :y.size(1) - n] = -1  # scored in the window before: context now, not targets
+            yield x, y

@@ -177,7 +177,13 @@ def test_what_a_client_reads_from_an_export_lets_it_generate_pad_and_score_in_tr
     saved = json.loads((hf_dir / "tokenizer_config.json").read_text())
     assert saved["tokenizer_class"] == ("PreTrainedTokenizerFast" if kind == "char" else "GPT2TokenizerFast")
     assert not set(saved) & set(export_hf.ENVIRONMENT_KEYS) and saved["padding_side"] == "left"
+    # transformers 4.x returns token_type_ids unless the saved tokenizer names its inputs, and GPT-2 adds their
+    # embedding to every position (the character export's logits were off by up to 8.33): named, for 4.x and 5.x
+    assert saved["model_input_names"] == ["input_ids", "attention_mask"]
+    # llama.cpp's convert_hf_to_gguf.py reads GPT-2's context as n_ctx (a KeyError without it), as the hub's has it
+    assert json.loads((hf_dir / "config.json").read_text())["n_ctx"] == 32
     tokenizer, model = AutoTokenizer.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert set(tokenizer("To be")) == {"input_ids", "attention_mask"}
     special = 50256 if kind == "bpe" else None
     assert tokenizer.bos_token_id == tokenizer.eos_token_id == tokenizer.pad_token_id == special
     assert tokenizer.model_max_length == model.generation_config.max_length == 32 == model.config.n_positions
@@ -225,13 +231,18 @@ def test_what_gpt2s_format_cannot_express_is_refused_in_one_sentence(char_data, 
     assert not (tmp_path / "hf").exists()
 
 
-def test_an_existing_folder_is_never_written_over(char_data, trained, tmp_path):
+def test_an_existing_folder_is_never_written_over_and_is_refused_before_anything_is_loaded(char_data, trained,
+                                                                                           tmp_path, monkeypatch):
     out = trained(char_data)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="already exists and is not empty"):
-        export_hf.main([f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"])
-    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["notes.txt"]
+    (tmp_path / "a_file").write_text("mine")
+    monkeypatch.setattr(export_hf, "load_checkpoint", lambda *args: pytest.fail("loaded before the refusal"))
+    for hf_dir in (tmp_path / "hf", tmp_path / "a_file"):
+        with pytest.raises(UserError, match="already exists and is not empty"):
+            export_hf.main([f"--out_dir={out}", f"--hf_dir={hf_dir}"])
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["notes.txt"] and (tmp_path / "a_file").read_text() == \
+        "mine"
 
 
 # -- nanoGPT checkpoints in -----------------------------------------------------------------------------------

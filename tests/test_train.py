@@ -66,29 +66,40 @@ def test_under_torchrun_a_bad_setting_is_one_error_line_from_rank_0(char_data, t
 # -- the whole split's loss -----------------------------------------------------------------------------
 
 def test_eval_iters_0_is_the_loss_of_every_val_token_once_as_lm_eval_reads_the_text(char_data, tmp_path, capsys):
-    """The printed val/loss is a sample (eval_iters batches); --eval_only=True --eval_iters=0 is the whole split's."""
+    """The printed val/loss is a sample (eval_iters batches); --eval_only=True --eval_iters=0 is the whole split's,
+    read as lm-eval's rolling loglikelihood reads a text: windows of block_size targets, the last few targets scored
+    in the last full window (the context a fresh short window would lack), summed in float64 and printed with the
+    digits and the token count to hold the two against each other."""
     from core.dataset import Batches
     val = np.fromfile(char_data / "val.bin", dtype=np.uint16)
+    assert (len(val) - 1) % 32  # a last partial window to read
     batches = Batches(char_data, block_size=32, batch_size=3, seed=0)
     for rank_of_2 in (0, 1):
         pairs = list(batches.whole_split("val", rank_of_2, 2))
-        assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in pairs)  # targets are the next tokens
+        assert all(torch.equal(x[:, 1:], y[:, :-1]) | (y[:, :-1] == -1).any() for x, y in pairs)  # the next tokens
     pairs = list(batches.whole_split("val"))
-    assert torch.equal(torch.cat([y.flatten() for _, y in pairs]), torch.from_numpy(val[1:].astype(np.int64)))
+    scored = torch.cat([y.flatten() for _, y in pairs])
+    assert torch.equal(scored[scored != -1], torch.from_numpy(val[1:].astype(np.int64)))  # every target once
+    assert pairs[-1][0].size(1) == 32  # the last targets with a full window of context
     out = tmp_path / "run"
     assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=2"]) == 0
     capsys.readouterr()
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--eval_only=True", "--eval_iters=0"]) == 0
-    printed = float(capsys.readouterr().out.split("val/loss ")[1].split()[0])
+    line = next(x for x in capsys.readouterr().out.splitlines() if " nats a token over " in x)
+    printed, tokens = float(line.split()[1]), int(line.split(" over ")[1].split()[0].replace(",", ""))
     from engine.reader import build_model, load_checkpoint
     model = build_model(load_checkpoint(out / "ckpt.pt")).eval()
-    losses = []
-    with torch.no_grad():
-        for start in range(0, len(val) - 1, 32):  # the reference: every target once, summed in float64
-            window = torch.from_numpy(val[start:start + 33].astype(np.int64))[None]
-            logits, _ = model(window[:, :-1], all_positions=True)
-            losses.append(torch.nn.functional.cross_entropy(logits[0].double(), window[0, 1:], reduction="sum"))
-    assert printed == pytest.approx(float(sum(losses)) / (len(val) - 1), rel=1e-4)
+    total, T, N = torch.zeros((), dtype=torch.float64), 32, len(val)
+    ids = torch.from_numpy(val.astype(np.int64))
+    with torch.no_grad():  # lm-eval's rolling windows, written out: each target once, with up to T tokens before it
+        for k in range(0, N - 1, T):
+            last = min(k + T, N - 1)  # targets k + 1 .. last, read from inputs lo .. last - 1
+            lo = max(0, last - T)
+            logits, _ = model(ids[lo:last][None], all_positions=True)
+            logp = torch.log_softmax(logits[0].double(), dim=-1)[-(last - k):]  # (targets not yet scored, V)
+            total -= logp.gather(1, ids[k + 1:last + 1, None]).sum()
+    assert tokens == len(val) - 1
+    assert printed == pytest.approx(float(total) / tokens, rel=1e-6)
 
 
 # -- resume ---------------------------------------------------------------------------------------------
