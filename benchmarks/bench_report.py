@@ -39,6 +39,9 @@ def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) ->
               for i, h in enumerate(columns)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()  # noqa: E731
     notes = [f"({i}) {reason}" for i, reason in enumerate(reasons, 1)]
+    if "paired speedup" in columns:  # what the column is, beside the medians it is not the ratio of
+        notes.append("paired speedup: the median over timed rounds of manual's ms / the row's in the same round "
+                     "(back to back, so drift cancels); not the ratio of the two ms medians shown")
     if any(unreliable(row) or row.get("speedup_vs_manual", 0) is None for row in rows if row["status"] == "ok"):
         notes.append("unreliable: the row's spread (IQR) exceeds its median, or its baseline's does, so its speedup "
                      "says nothing; time it again on a quieter machine, or with more --iters")
@@ -107,7 +110,7 @@ TRAIN_COLUMNS = {
     "tokens/s": lambda r: f"{r['tokens_per_s']:,.0f}",
     "MFU": lambda r: "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
     "peak GB": lambda r: f"{r['mem/peak_gb']:.3f}",
-    "speedup": speedup_cell,
+    "paired speedup": speedup_cell,
     "max batch": lambda r: str(r.get("max_batch", "-")),
     "computed": computed_cell,
     "kernel": kernel_cell,
@@ -120,7 +123,7 @@ ATTENTION_COLUMNS = {
     "ms": lambda r: f"{r['ms_per_iter']:.2f}",
     "IQR ms": lambda r: f"{r['ms_p75'] - r['ms_p25']:.2f}",
     "added GB": lambda r: f"{r['mem/peak_gb']:.3f}",
-    "speedup": speedup_cell,
+    "paired speedup": speedup_cell,
     "computed": computed_cell,
     "kernel": kernel_cell,
     "compile": compile_cell,
@@ -225,7 +228,8 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     ax.invert_yaxis()  # the sweep's first implementation on top, as in the table
     if speedups:
         ax.axvline(1.0, color="grey", linewidth=0.8)  # manual itself
-    ax.set_xlabel("speedup over manual (manual's median ms / the row's)" if speedups else "ms (median, IQR whiskers)")
+    ax.set_xlabel("speedup over manual: the median over rounds of manual's ms / the row's in the same round"
+                  if speedups else "ms (median, IQR whiskers)")
     # linear from zero: a bar's length is its time (or speedup), so 2x reads as 2x; every bar carries its value
     ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.25)  # room for the value labels
     return title
