@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm import tqdm
 
 from core import flops
 from core import files
 from core import runtime
-from benchmarks.measure import AUDIT, audited_row, free_memory, max_batch_size, measure_calls, paired_speedup
+from benchmarks.measure import AUDIT, audited_row, free_memory, max_batch_size, measure_calls, paired_speedup, progress
 from core.configurator import PATH, SEED, Settings, as_list, comma_list_of, configure, one_of
 from core.errors import UserError
 from attention.kernels import AttnCall, attention_pass, attention_problem
@@ -231,7 +230,7 @@ def train_sweep(cfg: Settings, rt: Runtime, save=lambda rows: None) -> list[dict
     peak = flops.peak_flops(rt)
     print(flops.peak_line(rt, peak), file=sys.stderr)
     # disable=None: no bar where stderr is a file or a pipe (there a bar's redraws pile up into one long line)
-    with tqdm(total=len(calls) * (cfg.warmup + 1 + cfg.iters), desc="bench", file=sys.stderr, disable=None) as bar:
+    with progress(len(calls) * (cfg.warmup + 1 + cfg.iters), "bench") as bar:
         measured = measure_calls(calls, rt, bar, cfg.warmup, cfg.iters, trace_prefix(cfg, "train"),
                                  audits if cfg.compile else None)
     for key, m in measured.items():
@@ -270,7 +269,7 @@ def attention_sweep(cfg: Settings, rt: Runtime) -> list[dict]:
              for m in cfg.mask]
     rows = []
     total = len(cases) * len(cfg.attn) * (cfg.warmup + 1 + cfg.iters)
-    with tqdm(total=total, desc="attention", file=sys.stderr, disable=None) as bar:
+    with progress(total, "attention") as bar:
         for hs, T, backward, mask in cases:
             shape = (cfg.attn_batch, cfg.attn_heads, T, hs)  # (B, nh, T, hs)
             q, k, v = (torch.randn(shape, device=rt.device, dtype=rt.torch_dtype, requires_grad=backward)

@@ -34,7 +34,8 @@ from core.tokenizer import Tokenizer, tokenizer_from_meta
 # I/O
 init_from = "resume"              # 'resume' (out_dir/ckpt.pt), or GPT-2 weights: 'gpt2', 'gpt2-xl', ..., a local HF dir
 out_dir = "out"                   # the folder train.py wrote ckpt.pt to
-start = "\n"                      # the prompt, or "FILE:path" to read it from a file ("<|endoftext|>" for none)
+start = "\n"                      # the prompt, or "FILE:path" to read it from a file: the whole file is one prompt,
+                                  # several lines included, which every sample continues ("<|endoftext|>" for none)
 # sampling
 num_samples = 3                   # samples to draw (for each implementation with --compare)
 max_new_tokens = 500              # new tokens per sample

@@ -8,14 +8,12 @@ greedy tokens from the same prompt. The baseline is nanoGPT's generate: sdpa, no
 import copy
 import functools
 import math
-import sys
 import time
 from collections import Counter
 from typing import Callable, Optional
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from attention.kernels import AttnCall, attention_problem
 from core.errors import UserError
@@ -24,6 +22,7 @@ from engine.generate import weight_bytes
 from benchmarks.measure import audit as audit_kernel
 from benchmarks.measure import (AUDIT, compile_health, counted, kernel_context, out_of_memory, paired_speedup,
                                 profiled_run, summarize, time_round_robin)
+from benchmarks.measure import progress as progress_bar
 from attention.masks import decode_keys
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
@@ -149,8 +148,7 @@ def generate_sweep(cfg, rt: Runtime, save=lambda rows: None) -> list[dict]:
         for key, row in rows.items():  # what dynamo does during a row's calls is counted: a fallback shows
             calls[key] = counted(row.generation(row.new_tokens), tallies[key])
             calls[key + "#prefill"] = counted(row.generation(1), tallies[key])  # the prompt, and one token drawn
-        with tqdm(total=len(rows) * 2 + len(calls) * cfg.iters, desc="generate", file=sys.stderr,
-                  disable=None) as bar:
+        with progress_bar(len(rows) * 2 + len(calls) * cfg.iters, "generate") as bar:
             first = first_calls(rows, described, rt, bar, progress, tallies)
             audit_generation(rows, described, rt, bar)
             progress()

@@ -10,12 +10,14 @@ import gc
 import os
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
 import numpy as np
+from tqdm import tqdm
 import torch
 
 from torch import profiler
@@ -222,6 +224,36 @@ def profiled_run(call: Callable[[], None], rt: Runtime, trace: Optional[Path] = 
         prof.export_chrome_trace(str(trace))
     added = torch.cuda.max_memory_allocated(rt.device) - before if rt.is_cuda else cpu_peak_bytes(prof)
     return {e.name() for e in prof.profiler.kineto_results.events()}, added
+
+
+class ProgressLines:
+    """The progress bar where stderr is a file or a pipe (`python bench.py > log 2>&1`), where a bar's redraws would
+    pile up into one line: a line when a run ends and LINE_EVERY_S has passed since the last, and at the end."""
+    LINE_EVERY_S = 15.0
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+        self.start = self.last = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= self.LINE_EVERY_S or self.done >= self.total:
+            self.last = now
+            left = (now - self.start) / self.done * (self.total - self.done)
+            print(f"{self.desc}: {self.done}/{self.total} runs in {now - self.start:.0f} s, about {left:.0f} s left",
+                  file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def progress(total: int, desc: str):
+    """tqdm's bar on a terminal, else ProgressLines."""
+    return tqdm(total=total, desc=desc, file=sys.stderr) if sys.stderr.isatty() else ProgressLines(total, desc)
 
 
 def time_round_robin(calls: dict, iters: int, rt: Runtime, bar, failed: dict,

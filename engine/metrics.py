@@ -57,6 +57,7 @@ class MetricsLog:
         if not self.enabled:
             return
         text = "  ".join(f"{k} {100 * v:.2f}%" if k == "mfu" else f"{k} {v:,.0f}" if k == "tokens_per_s"
+                         else f"{k} {v:.0f}" if isinstance(v, float) and abs(v) >= 1e4  # 11680, not 1.168e+04
                          else f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in metrics.items())  # mfu: a percent, as bench's (JSON: a fraction)
         print(text, flush=True)

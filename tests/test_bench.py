@@ -751,3 +751,13 @@ def test_runs_into_one_results_folder_at_once_each_keep_their_results(tmp_path):
     results = [json.loads(p.read_text()) for p in tmp_path.glob("train*.json")]
     assert sorted(sorted({row["attn"] for row in r["rows"]}) for r in results if r["complete"]) == [
         ["manual"], ["manual", "math"], ["manual", "sdpa"]]  # each its own, with the baseline row beside it
+
+
+def test_a_sweep_into_a_file_prints_its_progress_as_lines(tmp_path, monkeypatch, capsys):
+    """`python bench.py > log 2>&1`: no bar (its redraws pile up), but lines as runs end, the last at the end."""
+    from benchmarks import measure
+    monkeypatch.setattr(measure.ProgressLines, "LINE_EVERY_S", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    run_bench(tmp_path, "--attn=manual", "--padding=off")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bench: ")]
+    assert lines and lines[-1].startswith("bench: 4/4 runs in ") and "\r" not in "".join(lines)

@@ -688,6 +688,8 @@ def test_the_log_line_writes_tokens_per_s_as_a_plain_number(tmp_path, capsys):
     assert capsys.readouterr().out == ("iter 10  train/loss 1.5  ms_per_iter 114.8  tokens_per_s 17,834  "
                                        "mfu 1.23%\n")
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["tokens_per_s"] == 17834.2  # the file: exact
+    log.log({"iter": 20, "ms_per_iter": 11680.4, "lr": 6e-5})  # a busy CPU's step: a number people read
+    assert capsys.readouterr().out == "iter 20  ms_per_iter 11680  lr 6e-05\n"
 
 
 def test_every_start_up_problem_of_a_command_is_printed_at_once_with_the_cpu_recipe_for_a_gpu_sized_model(
