@@ -129,10 +129,12 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
             print(line, file=sys.stderr)
         return 2
     except Terminated:
-        print("stopped by SIGTERM", file=sys.stderr)
+        if first_rank():
+            print("stopped by SIGTERM", file=sys.stderr)
         return 143
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # under torchrun every rank gets the Ctrl-C: rank 0 says so, once
+        if first_rank():
+            print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the output's reader ended (`| head`): what it wanted was printed, so nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's final flush writes nowhere
@@ -141,6 +143,11 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
         if main_thread:
             for s, handler in previous.items():
                 signal.signal(s, signal.SIG_DFL if exiting or handler is None else handler)
+
+
+def first_rank() -> bool:
+    """Whether this process is rank 0 of a torchrun launch, or no launch's rank at all."""
+    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("RANK", "0") == "0"
 
 
 def error_line(e: UserError) -> str | None:

@@ -563,3 +563,14 @@ def test_ranks_that_fail_apart_are_one_error_line_and_no_gloo_traceback(char_dat
                                   "--max_iters=6", "--gradient_accumulation_steps=2"]) == 0
     else:
         assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("rank, printed", [("0", "interrupted\n"), ("1", "")])
+def test_under_torchrun_ctrl_c_is_said_once_by_rank_0(monkeypatch, capsys, rank, printed):
+    """torchrun hands Ctrl-C to every rank: one `interrupted` line, not one a rank."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RANK", rank)
+
+    def stopped():
+        raise KeyboardInterrupt
+    assert errors.exit_code(stopped) == 130 and capsys.readouterr().err == printed
