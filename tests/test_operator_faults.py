@@ -4,6 +4,7 @@ shared filesystem or a MIG slice does. Each ends in one `error:` line (exit 2) o
 it did instead; nothing on disk is lost and every next command named works."""
 
 import json
+import numpy as np
 import os
 import shutil
 import signal
@@ -574,3 +575,41 @@ def test_under_torchrun_ctrl_c_is_said_once_by_rank_0(monkeypatch, capsys, rank,
     def stopped():
         raise KeyboardInterrupt
     assert errors.exit_code(stopped) == 130 and capsys.readouterr().err == printed
+
+
+PREPARE_INTERRUPTED = textwrap.dedent("""
+    import os, runpy, signal, sys
+    n, sig = int(sys.argv.pop(1)), int(sys.argv.pop(1))
+    replace, calls = os.replace, []
+    def interrupted(src, dst):  # the signal lands just before the n-th of the three renames
+        calls.append(dst)
+        if len(calls) == n:
+            os.kill(os.getpid(), sig)
+        return replace(src, dst)
+    os.replace = interrupted
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "stopped by SIGTERM")], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_signal_while_prepare_replaces_another_texts_data_leaves_one_whole_set_and_one_line(tmp_path, sig, code,
+                                                                                               said, n):
+    out = tmp_path / "data"
+    (tmp_path / "old.txt").write_text("an old text, other letters: xyz\n" * 200)
+    (tmp_path / "new.txt").write_text("To be, or not to be, that is the question.\n" * 200)
+    script = str(REPO / "data" / "shakespeare_char" / "prepare.py")
+    subprocess.run([sys.executable, script, f"--input={tmp_path / 'old.txt'}", f"--out_dir={out}"], check=True,
+                   capture_output=True)
+    (tmp_path / "wrap.py").write_text(PREPARE_INTERRUPTED)
+    done = subprocess.run([sys.executable, str(tmp_path / "wrap.py"), str(n), str(int(sig)), script,
+                           f"--input={tmp_path / 'new.txt'}", f"--out_dir={out}"], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert done.returncode == code and "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1] == said
+    meta = json.loads((out / "meta.json").read_text())
+    ids = np.fromfile(out / "train.bin", dtype=np.uint16)
+    line = "To be, or not to be, that is the question.\n"
+    assert "".join(meta["chars"][i] for i in ids[:len(line)]) == line  # the new text's files, all three
+    assert not list(out.glob("*.tmp"))
