@@ -336,22 +336,37 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
 def keep_earlier(out: Path, mode: str, run: str) -> None:
     """Another run's <mode>.json and .png in out_dir are kept under that run's own name (its start and process),
     printed in one line, before this run (`run`) writes its own: a new sweep never takes away a longer one, and runs
-    into one folder at once each keep theirs."""
+    into one folder at once each keep theirs. The file is first taken aside under a name of this process's own, so
+    what is read is what is kept; this run's own earlier save goes (the save that follows writes it anew)."""
     path = out / f"{mode}.json"
+    taken = out / f".{mode}.json.{os.getpid()}.kept"
     try:
-        other = json.loads(path.read_text())["environment"]["run"]
+        path.rename(taken)
     except FileNotFoundError:
         return
+    try:
+        other = json.loads(taken.read_text())["environment"]["run"]
     except (OSError, ValueError, KeyError, TypeError):  # an older version's file, or not bench's
-        other = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        other = time.strftime("%Y%m%d-%H%M%S", time.localtime(taken.stat().st_mtime))
     if other == run:
+        taken.unlink()
         return
-    kept = []
-    for p in (path, out / f"{mode}.png"):
-        with contextlib.suppress(FileNotFoundError):  # a run beside this one may have kept it first
-            kept.append(p.rename(p.with_name(f"{mode}-{other}{p.suffix}")))
-    if kept:
-        print(f"kept the earlier {mode} results as {', '.join(str(p) for p in kept)}", file=sys.stderr)
+    final = out / f"{mode}-{other}.json"
+    if final.exists() and progress_of(final) > progress_of(taken):  # a run beside this one kept a later save
+        taken.unlink()
+        return
+    kept = [taken.rename(final)]
+    with contextlib.suppress(FileNotFoundError):  # its chart, unless a run beside this one kept it first
+        kept.append((out / f"{mode}.png").rename(out / f"{mode}-{other}.png"))
+    print(f"kept the earlier {mode} results as {', '.join(str(p) for p in kept)}", file=sys.stderr)
+
+
+def progress_of(path: Path) -> tuple:
+    """How far a results file got: complete, then rows (a run's later save has as many or more)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        saved = json.loads(path.read_text())
+        return bool(saved["complete"]), len(saved["rows"])
+    return False, -1
 
 
 RUNS = itertools.count()  # runs of this process (main called in process more than once)
@@ -382,10 +397,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = out / f"{cfg.mode}.json"
 
     def save(rows: list[dict], complete: bool = False) -> None:  # completely or not at all: an earlier save stays
-        keep_earlier(out, cfg.mode, env["run"])
-        with files.staged_outputs(out, [path.name], what=f"the results to {path}") as tmp:
-            tmp[path.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete,
-                                                      rows=rows), indent=1))
+        while True:  # another run's file is kept aside first; one written meanwhile is kept on the next turn
+            keep_earlier(out, cfg.mode, env["run"])
+            try:
+                with files.staged_outputs(out, [path.name], what=f"the results to {path}", exclusive=True) as tmp:
+                    tmp[path.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(),
+                                                              complete=complete, rows=rows), indent=1))
+                return
+            except FileExistsError:
+                continue
     print(sweep_plan(cfg, rt), file=sys.stderr)
     try:
         if cfg.mode == "generate":
