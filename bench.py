@@ -397,15 +397,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = out / f"{cfg.mode}.json"
 
     def save(rows: list[dict], complete: bool = False) -> None:  # completely or not at all: an earlier save stays
-        while True:  # another run's file is kept aside first; one written meanwhile is kept on the next turn
+        staged = out / f".{cfg.mode}.json.{os.getpid()}.new"
+        with files.staged_outputs(out, [staged.name], what=f"the results to {path}") as tmp:
+            tmp[staged.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete,
+                                                        rows=rows), indent=1))
+        while True:  # linked only where no file is: another run's, even one written meanwhile, is kept aside first
             keep_earlier(out, cfg.mode, env["run"])
             try:
-                with files.staged_outputs(out, [path.name], what=f"the results to {path}", exclusive=True) as tmp:
-                    tmp[path.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(),
-                                                              complete=complete, rows=rows), indent=1))
-                return
+                os.link(staged, path)
             except FileExistsError:
                 continue
+            except OSError:  # a filesystem without hard links: replaced, as any staged file is
+                os.replace(staged, path)
+            staged.unlink(missing_ok=True)
+            return
     print(sweep_plan(cfg, rt), file=sys.stderr)
     try:
         if cfg.mode == "generate":

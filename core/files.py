@@ -95,14 +95,12 @@ def written_as(path: Path) -> tuple[Path, bool]:
 
 @contextlib.contextmanager
 def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
-                   advice: str = "pass --out_dir= a writable folder with free space",
-                   exclusive: bool = False) -> Iterator[dict[str, Path]]:
+                   advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
     """How a file is written completely or not at all (checkpoints, prepared data, reports, caches, a log's first
     line; metrics.jsonl's later lines are appended, and export_hf.py stages a whole folder): temporary paths of this
     process's own to write, beside each file (a symlink's target: written_as), renamed over it only when the block
     finishes without an error, so a crash, a full disk or a second writer at once keeps the previous files intact.
-    A device or FIFO is written to directly. A failure is one error line. `exclusive`: a file that is there by the
-    time of the rename is not replaced: FileExistsError, the new file removed (the caller decides)."""
+    A device or FIFO is written to directly. A failure is one error line."""
     out_dir = Path(out_dir)
     targets = {name: written_as(out_dir / name) for name in names}
     tmp = {name: target if stream else target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two writers: two names
@@ -132,18 +130,7 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
             raise
         for name, path in staged.items():  # a signal from here on is raised once the new files are in place
             durable(path)  # the new bytes on disk before they replace the old: a node crash keeps one or the other
-            if exclusive:  # a link fails where a file is: nothing another writer put there is replaced
-                try:
-                    os.link(path, targets[name][0])
-                except FileExistsError:
-                    path.unlink()
-                    raise
-                except OSError:  # a filesystem without hard links: replaced, as without exclusive
-                    os.replace(path, targets[name][0])
-                else:
-                    path.unlink()
-            else:
-                os.replace(path, targets[name][0])
+            os.replace(path, targets[name][0])
         for folder in {targets[name][0].parent for name in staged}:
             durable(folder)  # and the renames
 
