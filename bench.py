@@ -330,7 +330,7 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
     rows = len(cfg.attn) * len(cfg.mask) * (len(cfg.padding) * len(cfg.loss) if cfg.mode == "train" else
                                             2 * len(cfg.attn_seq_lens) * len(cfg.attn_head_sizes))
     return (f"{cfg.mode}: {rows} rows; each that runs here takes {cfg.warmup} warm-up + 1 profiled + {cfg.iters} timed "
-            f"runs (the bar counts them), the others are listed with the reason")
+            f"runs (the progress counts them), the others are listed with the reason")
 
 
 def keep_earlier(out: Path, mode: str, run: str) -> None:

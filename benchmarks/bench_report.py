@@ -228,8 +228,8 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     ax.invert_yaxis()  # the sweep's first implementation on top, as in the table
     if speedups:
         ax.axvline(1.0, color="grey", linewidth=0.8)  # manual itself
-    ax.set_xlabel("speedup over manual: the median over rounds of manual's ms / the row's in the same round"
-                  if speedups else "ms (median, IQR whiskers)")
+    ax.set_xlabel("speedup over manual (median of manual's ms / the row's, round by round)" if speedups
+                  else "ms (median, IQR whiskers)")
     # linear from zero: a bar's length is its time (or speedup), so 2x reads as 2x; every bar carries its value
     ax.set_xlim(left=0, right=ax.get_xlim()[1] * 1.25)  # room for the value labels
     return title
