@@ -248,8 +248,9 @@ class TrainingRun:
         if end.event is not None:
             end.event.synchronize()  # its own step alone: .item() would wait for the step queued since as well
         loss, out_of_time = values.tolist()
-        self.stop_if_diverged("training", loss / self.rt.world_size, end.it)
-        metrics = {"iter": end.it, "train/loss": loss / self.rt.world_size, "lr": lr}
+        loss /= self.rt.world_size  # summed over the ranks
+        self.stop_if_diverged("training", loss, end.it)
+        metrics = {"iter": end.it, "train/loss": loss, "lr": lr}
         steps = end.it - since.it if since is not None else 0  # 0: the only step since the last line compiled
         if steps:
             seconds = since.event.elapsed_time(end.event) / 1e3 if end.event is not None else end.time - since.time

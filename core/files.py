@@ -199,8 +199,9 @@ def check_writable_file(path: Path, setting: str) -> None:
         check_writable_dir(target.parent, setting)
 
 
-def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
-    """Create the folder if needed and make sure a file can be written in it, before any work is done."""
+def check_writable_dir(path: Path, setting: str = "out_dir", fix: str = "") -> None:
+    """Create the folder if needed and make sure a file can be written in it, before any work is done. `fix`: what
+    to do instead of passing --setting= another folder (a setting from the environment)."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -209,7 +210,7 @@ def check_writable_dir(path: Path, setting: str = "out_dir") -> None:
     except OSError as e:
         what = "is a file, not a folder" if path.is_file() else f"cannot be written to ({e.strerror or e})"
         wanted = "a writable folder" if setting.endswith("dir") else "a path in a writable folder"
-        raise UserError(f"{setting} {path} {what}; pass --{setting}= {wanted}.") from None
+        raise UserError(f"{setting} {path} {what}; {fix or f'pass --{setting}= {wanted}'}.") from None
 
 
 class OutDirLock:

@@ -9,7 +9,6 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -233,16 +232,10 @@ def check_compile_cache() -> None:
     """torch.compile writes the code it generates under TORCHINDUCTOR_CACHE_DIR: a folder set there that cannot be
     written is one error line before any work, not inductor's traceback at the first compiled step."""
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not folder:
-        return  # inductor's default, in the temporary folder
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise UserError(f"TORCHINDUCTOR_CACHE_DIR={folder} cannot be written to ({e.strerror or e}), and torch.compile "
-                        f"writes its code there; set it to a writable folder, unset it, or pass --compile=False.") \
-            from None
+    if folder:  # unset: inductor's default, in the temporary folder
+        from core.files import check_writable_dir
+        check_writable_dir(Path(folder), "TORCHINDUCTOR_CACHE_DIR", fix="torch.compile writes its code there: set it "
+                           "to a writable folder, unset it, or pass --compile=False")
 
 
 def compile_isolated(fn, recompile_limit: int = 8, **compile_options):

@@ -303,8 +303,8 @@ def test_a_compile_cache_folder_that_cannot_be_written_is_one_line_before_any_wo
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a_file" / "cache"))
     out = tmp_path / "out"
-    with pytest.raises(UserError, match=rf"^TORCHINDUCTOR_CACHE_DIR={tmp_path / 'a_file' / 'cache'} cannot be written "
-                                        r"to \(Not a directory\), and torch.compile writes its code there; set it to a "
+    with pytest.raises(UserError, match=rf"^TORCHINDUCTOR_CACHE_DIR {tmp_path / 'a_file' / 'cache'} cannot be written "
+                                        r"to \(Not a directory\); torch.compile writes its code there: set it to a "
                                         r"writable folder, unset it, or pass --compile=False\.$"):
         train.main(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--device=cpu", "--compile=True",
                     f"--data_dir={char_data}", f"--out_dir={out}"])
