@@ -99,7 +99,7 @@ def flash_kernels(device: torch.device) -> tuple:
     """The kernels attn='flash' runs on `device`, first choice first: cuDNN's flash kernel, then FlashAttention-2 for
     what it refuses, where attention/kernels.py's cudnn_first holds (Hopper, Blackwell); elsewhere FlashAttention-2
     (on a CPU, its flash kernel). Decided on the host once per device type, before a compiled model traces
-    flash_attention (GPT.check_attention asks first)."""
+    flash_attention (GPTConfig.check_attention asks first)."""
     if device.type not in FLASH_KERNELS:
         first = False
         if device.type == "cuda" and IN_REPOSITORY:
@@ -291,6 +291,23 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         return math.ceil(self.vocab_size / 64) * 64 if self.pad_vocab else self.vocab_size
 
+    def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
+                        problem: Optional[str] = None, decoding: bool = True) -> None:
+        """Whether the implementation runs here (attention/kernels.py decides, once per call it is asked), else one
+        error line naming what does (training is checked with its backward, at its own length; inference at
+        block_size, with a decode step unless `decoding` is False: a forward without a KV cache, an evaluation's)."""
+        decoding = decoding and not training
+        if not IN_REPOSITORY:  # no probe: a kernel that cannot run here raises PyTorch's own error
+            if self.attn in ("flex", "varlen"):
+                needs_repository(f"attn='{self.attn}'")
+            return
+        from attention.kernels import AttnCall, refuse_unless_runs  # the one decision, and its error line
+        call = AttnCall(device_type, dtype, self.head_size, needs_grad=training,
+                        dropout_p=self.dropout if training else 0.0,
+                        seq_len=seq_len if training else self.block_size, masked=self.masked,
+                        decode_step=decoding)
+        refuse_unless_runs(self.attn, call, IMPLEMENTATIONS, problem)
+
 
 class CausalSelfAttention(nn.Module):
 
@@ -400,8 +417,8 @@ class GPT(nn.Module):
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         cache = None if input_pos is None else self.cache
         if not torch.compiler.is_compiling():  # a trace cannot run the probe: set_attention checked what it traces
-            self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(), T,
-                                 decoding=input_pos is not None)
+            self.config.check_attention(idx.device.type, self.compute_dtype(),
+                                        self.training and torch.is_grad_enabled(), T, decoding=input_pos is not None)
         position = input_pos if isinstance(input_pos, int) else None  # an eager decode step's, on the host
         if position is not None:
             input_pos = torch.full((1,), position, device=idx.device)  # (1,): a fill, not a copy from the host
@@ -414,8 +431,9 @@ class GPT(nn.Module):
         except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the check could not foresee
             if "No available kernel" in str(e):
                 shape = (B, self.config.n_head, T, self.config.head_size)  # q's
-                self.check_attention(idx.device.type, self.compute_dtype(), self.training and torch.is_grad_enabled(),
-                                     T, problem=f"PyTorch refused q of shape {shape} at run time")
+                self.config.check_attention(idx.device.type, self.compute_dtype(),
+                                            self.training and torch.is_grad_enabled(), T,
+                                            problem=f"PyTorch refused q of shape {shape} at run time")
             raise
         x = self.transformer.ln_f(x)
         if targets is None and not all_positions:
@@ -460,23 +478,6 @@ class GPT(nn.Module):
         from attention.masks import doc_window_mask  # documents and windows: only a run that asks for them
         return doc_window_mask(cfg, IMPLEMENTATIONS[cfg.attn].mask, idx), slice(None)
 
-    def check_attention(self, device_type: str, dtype: torch.dtype, training: bool, seq_len: int,
-                        problem: Optional[str] = None, decoding: bool = True) -> None:
-        """Whether the implementation runs here (attention/kernels.py decides, once per call it is asked), else one
-        error line naming what does (training is checked with its backward, at its own length; inference at
-        block_size, with a decode step unless `decoding` is False: a forward without a KV cache, an evaluation's)."""
-        decoding = decoding and not training
-        if not IN_REPOSITORY:  # no probe: a kernel that cannot run here raises PyTorch's own error
-            if self.config.attn in ("flex", "varlen"):
-                needs_repository(f"attn='{self.config.attn}'")
-            return
-        from attention.kernels import AttnCall, refuse_unless_runs  # the one decision, and its error line
-        call = AttnCall(device_type, dtype, self.config.head_size, needs_grad=training,
-                        dropout_p=self.config.dropout if training else 0.0,
-                        seq_len=seq_len if training else self.config.block_size, masked=self.config.masked,
-                        decode_step=decoding)
-        refuse_unless_runs(self.config.attn, call, IMPLEMENTATIONS, problem)
-
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:  # the one KV cache
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
@@ -504,7 +505,8 @@ class GPT(nn.Module):
             attn = choose_for_model(self, IMPLEMENTATIONS, training, dtype)
         previous, self.config = self.config, dataclasses.replace(self.config, attn=attn)  # checks the name
         try:
-            self.check_attention(self.transformer.wpe.weight.device.type, dtype, training, self.config.block_size)
+            self.config.check_attention(self.transformer.wpe.weight.device.type, dtype, training,
+                                        self.config.block_size)
         except Exception:
             self.config = previous
             raise

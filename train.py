@@ -25,8 +25,8 @@ from core import flops
 from core import files
 from core import runtime
 from engine.checkpoint import Checkpoint, SingleFileSaver, describe_tokens, rng_state
-from core.configurator import PATH, SEED, Settings, configure, one_of
-from core.dataset import Batches, check_token_files
+from core.configurator import PATH, SEED, Settings, one_of
+from core.dataset import Batches
 from core.errors import UserError
 from engine import startup
 from engine.metrics import MetricsLog, Progress, banner, resume_hint
@@ -213,7 +213,6 @@ class TrainingRun:
     attn_decision: dict | None = None    # attn=auto's table and pick (None: attn was named)
     saved_at: int | None = None          # the iter of the newest checkpoint in out_dir (the resumed one's at first)
     nanogpt_original: bool = False       # out_dir's ckpt.pt is nanoGPT's: copied aside before the first save over it
-    made_out_dir: bool = False           # this run made out_dir: a stop before its first save takes it away again
 
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log the evaluation's loss (val, and train unless eval_train=False); stop on a NaN/inf; save when val
@@ -266,21 +265,13 @@ class TrainingRun:
         if math.isfinite(loss):
             return
         kept = f"the checkpoint of iter {self.saved_at} in {self.cfg.out_dir} is kept" if self.saved_at is not None \
-            else "no checkpoint was saved" + ("" if self.made_out_dir else " (add --overwrite=True to run again in "
-                                                                          f"{self.cfg.out_dir})")
+            else "no checkpoint was saved"
         raise UserError(f"{which} loss is {loss} at iter {it}; training diverged (try a lower learning_rate, or "
                         f"grad_clip); {kept}.")
 
 
 def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-
-
-def start(argv: list[str] | None) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
-                                           Optional[files.OutDirLock]]:
-    """This command's settings, checked against LIMITS, then engine/startup.py's start: the runtime, out_dir locked,
-    a resume's checkpoint and its settings, every start-up problem at once, the data prepared."""
-    return startup.start(configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS), LIMITS)
 
 
 class StepEnd(NamedTuple):
@@ -375,44 +366,32 @@ def choose_attention(run: TrainingRun) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, rt, checkpoint, data_dir, lock = start(argv)
-    failed = True
+    argv = sys.argv[1:] if argv is None else argv
+    # the settings, every start-up problem at once, the runtime, a resume's checkpoint, the data, out_dir locked
+    cfg, rt, checkpoint, data_dir, meta, lock = startup.start(globals(), argv, LIMITS)
     try:
-        train(cfg, rt, checkpoint, data_dir, sys.argv[1:] if argv is None else argv,
-              made_out_dir=lock is not None and lock.made_dir)
-        failed = False
+        train(cfg, rt, checkpoint, data_dir, meta, argv)
     finally:
         if lock is not None:
-            lock.release(failed)
+            lock.release()
     return 0
 
 
-def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir: Path, argv: list[str],
-          made_out_dir: bool = False) -> None:
+def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir: Path, meta: Optional[dict],
+          argv: list[str]) -> None:
     saver = SingleFileSaver(Path(cfg.out_dir), rt)
     if cfg.checkpoint_format == "sharded":  # each rank writes its own shards (DCP)
         from tools.sharded import ShardedSaver
         saver = ShardedSaver(Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
-    meta = files.read_meta(data_dir)
-    if meta is None and (data_dir / "meta.pkl").exists():  # a nanoGPT data folder: its character vocabulary
-        from tools.nanogpt import read_nanogpt_meta
-        meta = read_nanogpt_meta(data_dir / "meta.pkl")
-
-    if checkpoint is not None:
-        from engine.resume import check_tokens
-        check_tokens(checkpoint, meta, cfg.out_dir)
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
     raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
-    # one rank scans the files for their largest id (remembered per file: a repeat start reads nothing); the others
-    # wait and stop with it on an error
-    runtime.on_master(lambda: check_token_files(data_dir, raw_model.config.vocab_size, cfg.block_size), rt.device)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, saver, made_out_dir=made_out_dir)
+    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, saver)
     resumed_at = None
     if checkpoint is not None:
         from engine.resume import restore
@@ -444,8 +423,6 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     try:
         train_loop(run, resumed_at)
     except BaseException as e:  # diverged, Ctrl-C, SIGTERM during a save: what is kept, and how to go on
-        if rt.is_master and run.saved_at is None and made_out_dir:  # nothing to resume: the folder goes, as it came
-            (Path(cfg.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
         if rt.is_master and isinstance(e, KeyboardInterrupt):
             print(resume_hint(cfg, run, argv), file=sys.stderr)
         if rt.is_distributed and isinstance(e, RuntimeError) and runtime.lost_a_rank(e):  # this rank's own line

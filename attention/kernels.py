@@ -1,5 +1,5 @@
 """
-Whether an attention implementation runs here, asked once per device, dtype and mode (GPT.check_attention, attn=auto,
+Whether an attention implementation runs here, asked once per device, dtype and mode (GPTConfig.check_attention, attn=auto,
 bench), and the error line when it cannot: what was asked, why it cannot run, and what can.
 
     call = AttnCall("cpu", torch.float32, 64, needs_grad=True, dropout_p=0.1)

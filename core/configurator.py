@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from core.errors import UserError
+from core.errors import UserError, refuse_all
 
 PLAIN_TYPES = (bool, int, float, str, tuple, list, type(None))
 
@@ -133,39 +133,47 @@ def check_path(key: str, value: str) -> None:
                         f"file or folder name may have; pass --{key}= a shorter one.")
 
 
-def check_limits(values: dict, limits: dict, defaults: dict) -> None:
-    """Every numeric setting within its interval and every choice among its words; None passes where the default is
-    None or LIMITS says "or None". A numeric setting without an interval is a bug."""
+def check_limits(values: dict, limits: dict, defaults: dict) -> dict[str, UserError]:
+    """Each setting outside its interval or among no allowed words, with its problem (every one, not the first); None
+    passes where the default is None or LIMITS says "or None". A numeric setting without an interval is a bug."""
     undeclared = [k for k, v in defaults.items() if type(v) in (int, float) and k not in limits]
     if undeclared:
         raise RuntimeError(f"no LIMITS entry for numeric setting(s) {', '.join(undeclared)}")
+    problems = {}
     for key, value in values.items():  # None means "pick for me" only where the default is None or LIMITS says so
         if value is None and defaults.get(key) is not None and not none_allowed(limits.get(key)):
-            raise UserError(f"{key} cannot be None; pass --{key}= a {type(defaults[key]).__name__} like its "
-                            f"default, {defaults[key]!r}, or leave it out.")
+            problems[key] = UserError(f"{key} cannot be None; pass --{key}= a {type(defaults[key]).__name__} like "
+                                      f"its default, {defaults[key]!r}, or leave it out.")
     for key, spec in limits.items():
         value = values.get(key)
-        if value is None:
+        if value is None or key in problems:
             continue
-        if spec == PATH:
-            check_path(key, value)
-            continue
-        if isinstance(spec, Choice):
-            spec.check(key, value)
-            continue
-        if type(value) not in (int, float):
-            raise UserError(f"{key} must be a number, got {value!r}.")
-        match = _INTERVAL.match(spec)
-        left, lo, hi, right, whole, _ = match.groups()
-        if whole and type(value) is not int:
-            raise UserError(f"{key} must be a whole number, got {value!r}; pass --{key}= an integer in "
-                            f"{spec[:match.end(4)]}.")
-        lo, hi = float(lo), float(hi)
-        lo_ok = lo <= value if left == "[" else lo < value
-        hi_ok = value <= hi if right == "]" else value < hi
-        if not (lo_ok and hi_ok):  # written so that NaN fails too
-            raise UserError(f"{key} must be {interval_text(spec)}, got {value!r}; "
-                            f"pass --{key}= a value in {spec[:match.end(4)]}.")
+        try:
+            check_one(key, value, spec)
+        except UserError as e:
+            problems[key] = e
+    return problems
+
+
+def check_one(key: str, value, spec) -> None:
+    """One setting against its LIMITS entry: a path, a choice of words, or an interval."""
+    if spec == PATH:
+        return check_path(key, value)
+    if isinstance(spec, Choice):
+        return spec.check(key, value)
+    if type(value) not in (int, float):
+        raise UserError(f"{key} must be a number, got {value!r}.")
+    match = _INTERVAL.match(spec)
+    left, lo, hi, right, whole, _ = match.groups()
+    if whole and type(value) is not int:
+        raise UserError(f"{key} must be a whole number, got {value!r}; pass --{key}= an integer in "
+                        f"{spec[:match.end(4)]}.")
+    lo, hi = float(lo), float(hi)
+    lo_ok = lo <= value if left == "[" else lo < value
+    hi_ok = value <= hi if right == "]" else value < hi
+    if not (lo_ok and hi_ok):  # written so that NaN fails too
+        raise UserError(f"{key} must be {interval_text(spec)}, got {value!r}; "
+                        f"pass --{key}= a value in {spec[:match.end(4)]}.")
 
 
 class Settings(SimpleNamespace):
@@ -199,9 +207,12 @@ def closest_config(path: Path) -> str:
     return "pass the path of an existing config file, like config/train_shakespeare_char.py."
 
 
-def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> Settings:
+def configure(namespace: dict, argv: list[str], limits: dict | None = None,
+              problems: dict | None = None) -> Settings:
     """A script's settings: the plain globals of `namespace` (left untouched, so main() can run again), with config
-    files and --key=value overrides applied and checked against `limits`. --help prints them and exits 0."""
+    files and --key=value overrides applied and checked against `limits`: every setting out of range is one error
+    together, or, given a `problems` dict, added to it for the caller's start-up checks. --help prints them and
+    exits 0."""
     if "--help" in argv or "-h" in argv:
         from core import settings_help  # only when asked for: the scripts' start-up does not carry it
         allowed = {key: allowed_text(spec) for key, spec in (limits or {}).items()}
@@ -247,7 +258,11 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None) -> S
             set_by[key] = str(path)
     values = settings({k: namespace[k] for k in defaults})
     if limits is not None:
-        check_limits(values, limits, defaults)
+        found = check_limits(values, limits, defaults)
+        if problems is None:
+            refuse_all(list(found.values()))
+        else:
+            problems.update(found)
     return Settings(set_by, **values)
 
 

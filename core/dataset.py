@@ -39,9 +39,10 @@ def dataset_dir(data_dir: str, name: str) -> Path:
     return DATA / name
 
 
-def prepare_if_missing(data_dir: Path, name: str) -> None:
+def prepare_if_missing(data_dir: Path, name: str, check_only: bool = False) -> None:
     """Prepare an embedded dataset into its own folder when that folder holds neither split (a meta.json alone is
-    what preparing writes again); a split there and a data_dir are never written over."""
+    what preparing writes again); a split there and a data_dir are never written over. `check_only`: say whether it
+    could be, and prepare nothing."""
     missing = [f for f in ("train.bin", "val.bin") if not (data_dir / f).exists()]
     if not missing or data_dir != DATA / name:
         return
@@ -51,7 +52,9 @@ def prepare_if_missing(data_dir: Path, name: str) -> None:
     elsewhere = (f"prepare it elsewhere with python data/{name}/prepare.py --out_dir=DIR and pass --data_dir=DIR")
     if not os.access(data_dir, os.W_OK):
         raise UserError(f"dataset '{name}' is not prepared and data/{name}/ cannot be written to; {elsewhere}.")
-    print(f"preparing {name} (data/{name}/prepare.py) ...")
+    if check_only:
+        return
+    print(f"preparing {name} (data/{name}/prepare.py) ...", flush=True)
     done = subprocess.run([sys.executable, str(data_dir / "prepare.py"), f"--out_dir={data_dir}"],
                           stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:  # its one error line, printed as ours

@@ -104,30 +104,24 @@ def wrap_ddp(model: torch.nn.Module, rt) -> torch.nn.Module:
 
 # -- the ranks agree before they train ------------------------------------------------------------------------
 
-def check_same_settings(settings: dict) -> None:
-    """Every rank runs the same settings; one that differs (a config file that differs on one node) is one error
-    line on every rank, naming it and each rank's value. Collective."""
-    if not dist.is_initialized():
-        return
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, settings)
-    differ = [key for key in settings if len({repr(ranks.get(key)) for ranks in gathered}) > 1]
-    if differ:
-        values = ", ".join(f"rank {rank}: {ranks.get(differ[0])!r}" for rank, ranks in enumerate(gathered))
-        more = f" (and {', '.join(differ[1:])})" if differ[1:] else ""
-        raise UserError(f"the ranks were given different settings: {differ[0]} is {values}{more}; give every rank "
-                        f"the same config file and command line.")
-
-
-def every_ranks_problems(problems: list[UserError]) -> list[UserError]:
-    """The start-up problems of every rank, the same list on each (rank 0 prints them): a problem of one node only
-    (its data_dir missing) stops every rank at once, named with its rank, not at a later collective. Collective."""
+def agree(settings: dict, problems: list[UserError]) -> list[UserError]:
+    """Every rank's start-up problems, the same list on each (rank 0 prints them), in one exchange with their settings:
+    a rank given other settings (a config file that differs on one node) is named with each rank's value, and a
+    problem of one node only (its data_dir missing) stops every rank now, named with its rank, not at a later
+    collective. Collective."""
     if not dist.is_initialized():
         return problems
     mine = [str(p) for p in problems if not isinstance(p, StoppedWithRank0)]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    found = list(gathered[0])
-    for rank, theirs in enumerate(gathered[1:], 1):
-        found += [f"rank {rank}: {text}" for text in theirs if text not in gathered[0]]
+    dist.all_gather_object(gathered, (settings, mine))
+    differ = [key for key in settings if len({repr(ranks.get(key)) for ranks, _ in gathered}) > 1]
+    found = []
+    if differ:
+        values = ", ".join(f"rank {rank}: {ranks.get(differ[0])!r}" for rank, (ranks, _) in enumerate(gathered))
+        more = f" (and {', '.join(differ[1:])})" if differ[1:] else ""
+        found.append(f"the ranks were given different settings: {differ[0]} is {values}{more}; give every rank the "
+                     f"same config file and command line.")
+    found += gathered[0][1]
+    for rank, (_, theirs) in enumerate(gathered[1:], 1):
+        found += [f"rank {rank}: {text}" for text in theirs if text not in gathered[0][1]]
     return [UserError(text) for text in found]

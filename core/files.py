@@ -215,13 +215,12 @@ def check_writable_dir(path: Path, setting: str = "out_dir", fix: str = "") -> N
 
 class OutDirLock:
     """One run per out_dir: flock on out_dir/.lock (an empty file) for the run's life, released by the OS when the
-    process dies. The file stays once a run has trained (a lock on a file another run had already unlinked would be
-    no lock); a refused run removes the one it made. Readers take none: a checkpoint is renamed into place once complete."""
+    process dies. The file always stays: a lock on a file another run had already unlinked would be no lock. Readers
+    take none: a checkpoint is renamed into place once it is complete."""
 
-    def __init__(self, out_dir: Path, made_dir: bool):
+    def __init__(self, out_dir: Path):
         import fcntl
-        self.out, self.path, self.made_dir = Path(out_dir), Path(out_dir) / ".lock", made_dir
-        self.made_lock = not self.path.exists()
+        self.out, self.path = Path(out_dir), Path(out_dir) / ".lock"
         self.file = open(self.path, "a")
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -235,33 +234,38 @@ class OutDirLock:
             print(f"note: {self.out}'s filesystem has no file locks ({e.strerror}); this run goes on unlocked, "
                   f"so start no other run on this out_dir until it ends.", file=sys.stderr)
 
-    def release(self, failed: bool = False) -> None:
-        """Unlock; a refused or failed run takes away the .lock it made, and the folder it made when nothing else is
-        in it (train.py removes the log of a run that saved no checkpoint in a folder it made)."""
-        if failed and self.made_lock:
-            self.path.unlink(missing_ok=True)
+    def release(self) -> None:
         self.file.close()  # closing the file drops the lock
-        if failed and self.made_dir and not any(self.out.iterdir()):
-            self.out.rmdir()
 
 
-def claim_out_dir(out: Path, resuming: bool, overwrite: bool, describe: Callable[[Path], str]) -> OutDirLock:
-    """out_dir, locked for this run (one run at a time) and writable, before anything in it is read; a new run takes
-    no other run's out_dir unless --overwrite=True (the old metrics.jsonl is replaced at the new run's first line, the
-    old checkpoint at its first save: a run refused before then leaves both as they were). `describe(ckpt)`: a few
-    words on the checkpoint the error line names."""
-    made = not out.exists()
+def check_out_dir(out: Path, overwrite: bool, describe: Callable[[Path], str]) -> None:
+    """A new run's out_dir, before anything is written: a folder (or one to make) that can be written, and, unless
+    --overwrite=True, holding no other run's checkpoint (a log and a .lock alone, a run stopped before its first save,
+    are no reason to refuse). `describe(ckpt)`: a few words on the checkpoint the error line names."""
+    if not str(out):
+        raise UserError("out_dir is empty (an unset shell variable?); pass --out_dir= a folder name.")
+    if (out / "ckpt.pt").exists() or (out / "latest").is_file():  # ckpt.pt, or the pointer to a sharded step
+        if not overwrite:
+            raise UserError(f"{out} already holds another run's checkpoint ({describe(out / 'ckpt.pt')}); continue "
+                            f"it with --init_from=resume, pass another --out_dir=, or replace it with "
+                            f"--overwrite=True.")
+    there = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder to write in, or to make
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+        what = "is a file, not a folder" if there == out else f"cannot be written to ({there} is not a writable folder)"
+        raise UserError(f"out_dir {out} {what}; pass --out_dir= a writable folder.")
+
+
+def claim_out_dir(out: Path, overwrite: bool, describe: Callable[[Path], str]) -> OutDirLock:
+    """A new run's out_dir, made and locked once every check has passed; checked again under the lock, for a run
+    that took it meanwhile (the old log is replaced at the new run's first line, an old checkpoint at its first save:
+    a run stopped before then leaves both as they were)."""
     check_writable_dir(out)
-    lock = OutDirLock(out, made_dir=made)
-    ckpt, log = out / "ckpt.pt", out / "metrics.jsonl"
-    saved = ckpt.exists() or (out / "latest").is_file()  # ckpt.pt, or the pointer to a sharded step
-    if (saved or log.exists()) and not resuming and not overwrite:
-        lock.release(failed=True)
-        if not saved:  # a run stopped before its first checkpoint: there is nothing to resume
-            raise UserError(f"{out} already holds the metrics.jsonl of a run that saved no checkpoint; replace it "
-                            f"with --overwrite=True, or pass another --out_dir=.")
-        raise UserError(f"{out} already holds another run's checkpoint ({describe(ckpt)}); continue it "
-                        f"with --init_from=resume, pass another --out_dir=, or replace it with --overwrite=True.")
+    lock = OutDirLock(out)
+    try:
+        check_out_dir(out, overwrite, describe)
+    except UserError:
+        lock.release()
+        raise
     return lock
 
 

@@ -44,13 +44,18 @@ def gelu_of(hf_config: dict, source: str) -> str:
     return HF_ACTIVATIONS[activation]
 
 
-def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
-    """(config.json as a dict, state dict) from a local directory, or from the hub when it is a name."""
-    path = Path(name_or_path)
+def check_init_from(name_or_path: str) -> Path:
+    """A name close to one of INIT_WORDS is a typo, one error line, never a trip to the hub."""
     close = difflib.get_close_matches(name_or_path, INIT_WORDS, n=1, cutoff=0.6)
-    if not path.is_dir() and close and name_or_path not in INIT_WORDS:  # a typo would go to the hub
+    if not Path(name_or_path).is_dir() and close and name_or_path not in INIT_WORDS:
         raise UserError(f"init_from={name_or_path!r} is not scratch, resume, a GPT-2 name or a local folder; did you "
                         f"mean --init_from={close[0]}?")
+    return Path(name_or_path)
+
+
+def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
+    """(config.json as a dict, state dict) from a local directory, or from the hub when it is a name."""
+    path = check_init_from(name_or_path)
     if not path.is_dir():
         try:
             from huggingface_hub import snapshot_download

@@ -71,8 +71,8 @@ class MetricsLog:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
             except OSError as e:  # a full disk: the line above was printed; the run stops with one error line
-                raise UserError(f"could not append to {self.path} ({e.strerror or e}); the run stops, its last "
-                                f"checkpoint kept - free disk space or pass --out_dir= another folder.") from None
+                raise UserError(f"could not append to {self.path} ({e.strerror or e}); the run stops, its checkpoint "
+                                f"(if one was saved) kept - free disk space or pass --out_dir= another folder.") from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "iter"}, step=metrics["iter"])
 
@@ -106,9 +106,7 @@ def resume_hint(cfg: Settings, run, argv: list[str]) -> str:  # run: train.Train
         launch = "torchrun <your torchrun options>"
     kept = [a for a in argv if not a.startswith(("--init_from=", "--overwrite="))]
     command = f"{launch} {shlex.join(['train.py', *kept])}"
-    if run.saved_at is None:  # --overwrite=True only where a new run would otherwise be refused: this one's log
-        replace = " --overwrite=True" if (Path(cfg.out_dir) / "metrics.jsonl").exists() else ""
-        return (f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}; start again with: "
-                f"{command}{replace}")
+    if run.saved_at is None:
+        return f"stopped at iter {run.iter_num}; no checkpoint was saved in {cfg.out_dir}; start again with: {command}"
     return (f"stopped at iter {run.iter_num}; the checkpoint kept in {cfg.out_dir} is iter {run.saved_at}; "
             f"continue with: {command} --init_from=resume")

@@ -40,7 +40,8 @@ def with_saved(cfg: Settings, saved: dict, limits: dict) -> tuple[Settings, list
             continue
         try:
             value = coerce(key, value, values[key], values[key])
-            check_limits({key: value}, {key: limits[key]} if key in limits else {}, {})
+            if check_limits({key: value}, {key: limits[key]} if key in limits else {}, {}):
+                continue
         except UserError:
             continue  # an older version's value: this version's default stands
         values[key] = value

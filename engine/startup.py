@@ -1,8 +1,9 @@
 """
-What train.py does before it builds a model: the runtime, out_dir locked (before a resume reads anything in it), a
-resume's checkpoint and the settings it runs with, every problem of the command found at once, the data prepared.
+What train.py does before it builds a model, in two checks that each print every problem they find at once: the
+command (its settings, the rules between them, the folders and services it needs) before anything is written, then,
+once the data is prepared, the data itself. A new start-up rule is a row of RULES or an entry of environment().
 
-    cfg, rt, checkpoint, data_dir, lock = start(configure(globals(), argv, LIMITS), LIMITS)
+    cfg, rt, checkpoint, data_dir, meta, lock = start(globals(), argv, LIMITS)
 """
 
 import sys
@@ -10,97 +11,176 @@ from pathlib import Path
 from typing import Optional
 
 from core import errors, files, runtime
-from core.configurator import Settings
-from core.dataset import dataset_dir, prepare_if_missing
-from core.errors import UserError
+from core.configurator import Settings, configure
+from core.dataset import check_token_files, dataset_dir, prepare_if_missing
+from core.errors import UserError, problems_of
 from core.runtime import Runtime
 from engine.checkpoint import Checkpoint
-from engine.trainer import schedule_notes
 
-
-def start(cfg: Settings, limits: dict) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
-                                              Optional[files.OutDirLock]]:
-    """Settings, runtime, the checkpoint a resume continues (None for a new run), the data's folder (prepared if it is
-    an embedded dataset) and the lock on out_dir (rank 0's), with all checked that needs no model. out_dir is locked
-    before a resume reads its checkpoint (a run training there meanwhile may be removing old steps), and a refused
-    start releases it. A resume runs with its checkpoint's settings (resumed_settings), so every check below is the
-    resumed run's."""
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
-                                 backend=cfg.backend)
-    if rt.is_distributed:  # one config file that differs on one node: refused before anything runs
-        from core.distributed import check_same_settings
-        check_same_settings(cfg.as_dict())
-    lock = None  # rank 0's lock on out_dir, for the run's life; evaluation writes nothing and takes none
-    if not cfg.eval_only:
-        lock = runtime.on_master(lambda: files.claim_out_dir(Path(cfg.out_dir), cfg.init_from == "resume",
-                                                             cfg.overwrite, describe_run), rt.device)
-    try:
-        checkpoint = None
-        if cfg.init_from == "resume":  # only a resume reads a checkpoint
-            from engine.reader import load_checkpoint
-            from engine.resume import resumed_settings
-            checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", for_training=not cfg.eval_only,
-                                         data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
-            command, cfg = cfg, resumed_settings(checkpoint, cfg, limits, cfg.out_dir)
-            if any(getattr(cfg, k) != getattr(command, k) for k in ("device", "dtype", "muon_dtype", "threads")):
-                rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt)
-        data_dir = check_start(cfg, rt)
-    except BaseException:
-        if lock is not None:
-            lock.release(failed=True)
-        raise
-    return cfg, rt, checkpoint, data_dir, lock
-
-
-def describe_run(ckpt: Path) -> str:  # a few words on the checkpoint a refused claim names
-    from engine.reader import describe_checkpoint
-    return describe_checkpoint(ckpt)
-
-
-def check_start(cfg: Settings, rt: Runtime) -> Path:
-    """Every start-up problem of the command, printed at once (with the CPU recipe where the model is GPU-sized),
-    before anything is written; else the data's folder, prepared if it is an embedded dataset."""
-    problems = [UserError(text) for wrong, text in (
-        (cfg.optimizer == "muon" and rt.is_distributed and cfg.parallel == "fsdp", "optimizer='muon' does not run "
-         "under --parallel=fsdp: Muon orthogonalizes each whole weight matrix and FSDP2 gives every rank a shard of "
-         "it; use --parallel=ddp."),
-        (cfg.async_save and cfg.checkpoint_format == "single",
-         "async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded."),
-        (cfg.gradient_accumulation_steps % rt.world_size, f"gradient_accumulation_steps="
-         f"{cfg.gradient_accumulation_steps} is not divisible by the {rt.world_size} ranks; make it a multiple of the "
-         f"world size.")) if wrong]
-    if cfg.compile:
-        problems += errors.problems_of(runtime.check_compile_cache)
-    if cfg.wandb_log:
-        from tools.wandb_check import check_wandb
-        problems += errors.problems_of(lambda: runtime.on_master(lambda: check_wandb(cfg.wandb_project), rt.device))
-    data_dir = None
-    try:
-        data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
-    except UserError as e:
-        problems.append(e)
-    # rank 0 prepares an embedded dataset while the others wait (each takes part, whatever its own data_dir)
-    problems += errors.problems_of(lambda: runtime.on_master(
-        lambda: data_dir and prepare_if_missing(data_dir, cfg.dataset), rt.device))
-    if rt.is_distributed:  # a node's own problem stops every rank now, not at a later collective
-        from core.distributed import every_ranks_problems
-        problems = every_ranks_problems(problems)
-    hint = cpu_hint(cfg, rt)
-    errors.refuse_all(problems, hint)
-    if hint and rt.is_master:
-        print(f"note: {hint}", file=sys.stderr)
-    for note in schedule_notes(cfg) if rt.is_master and not cfg.eval_only else []:
-        print(f"note: {note}.", file=sys.stderr)
-    return data_dir
-
-
+RUNTIME_SETTINGS = ("device", "dtype", "muon_dtype", "threads", "backend")
 CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py "
                "--gradient_accumulation_steps=2 --batch_size=16 --out_dir=out-ddp-cpu")
 
+# The rules between settings: (error or note, the settings it reads, whether it applies, what it says). A rule that
+# reads a setting already out of range is skipped (that setting's own problem is named).
+RULES = [
+    ("error", "optimizer parallel", lambda c, rt: c.optimizer == "muon" and rt.is_distributed and
+     c.parallel == "fsdp", lambda c, rt: "optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes "
+     "each whole weight matrix and FSDP2 gives every rank a shard of it; use --parallel=ddp."),
+    ("error", "async_save checkpoint_format", lambda c, rt: c.async_save and c.checkpoint_format == "single",
+     lambda c, rt: "async_save=True writes sharded checkpoints only; add --checkpoint_format=sharded."),
+    ("error", "gradient_accumulation_steps", lambda c, rt: c.gradient_accumulation_steps % rt.world_size,
+     lambda c, rt: f"gradient_accumulation_steps={c.gradient_accumulation_steps} is not divisible by the "
+                   f"{rt.world_size} ranks; make it a multiple of the world size."),
+    ("note", "window block_size", lambda c, rt: c.window >= c.block_size, lambda c, rt:
+     f"window={c.window} is not shorter than block_size={c.block_size}, so every token sees its whole block: no "
+     f"sliding window (pass --window= below {c.block_size}, or 0)"),
+    ("note", "decay_lr warmup_iters lr_decay_iters eval_only", lambda c, rt: c.decay_lr and not c.eval_only and
+     c.warmup_iters > c.lr_decay_iters, lambda c, rt: f"warmup_iters={c.warmup_iters} is past lr_decay_iters="
+     f"{c.lr_decay_iters}: the rate climbs for {c.warmup_iters} steps, then drops to min_lr at once; set "
+     f"lr_decay_iters above it (often max_iters)"),
+    ("note", "decay_lr min_lr learning_rate eval_only", lambda c, rt: c.decay_lr and not c.eval_only and
+     c.min_lr > c.learning_rate, lambda c, rt: f"min_lr={c.min_lr:g} is above learning_rate={c.learning_rate:g}: the "
+     f"decay raises the rate; set min_lr below it (often learning_rate / 10)"),
+    ("note", "decay_lr early_decay_iters warmup_iters lr_decay_iters eval_only", lambda c, rt: c.decay_lr and
+     not c.eval_only and c.early_decay_iters and not c.warmup_iters < c.early_decay_iters < c.lr_decay_iters,
+     lambda c, rt: f"early_decay_iters={c.early_decay_iters} is not between warmup_iters={c.warmup_iters} and "
+                   f"lr_decay_iters={c.lr_decay_iters}, so there is no early decay"),
+    ("note", "n_layer n_embd", lambda c, rt: rt.device_type == "cpu" and 12 * c.n_layer * c.n_embd ** 2 > 50e6,
+     lambda c, rt: f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe "
+                   f"is {CPU_COMMAND}"),
+]
 
-def cpu_hint(cfg: Settings, rt: Runtime) -> str:
-    """On a CPU, for a GPU-sized model (GPT-2 124M and up): the command that runs here."""
-    if rt.device_type != "cpu" or 12 * cfg.n_layer * cfg.n_embd ** 2 <= 50e6:
-        return ""
-    return f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe is " \
-           f"{CPU_COMMAND}"
+
+def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
+                                                                   Optional[dict], Optional[files.OutDirLock]]:
+    """Settings, runtime, the checkpoint a resume continues (None for a new run), the data's folder (prepared if it is
+    an embedded dataset) and its meta.json, and rank 0's lock on out_dir. Nothing is written before the command's
+    problems are known; a resume locks out_dir before it reads its checkpoint (a run training there may be removing
+    old steps) and runs with its checkpoint's settings (resumed_settings), so every check is the resumed run's."""
+    out_of_range: dict = {}
+    cfg = configure(namespace, argv, limits, out_of_range)
+    problems = list(out_of_range.values())
+    if out_of_range.keys() & set(RUNTIME_SETTINGS):  # no device to check the rest against
+        errors.refuse_all(problems)
+    try:
+        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
+                                     backend=cfg.backend)
+    except UserError as e:
+        errors.refuse_all(problems + [e])
+    checkpoint, lock = None, None
+    if cfg.init_from == "resume":
+        cfg, rt, checkpoint, lock = read_resumed(cfg, rt, limits, problems)
+    problems += [UserError(say(cfg, rt)) for kind, keys, applies, say in RULES
+                 if kind == "error" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)]
+    notes = [say(cfg, rt) for kind, keys, applies, say in RULES
+             if kind == "note" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)]
+    for check in environment(cfg, rt, out_of_range):
+        problems += problems_of(check)
+    if rt.is_distributed:  # every rank's settings and problems in one exchange: a node's own problem stops all
+        from core.distributed import agree
+        problems = agree(cfg.as_dict(), problems)
+    try:
+        errors.refuse_all(problems, "; ".join(notes))
+        for note in notes if rt.is_master else []:
+            print(f"note: {note}.", file=sys.stderr, flush=True)
+        data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
+        # rank 0 prepares an embedded dataset while the others wait; then the data's own problems, all at once
+        runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
+        meta = check_data(cfg, rt, data_dir, checkpoint)
+        if lock is None and not cfg.eval_only:  # a new run's out_dir, made and locked only now
+            lock = runtime.on_master(lambda: files.claim_out_dir(Path(cfg.out_dir), cfg.overwrite, describe_run),
+                                     rt.device)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return cfg, rt, checkpoint, data_dir, meta, lock
+
+
+def read_resumed(cfg: Settings, rt: Runtime, limits: dict, problems: list) -> tuple:
+    """A resume's settings, runtime, checkpoint and lock (rank 0's, taken before anything is read); what went wrong
+    is added to `problems`, and the command's settings stand for the rest of the checks."""
+    from engine.reader import load_checkpoint
+    from engine.resume import resumed_settings
+    lock, out = None, Path(cfg.out_dir)
+    try:
+        if not cfg.eval_only and out.is_dir():  # evaluation writes nothing and takes no lock
+            lock = runtime.on_master(lambda: files.OutDirLock(out), rt.device)
+        checkpoint = load_checkpoint(out / "ckpt.pt", for_training=not cfg.eval_only,
+                                     data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
+        command, cfg = cfg, resumed_settings(checkpoint, cfg, limits, cfg.out_dir)
+    except UserError as e:
+        problems.append(e)
+        return cfg, rt, None, lock
+    if any(getattr(cfg, k) != getattr(command, k) for k in RUNTIME_SETTINGS):
+        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt)
+    return cfg, rt, checkpoint, lock
+
+
+def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
+    """What the command needs beyond its settings' ranges, each a check raising its UserError (one that reads a
+    setting out of range is left out): the model its settings describe, out_dir, the data folder (its preparation
+    possible, not done yet), torch.compile's cache folder, wandb."""
+    checks = []
+    if not out_of_range.keys() & {*MODEL_SETTINGS, "init_from", "attn", "dropout", "window"}:
+        checks.append(lambda: check_model(cfg, rt))
+    if not out_of_range.keys() & {"data_dir", "dataset"}:
+        checks.append(lambda: prepare_if_missing(dataset_dir(cfg.data_dir, cfg.dataset), cfg.dataset,
+                                                 check_only=True))
+    if not cfg.eval_only and cfg.init_from != "resume" and "out_dir" not in out_of_range:
+        checks.append(lambda: files.check_out_dir(Path(cfg.out_dir), cfg.overwrite, describe_run))
+    if cfg.compile:
+        checks.append(runtime.check_compile_cache)
+    if cfg.wandb_log:
+        from tools.wandb_check import check_wandb
+        checks.append(lambda: runtime.on_master(lambda: check_wandb(cfg.wandb_project), rt.device))
+    return checks
+
+
+MODEL_SETTINGS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
+def check_model(cfg: Settings, rt: Runtime, meta: Optional[dict] = None) -> None:
+    """The model the settings describe, as GPTConfig checks it, and its attention on this device in this dtype; the
+    data's vocabulary and end-of-text token once it is prepared (`meta`: doc_mask needs it). A GPT-2 name is checked
+    for a typo, its weights are read later."""
+    if cfg.init_from not in ("scratch", "resume"):
+        from core.hf import check_init_from
+        check_init_from(cfg.init_from)
+        return
+    from model import GPTConfig
+    config = GPTConfig.build({**cfg.as_dict(), "vocab_size": meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE},
+                             dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn, dropout=cfg.dropout,
+                                  window=cfg.window, doc_mask=cfg.doc_mask and meta is not None,
+                                  eot_token=files.eot_token_of(meta)))
+    config.check_attention(rt.device_type, rt.torch_dtype, not cfg.eval_only, cfg.block_size, decoding=False)
+
+
+def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[Checkpoint]) -> Optional[dict]:
+    """The prepared data's own problems, all at once: its meta.json, a resume's tokenizer, and token files that hold
+    more than block_size tokens and only ids the model has (rank 0 reads each file once). Returns the meta."""
+    meta, problems = None, []
+    try:
+        meta = files.read_meta(data_dir)
+        if meta is None and (data_dir / "meta.pkl").exists():  # a nanoGPT data folder: its character vocabulary
+            from tools.nanogpt import read_nanogpt_meta
+            meta = read_nanogpt_meta(data_dir / "meta.pkl")
+    except UserError as e:
+        problems.append(e)
+    if checkpoint is not None:
+        from engine.resume import check_tokens
+        problems += problems_of(lambda: check_tokens(checkpoint, meta, cfg.out_dir))
+    if cfg.doc_mask and meta is not None:
+        problems += problems_of(lambda: check_model(cfg, rt, meta))
+    vocab_size = checkpoint.model_config["vocab_size"] if checkpoint is not None else \
+        meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
+    problems += problems_of(lambda: runtime.on_master(lambda: check_token_files(data_dir, vocab_size,
+                                                                                 cfg.block_size), rt.device))
+    errors.refuse_all(problems)
+    return meta
+
+
+def describe_run(ckpt: Path) -> str:  # a few words on the checkpoint a refused out_dir holds
+    from engine.reader import describe_checkpoint
+    return describe_checkpoint(ckpt)

@@ -35,25 +35,6 @@ def lr_multiplier(it: int, cfg: Settings) -> float:
     return cosine((it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters), 1.0, floor)
 
 
-def schedule_notes(cfg: Settings) -> list[str]:
-    """What a schedule does that its settings may not mean: a warmup past the decay, a floor above the peak, an early
-    decay outside (warmup, lr_decay_iters), which lr_multiplier leaves out."""
-    if not cfg.decay_lr:
-        return []
-    notes = []
-    if cfg.warmup_iters > cfg.lr_decay_iters:
-        notes.append(f"warmup_iters={cfg.warmup_iters} is past lr_decay_iters={cfg.lr_decay_iters}: the rate climbs "
-                     f"for {cfg.warmup_iters} steps, then drops to min_lr at once; set lr_decay_iters above it (often "
-                     f"max_iters)")
-    if cfg.min_lr > cfg.learning_rate:
-        notes.append(f"min_lr={cfg.min_lr:g} is above learning_rate={cfg.learning_rate:g}: the decay raises the rate; "
-                     f"set min_lr below it (often learning_rate / 10)")
-    if cfg.early_decay_iters and not cfg.warmup_iters < cfg.early_decay_iters < cfg.lr_decay_iters:
-        notes.append(f"early_decay_iters={cfg.early_decay_iters} is not between warmup_iters={cfg.warmup_iters} and "
-                     f"lr_decay_iters={cfg.lr_decay_iters}, so there is no early decay")
-    return notes
-
-
 def cosine(fraction: float, start: float, end: float) -> float:
     """From start (fraction 0) to end (fraction 1) along half a cosine."""
     return end + 0.5 * (1.0 + math.cos(math.pi * fraction)) * (start - end)

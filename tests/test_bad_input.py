@@ -78,10 +78,10 @@ def test_a_new_run_into_another_runs_out_dir_is_refused_and_its_files_survive(tr
                                   f"continue it with --init_from=resume, pass another --out_dir=, or replace it "
                                   f"with --overwrite=True.")
     assert {name: (trained / name).read_bytes() for name in before} == before
-    (trained / "ckpt.pt").unlink()  # a run that stopped before its first checkpoint: its metrics are kept too
-    with pytest.raises(UserError, match="already holds the metrics.jsonl of a run that saved no checkpoint; replace "
-                                        "it with --overwrite=True"):
-        train_tiny(f"--data_dir={char_data}", "--max_iters=2", f"--out_dir={trained}")
+    (trained / "ckpt.pt").unlink()  # a run that stopped before its first checkpoint: nothing to resume, reused
+    assert (trained / ".lock").exists()
+    train_tiny(f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3", f"--out_dir={trained}")
+    assert sorted(metrics(trained, "train/loss")) == [1, 2, 3]  # the new run's log, the old one replaced
 
 
 def test_overwrite_starts_the_out_dir_afresh(trained, char_data):

@@ -183,12 +183,13 @@ def test_python_train_py_help_prints_help_and_exits_0():
 
 
 def test_a_mistyped_choice_is_answered_with_the_word_it_is_close_to(tmp_path):
-    with pytest.raises(UserError, match=r"attn must be one of 'auto', 'manual', .*, got 'flsh'; did you mean "
-                                        r"'flash'\?$"):
-        train.main(["--attn=flsh"])
+    with pytest.raises(UserError, match=r"^2 problems: \(1\) attn must be one of 'auto', 'manual', .*, got 'flsh'; "
+                                        r"did you mean 'flash'\? \(2\) dataset 'openwebtext' is not prepared"):
+        train.main(["--attn=flsh"])  # and the default dataset's problem with it
     with pytest.raises(UserError, match=r"got 'manual,flsh'; did you mean 'manual,flash'\?$"):
         bench.main(["--attn=manual,flsh", f"--out_dir={tmp_path}"])
-    with pytest.raises(UserError, match=r"^parallel must be one of 'ddp', 'fsdp', got 'zero'\.$"):  # nothing close
+    with pytest.raises(UserError, match=r"^2 problems: \(1\) parallel must be one of 'ddp', 'fsdp', got 'zero'\. "
+                                        r"\(2\)"):  # nothing close
         train.main(["--parallel=zero"])
     assert list(tmp_path.iterdir()) == []
 

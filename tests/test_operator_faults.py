@@ -6,6 +6,7 @@ it did instead; nothing on disk is lost and every next command named works."""
 import json
 import numpy as np
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -135,34 +136,21 @@ def test_removing_a_half_written_file_is_never_cut_short(tmp_path):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # pytest's own, for the tests after this one
 
 
-def test_ctrl_c_before_the_first_checkpoint_names_a_command_that_starts_again(char_data, tmp_path, monkeypatch,
-                                                                                capsys):
+def test_ctrl_c_before_the_first_checkpoint_names_the_same_command_which_starts_again(char_data, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """A folder holding only the log (and lock) of a run stopped before its first checkpoint has nothing to resume:
+    the same command reuses it, so the hint names no --overwrite=True (copied by habit later, it would replace a
+    real run)."""
     out = tmp_path / "run"
-    out.mkdir()  # the user's folder: its log stays, and the hint says how to replace it
     args = tiny(char_data, out, "--max_iters=4", "--eval_interval=4")
-    ctrl_c_at_step(monkeypatch, 2)
-    assert errors.exit_code(lambda: train.main(args)) == 130
-    hint = capsys.readouterr().err.strip().splitlines()[-2]
-    assert hint.startswith(f"stopped at iter 1; no checkpoint was saved in {out}; start again with: python train.py ")
-    with pytest.raises(UserError, match="a run that saved no checkpoint; replace it with --overwrite=True"):
-        train.main(args)  # the same command: refused, naming the way on, which works
-    assert hint.endswith(" --overwrite=True")  # it replaces the metrics.jsonl this run began, nothing else
-    monkeypatch.undo()
-    assert train.main(args + ["--overwrite=True"]) == 0 and load_checkpoint(out / "ckpt.pt").iter_num == 4
-
-
-def test_ctrl_c_before_anything_was_written_names_no_overwrite(char_data, tmp_path, monkeypatch, capsys):
-    """Copied by habit later, --overwrite=True would replace a real run: it is named only where something would be
-    replaced. A run stopped before its first checkpoint in a folder it made takes the folder away, as a refused run
-    does."""
-    out = tmp_path / "new"
-    args = tiny(char_data, out, "--max_iters=4", "--eval_interval=4")
-    ctrl_c_at_step(monkeypatch, 1)  # the first step: no log line yet
-    assert errors.exit_code(lambda: train.main(args)) == 130
-    hint = capsys.readouterr().err.strip().splitlines()[-2]
-    assert hint.startswith("stopped at iter 0; no checkpoint was saved") and "--overwrite" not in hint
-    assert not out.exists()
-    monkeypatch.undo()
+    for step in (1, 2):  # before any log line, and after one
+        ctrl_c_at_step(monkeypatch, step)
+        assert errors.exit_code(lambda: train.main(args)) == 130
+        hint = capsys.readouterr().err.strip().splitlines()[-2]
+        assert hint == (f"stopped at iter {step - 1}; no checkpoint was saved in {out}; start again with: "
+                        f"python train.py {shlex.join(args)}")
+        assert (out / ".lock").exists() and not (out / "ckpt.pt").exists()
+        monkeypatch.undo()
     assert train.main(args) == 0  # the command as the hint names it
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from core import runtime
+from core.configurator import configure
 import train
 from conftest import REPO, TINY, TWO_RANKS, metrics, straight_and_resumed
 from model import GPT, GPTConfig
@@ -41,7 +42,7 @@ def test_muon_trains_a_tiny_model_to_a_lower_loss(char_data, tmp_path):
 
 def test_muon_follows_the_schedule_with_its_own_peak():
     model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=32))
-    cfg = train.configure(vars(train), ["--optimizer=muon", "--learning_rate=1e-3", "--muon_lr=0.02"], train.LIMITS)
+    cfg = configure(vars(train), ["--optimizer=muon", "--learning_rate=1e-3", "--muon_lr=0.02"], train.LIMITS)
     optimizers = train.make_optimizers(model, cfg, runtime.Runtime("cpu", "float32"))
     train.set_learning_rates(optimizers, 0.5)
     muon, adamw = optimizers
@@ -146,7 +147,7 @@ def test_muon_iterates_in_bf16_only_where_bf16_is_native(monkeypatch, device_typ
     rt = runtime.resolve_runtime(device_type, "float32")
     assert rt.muon_dtype == wanted
     assert runtime.resolve_runtime(device_type, "float32", "bfloat16").muon_dtype == "bfloat16"  # a setting wins
-    cfg = train.configure(vars(train), ["--optimizer=muon"], train.LIMITS)
+    cfg = configure(vars(train), ["--optimizer=muon"], train.LIMITS)
     muon, _ = train.make_optimizers(GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)), cfg,
                                     rt)
     assert muon.orthogonalize_dtype == rt.orthogonalize_dtype
@@ -261,7 +262,6 @@ def test_the_gpu_baseline_is_nanogpts_recipe_and_model_as_its_code_builds_them()
     exact GELU (this repo's defaults are GPT-2's, bias=True and tanh)."""
     import train
     from benchmarks import time_to_loss
-    from core.configurator import configure
     args = time_to_loss.RECIPE_SETS["gpu"]["nanoGPT shakespeare_char"]
     cfg = configure(vars(train), [str(REPO / args[0]), *args[1:]], train.LIMITS)
     nanogpt = dict(bias=False, gelu="none", n_layer=6, n_head=6, n_embd=384, dropout=0.2, block_size=256,
@@ -276,7 +276,6 @@ def test_the_gpu_comparison_decides_both_crossings_on_the_same_evaluation():
     first 'reaches' the target): both recipes read nanoGPT's 200, the same batches (one seed, one batch shape)."""
     import train
     from benchmarks import time_to_loss
-    from core.configurator import configure
     evaluation = ("eval_iters", "batch_size", "block_size", "seed", "dataset", "data_dir")
     seen = []
     for args in time_to_loss.RECIPE_SETS["gpu"].values():
@@ -317,7 +316,7 @@ def test_every_time_to_loss_recipe_is_a_valid_train_py_command_line(recipes, mon
     from benchmarks import time_to_loss
     monkeypatch.chdir(time_to_loss.ROOT)  # config files are named from the repository root, where runs start
     for name, args in time_to_loss.RECIPE_SETS[recipes].items():
-        assert train.configure(vars(train), args, train.LIMITS), name
+        assert configure(vars(train), args, train.LIMITS), name
 
 
 @pytest.mark.parametrize("settings, note", [

@@ -30,7 +30,7 @@ def tiny(char_data, out, *args) -> list[str]:
 HOLD = textwrap.dedent("""
     import sys, time
     from core import files
-    lock = files.OutDirLock(__import__("pathlib").Path(sys.argv[1]), made_dir=False)
+    lock = files.OutDirLock(__import__("pathlib").Path(sys.argv[1]))
     print("held", flush=True)
     time.sleep(60)
 """)
@@ -241,7 +241,9 @@ def test_an_embedded_dataset_that_cannot_be_prepared_in_place_is_one_sentence_ad
     monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     (tmp_path / "data" / "shakespeare_char" / "prepare.py").write_text("raise SystemExit('never run')")
-    monkeypatch.setattr(dataset.os, "access", lambda path, mode: False)  # read-only, as for root it never is
+    real_access = dataset.os.access  # data/shakespeare_char read-only, as for root it never is
+    monkeypatch.setattr(dataset.os, "access", lambda path, mode: not str(path).endswith("shakespeare_char") and
+                        real_access(path, mode))
     with pytest.raises(UserError, match=r"^dataset 'shakespeare_char' is not prepared and data/shakespeare_char/ "
                                         r"cannot be written to; prepare it elsewhere with .* --out_dir=DIR and pass "
                                         r"--data_dir=DIR\.$"):

@@ -178,11 +178,11 @@ def test_checkpoint_loads_with_weights_only(char_data, tmp_path):
 
 def test_a_diverging_loss_stops_and_names_the_checkpoint_kept_only_where_one_was_saved(char_data, tmp_path):
     diverge = ["--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0.0"]
-    fresh = tmp_path / "fresh"  # diverges before its first save: no checkpoint is named, and no log stays behind
+    fresh = tmp_path / "fresh"  # diverges before its first save: no checkpoint is named, the folder is reused
     with pytest.raises(UserError, match="training diverged .*; no checkpoint was saved.$"):
         train.main(TINY + [f"--data_dir={char_data}", "--max_iters=40", "--eval_interval=100", *diverge,
                            f"--out_dir={fresh}"])
-    assert not fresh.exists()  # the folder it made goes with it: the retry with a lower rate is not refused
+    assert not (fresh / "ckpt.pt").exists()  # nothing to resume: the retry with a lower rate is not refused
     train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={fresh}"])
 
     train.main(TINY + [f"--data_dir={char_data}", "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])

@@ -235,7 +235,8 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
     Reads `data_files` when given, else the Hugging Face dataset `dataset` (default "openwebtext")."""
     if dataset and data_files is not None:
         raise UserError("pass either --dataset or --data_files, not both")
-    check_limits({"num_proc": num_proc, "val_fraction": val_fraction, "block_size": block_size}, LIMITS, {})
+    errors.refuse_all(list(check_limits({"num_proc": num_proc, "val_fraction": val_fraction, "block_size": block_size},
+                                        LIMITS, {}).values()))
     if num_proc is not None and type(num_proc) is not int:
         raise UserError(f"num_proc must be a whole number, got {num_proc!r}; pass --num_proc= a count of processes.")
     num_proc = default_num_proc() if num_proc is None else num_proc
