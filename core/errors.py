@@ -52,40 +52,26 @@ class Deferred:
     pending: KeyboardInterrupt | None = None
 
 
-_DEFERRING: list[Deferred] = []  # the main thread's deferred_signals blocks open now, innermost last
-
-
 @contextlib.contextmanager
 def deferred_signals() -> Iterator[Deferred]:
-    """Ctrl-C and SIGTERM noted instead of raised, for code that calls back into Python from C (torch.save's zip
-    writer turns an exception raised in its write callback into 'unexpected pos'): the code stops where it can stop
-    cleanly (stop_if_asked), and whatever is still pending is raised on the way out."""
+    """Ctrl-C and SIGTERM noted instead of raised, for a write that must end whole or be removed (a checkpoint, an
+    export): the first is raised once the block ends, and a second one meanwhile ends the process at once, as their
+    default action does."""
     deferred = Deferred()
 
-    def note(signum, frame):  # the first is the one raised; the write it waits for is short
-        if deferred.pending is None:
-            deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    def note(signum, frame):  # raised once the block ends; a second signal meanwhile ends the process at once
+        deferred.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
     main_thread = threading.current_thread() is threading.main_thread()  # the one signals reach
-    previous = {}
-    if main_thread:
-        _DEFERRING.append(deferred)
-        previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, note) for s in STOP_SIGNALS} if main_thread else {}
     try:
         yield deferred
     finally:
-        if main_thread:
-            _DEFERRING.remove(deferred)
         for s, handler in previous.items():  # the previous handlers back; stopping, a second signal ends the process
             signal.signal(s, signal.SIG_DFL if deferred.pending is not None else handler)
     if deferred.pending is not None:
         raise deferred.pending
-
-
-def stop_if_asked() -> None:
-    """Raise the Ctrl-C or SIGTERM the innermost deferred_signals block noted: a long write stops at its next chunk
-    (in the main thread; elsewhere the write runs on, and the block raises what it noted once it ends)."""
-    if threading.current_thread() is threading.main_thread() and _DEFERRING and _DEFERRING[-1].pending is not None:
-        raise _DEFERRING[-1].pending
 
 
 def problems_of(work: Callable[[], object]) -> list[UserError]:

@@ -93,6 +93,11 @@ def written_as(path: Path) -> tuple[Path, bool]:
     return Path(os.path.realpath(path)), False
 
 
+# what torch.save's zip writer raises where the file takes fewer bytes than it writes, at any byte: its position check,
+# or near the end its stream's own error (docs/torch_versions.md)
+CUT_SHORT = ("unexpected pos", "iostream error")
+
+
 @contextlib.contextmanager
 def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                    advice: str = "pass --out_dir= a writable folder with free space") -> Iterator[dict[str, Path]]:
@@ -106,8 +111,8 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
     tmp = {name: target if stream else target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two writers: two names
            for name, (target, stream) in targets.items()}
     staged = {name: path for name, path in tmp.items() if not targets[name][1]}
-    # a Ctrl-C or SIGTERM in the block is noted, stops save_through's writer at its next write (errors.stop_if_asked)
-    # and is raised before any rename, once the temporary files are removed; a later one ends the process at once
+    # a Ctrl-C or SIGTERM in the block is noted and raised once the block's writes end, before any rename and once the
+    # temporary files are removed; a second one ends the process at once
     with errors.deferred_signals() as stop:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +126,8 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
             for path in staged.values():
                 with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
                     path.unlink(missing_ok=True)
+            if isinstance(e, RuntimeError) and any(text in str(e) for text in CUT_SHORT):
+                e = OSError(errno.EIO, "the write was cut short: the disk is full, or the file past a size limit")
             if isinstance(e, OSError):  # a read-only folder or a full disk
                 kept = [name for name in staged if targets[name][0].exists()]
                 kept_text = f"the previous {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept" if kept else \
@@ -148,43 +155,6 @@ def durable(path: Path) -> None:
             raise
     finally:
         os.close(fd)
-
-
-class _WholeWrites:
-    """A file whose every write is whole or an OSError: torch.save's zip writer turns a write that raised into
-    'RuntimeError: unexpected pos', and takes a short write (a disk filling up) without a word. A Ctrl-C or SIGTERM
-    noted meanwhile (errors.deferred_signals) stops the next write the same way."""
-
-    def __init__(self, file):
-        self.file, self.error = file, None
-
-    def write(self, data) -> int:
-        if self.error is not None:  # the zip writer closing up after a failure: the file is removed anyway
-            return len(data)
-        try:
-            errors.stop_if_asked()
-            written = self.file.write(data)
-            if written is not None and written < len(data):
-                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {written} of {len(data)} bytes)")
-        except (OSError, KeyboardInterrupt) as e:  # Terminated is a KeyboardInterrupt
-            self.error = e
-            raise
-        return len(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def save_through(file, save: Callable) -> None:
-    """save(a file-like) into `file`, a failed or short write raised as the OSError it was, and a Ctrl-C or SIGTERM
-    as itself, wherever it came. Called inside staged_outputs, whose deferred signals it stops at."""
-    whole = _WholeWrites(file)
-    try:
-        save(whole)
-    except RuntimeError:
-        if whole.error is not None:
-            raise whole.error from None
-        raise
 
 
 def check_writable_file(path: Path, setting: str) -> None:

@@ -10,16 +10,16 @@ import sys
 import numpy as np
 import pytest
 import torch
+from pathlib import Path
 
 import bench
 from core import configurator
 from core import errors
-from core import files
 from core import dataset
 import sample
 import train
 from engine.reader import load_checkpoint
-from conftest import REPO, TINY, FullDisk, checkpoint_of, metrics
+from conftest import REPO, TINY, checkpoint_of, metrics
 from model import GPT, GPTConfig
 from core.errors import UserError
 
@@ -150,9 +150,12 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
                                                                                               monkeypatch):
     before = (trained / "ckpt.pt").read_bytes()
     # every write of the checkpoint fails as on a full disk ("No space left on device")
-    monkeypatch.setattr(files, "_WholeWrites", lambda file, whole=files._WholeWrites: whole(FullDisk(file)))
-    with pytest.raises(UserError, match=r"could not write the checkpoint .*No space left on device.*previous "
-                                        r"ckpt.pt is kept"):
+    def full_disk(contents, path):  # what torch.save's writer raises once the disk takes no more
+        Path(path).write_bytes(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(UserError, match=r"could not write the checkpoint .*the write was cut short: the disk is full"
+                                        r".*previous ckpt.pt is kept"):
         train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",
                    f"--out_dir={trained}")
     assert (trained / "ckpt.pt").read_bytes() == before
@@ -220,8 +223,8 @@ def test_a_choice_is_checked_against_its_declared_words_before_anything_runs():
 
 @pytest.mark.slow  # a fresh interpreter importing torch: what only the command line shows
 def test_the_command_line_prints_an_out_of_range_setting_as_one_line():
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "--gradient_accumulation_steps=0"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "config/train_shakespeare_char_cpu.py",
+                             "--gradient_accumulation_steps=0"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         "error: gradient_accumulation_steps must be at least 1, got 0; pass --gradient_accumulation_steps= a value "
@@ -243,6 +246,33 @@ def test_a_scripts_user_error_is_one_line_on_stderr_and_exit_code_2_and_a_bug_st
     with pytest.raises(ZeroDivisionError):  # a programming error keeps its traceback
         errors.exit_code(lambda: 1 / 0)
     assert capsys.readouterr().err == ""
+
+
+# -- the start-up check: every problem at once, before anything is written ----------------------------------
+
+@pytest.mark.parametrize("args, named", [
+    (["--batch_size=0", "--dataset=nope"], ["batch_size must be at least 1, got 0", "unknown dataset 'nope'"]),
+    (["--n_embd=130", "--dataset=nope"], ["n_embd=130 is not divisible by n_head=12", "unknown dataset 'nope'"]),
+    (["--n_embd=130", "--dataset=plays"], ["n_embd=130 is not divisible by n_head=12"]),
+    (["--n_embd=130", "--async_save=True", "--dataset=plays"], ["async_save=True writes sharded checkpoints only",
+                                                                "n_embd=130 is not divisible by n_head=12"]),
+])
+def test_every_start_up_problem_is_named_at_once_and_nothing_is_prepared_or_made(args, named, tmp_path,
+                                                                                   monkeypatch):
+    """A setting out of range, a rule between settings, the model's shape and a missing dataset are one error line
+    together; an embedded dataset is not prepared and out_dir is not made for a command that is refused."""
+    from core import dataset
+    plays = tmp_path / "data" / "plays"
+    plays.mkdir(parents=True)
+    (plays / "prepare.py").write_text("open(__file__ + '.ran', 'w')")  # a marker: preparing ran
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
+    monkeypatch.setattr(dataset, "EMBEDDED_DATASETS", {"plays"})
+    with pytest.raises(UserError) as refused:
+        train.main(["--device=cpu", "--compile=False", *args, f"--out_dir={tmp_path / 'out'}"])
+    said = str(refused.value)
+    assert said.startswith(f"{len(named)} problems: (1) " if len(named) > 1 else named[0]), said
+    assert all(f"({i}) {text}" in said for i, text in enumerate(named, 1)) or len(named) == 1, said
+    assert [p.name for p in plays.iterdir()] == ["prepare.py"] and not (tmp_path / "out").exists()
 
 
 # -- data files -------------------------------------------------------------------------------------------

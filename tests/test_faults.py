@@ -210,62 +210,49 @@ def test_a_save_cut_short_by_the_file_size_limit_says_so_and_keeps_the_previous_
 
 # -- a disk that fills at any byte of a save ----------------------------------------------------------------
 
-class FillingDisk:
-    """A file that takes `room` bytes, then fails as a full disk does: raising ENOSPC, or (`short`) writing short."""
-
-    def __init__(self, path, room: int, short: bool, sizes: list | None = None):
-        self.file, self.room, self.short, self.sizes = open(path, "wb"), room, short, sizes
-
-    def write(self, data) -> int:
-        data = bytes(data)
-        if self.sizes is not None:
-            self.sizes.append(len(data))
-        if len(data) <= self.room:
-            self.room -= len(data)
-            return self.file.write(data)
-        if not self.short:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        written, self.room = self.file.write(data[:self.room]), 0
-        return written
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()
+SAVE_UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent("""
+    import json, resource, signal, sys
+    from pathlib import Path
+    from core.errors import UserError
+    from model import GPT, GPTConfig
+    sys.path.insert(0, "tests")
+    from conftest import checkpoint_of
+    folder, limits = Path(sys.argv[1]), json.loads(sys.argv[2])
+    model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))
+    checkpoint_of(model, iter_num=1).save(folder / "ckpt.pt")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+    said = []
+    for limit in limits:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        try:
+            checkpoint_of(model, iter_num=2).save(folder / "ckpt.pt")
+            said.append(None)
+        except UserError as e:
+            said.append(str(e))
+    print(json.dumps(said))
+""")
 
 
-def test_a_checkpoint_save_that_meets_a_full_disk_at_any_write_is_one_sentence_and_keeps_the_old_one(
-        tmp_path, monkeypatch):
-    """torch.save's zip writer turns a write that raised into 'unexpected pos' and takes a short write silently: at
-    the start and the middle of every write the save makes, raising or writing short, the run stops with one
-    sentence, the previous checkpoint whole and no .tmp."""
-    from engine import checkpoint
+def test_a_checkpoint_save_cut_short_at_any_byte_is_one_sentence_and_keeps_the_old_one(tmp_path):
+    """torch.save's own writer refuses a write the disk cuts short ('unexpected pos', or its stream's error near the
+    end): a file-size limit anywhere in the file, from its first bytes to its last, stops the save with one sentence,
+    the previous checkpoint whole and no temporary file."""
     from model import GPT, GPTConfig
     from conftest import checkpoint_of
     model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8))
+    checkpoint_of(model, iter_num=2).save(tmp_path / "probe" / "ckpt.pt")  # the size of the file to cut short (the
+    size = (tmp_path / "probe" / "ckpt.pt").stat().st_size                 # archive's records carry the file's name)
+    limits = sorted({*range(1, size, max(1, size // 40)), *range(size - 64, size)})  # the tail, byte by byte
+    done = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_FILE_SIZE_LIMIT, str(tmp_path), json.dumps(limits)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    said = json.loads(done.stdout.strip().splitlines()[-1])
     path = tmp_path / "ckpt.pt"
-    checkpoint_of(model, iter_num=1).save(path)
-    kept = path.read_bytes()
-    sizes = []
-    monkeypatch.setattr(checkpoint, "open", lambda p, mode: FillingDisk(p, 1 << 40, False, sizes), raising=False)
-    checkpoint_of(model, iter_num=2).save(tmp_path / "probe.pt")  # where the writes fall
-    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    offsets = sorted({0, *ends[:-1], *(end - size // 2 for end, size in zip(ends, sizes) if size > 1)})
-    assert len(offsets) > 10 and ends[-1] == (tmp_path / "probe.pt").stat().st_size
-    for short in (False, True):
-        for room in offsets:
-            monkeypatch.setattr(checkpoint, "open", lambda p, mode: FillingDisk(p, room, short), raising=False)
-            with pytest.raises(UserError) as refused:
-                checkpoint_of(model, iter_num=2).save(path)
-            assert str(refused.value).startswith(f"could not write the checkpoint to {path} (No space left on "
-                                                 f"device") and "\n" not in str(refused.value), (room, short)
-            assert str(refused.value).endswith("the previous ckpt.pt is kept - free disk space or pass --out_dir= "
-                                               "another folder, then resume.")
-            assert path.read_bytes() == kept and not list(tmp_path.glob("*.tmp")), (room, short)
+    for limit, message in zip(limits, said):
+        assert message == (f"could not write the checkpoint to {path} (the write was cut short: the disk is full, or "
+                           f"the file past a size limit); the previous ckpt.pt is kept - free disk space or pass "
+                           f"--out_dir= another folder, then resume."), (limit, message)
+    assert load_checkpoint(path).iter_num == 1 and not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_full_disk_at_metrics_jsonl_is_one_sentence(char_data, tmp_path, monkeypatch):

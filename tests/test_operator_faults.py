@@ -35,47 +35,33 @@ def tiny(char_data, out, *args) -> list[str]:
 
 # -- signals and saves ---------------------------------------------------------------------------------------
 
-def killed_at_write(monkeypatch, n: int, sig: int) -> list:
-    """ckpt.pt.tmp opened through a file that sends this process `sig` during its n-th write (-1: after the last,
-    while the file is flushed and renamed), as Ctrl-C or a scheduler's SIGTERM lands at any byte of a save."""
-    writes = []
+def signalled_around_save(monkeypatch, when: str, sig: int) -> None:
+    """torch.save of ckpt.pt's temporary file sends this process `sig` as it starts or once it has written the last
+    byte (before the rename), as Ctrl-C or a scheduler's SIGTERM lands during a save."""
+    real = torch.save
 
-    class Interrupted:
-        def __init__(self, path, mode):
-            self.file = open(path, mode)
-
-        def write(self, data):
-            writes.append(len(data))
-            if len(writes) == n:
-                os.kill(os.getpid(), sig)
-            return self.file.write(data)
-
-        def flush(self):
-            self.file.flush()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.file.close()
-            if n == -1:
-                os.kill(os.getpid(), sig)
-    monkeypatch.setattr(checkpoint_module, "open", Interrupted, raising=False)
-    return writes
+    def save(contents, path):
+        if when == "start":
+            os.kill(os.getpid(), sig)
+        real(contents, path)
+        if when == "end":
+            os.kill(os.getpid(), sig)
+    monkeypatch.setattr(torch, "save", save)
 
 
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"),
                                              (signal.SIGTERM, 143, "stopped by SIGTERM")], ids=["ctrl-c", "sigterm"])
-@pytest.mark.parametrize("n", [1, 3, 12, -1], ids=["first-write", "header", "tensor-data", "after-the-last"])
-def test_a_signal_at_any_byte_of_a_save_keeps_the_old_checkpoint_and_says_one_line(char_data, tmp_path, monkeypatch,
-                                                                                  capfd, sig, code, said, n):
+@pytest.mark.parametrize("when", ["start", "end"])
+def test_a_signal_during_a_save_keeps_the_old_checkpoint_and_says_one_line(char_data, tmp_path, monkeypatch, capfd,
+                                                                           sig, code, said, when):
+    """The write runs to its end, then the temporary file goes and the old checkpoint stays: one line, no traceback,
+    the test process's own handlers put back."""
     out = tmp_path / "run"
     assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
     kept = (out / "ckpt.pt").read_bytes()
     capfd.readouterr()
-    writes = killed_at_write(monkeypatch, n, sig)
+    signalled_around_save(monkeypatch, when, sig)
     assert errors.exit_code(lambda: train.main(tiny(char_data, out, "--max_iters=4", "--init_from=resume"))) == code
-    assert n == -1 or len(writes) == n  # the signal came at the n-th write, and the save stopped there
     assert (out / "ckpt.pt").read_bytes() == kept and not list(out.glob("*.tmp"))
     err = capfd.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err) and "unexpected pos" not in "\n".join(err)
@@ -175,6 +161,39 @@ def test_the_new_checkpoint_reaches_the_disk_before_it_replaces_the_old(tmp_path
     staged = str(tmp_path / f"ckpt.pt.{os.getpid()}.tmp")  # this process's own: two writers never share one
     assert order == [("fsync", staged), ("replace", staged),
                      ("fsync", str(tmp_path))]  # the file's bytes, then the rename itself
+
+
+def test_the_lock_stays_after_a_run_stopped_with_checkpoints_saved(char_data, tmp_path, monkeypatch):
+    """A .lock unlinked by a run that ends would let a second run lock a new file while a third still holds the old
+    one: it stays, whatever way the run ends."""
+    out = tmp_path / "run"
+    ctrl_c_at_step(monkeypatch, 4)  # after the saves of iters 1, 2 and 3
+    assert errors.exit_code(lambda: train.main(tiny(char_data, out, "--max_iters=8", "--eval_interval=1"))) == 130
+    assert load_checkpoint(out / "ckpt.pt").iter_num == 3 and (out / "metrics.jsonl").exists()
+    assert (out / ".lock").exists()
+
+
+SLOW_DEFERRED_BLOCK = """
+import sys, time
+from core import errors
+with errors.deferred_signals():
+    print("in the block", flush=True)
+    time.sleep(3)
+    print("ran to its end", flush=True)
+"""
+
+
+def test_a_second_signal_inside_a_deferred_write_ends_the_process_at_once():
+    """A write that must end whole holds the first Ctrl-C; a second one, 0.2 s later, ends the process then."""
+    run = subprocess.Popen([sys.executable, "-c", SLOW_DEFERRED_BLOCK], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.stdout.readline() == "in the block\n"
+    run.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    sent = time.perf_counter()
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=60) == -signal.SIGINT and time.perf_counter() - sent < 1.0
+    assert run.stdout.read() == ""  # the block did not run on
 
 
 # -- a resume that would train another shape, or other text ---------------------------------------------------
