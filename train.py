@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -239,27 +239,20 @@ class TrainingRun:
         self.saved_at = self.iter_num
 
 
-    def print_line(self, end: "StepEnd", lr: float, values: torch.Tensor, since: Optional["StepEnd"],
-                   peak_flops: Optional[float]) -> bool:
-        """A logged step's line, printed once the next step is queued: its loss (`values`, copied to the host behind
-        it with the out-of-time flag), and the speed over the steps from the last line's step end `since` (None: the
-        clock did not run). Returns whether any rank ran out of max_seconds."""
-        if end.event is not None:
-            end.event.synchronize()  # its own step alone: .item() would wait for the step queued since as well
-        loss, out_of_time = values.tolist()
-        loss /= self.rt.world_size  # summed over the ranks
-        self.stop_if_diverged("training", loss, end.it)
-        metrics = {"iter": end.it, "train/loss": loss, "lr": lr}
-        steps = end.it - since.it if since is not None else 0  # 0: the only step since the last line compiled
-        if steps:
-            seconds = since.event.elapsed_time(end.event) / 1e3 if end.event is not None else end.time - since.time
+    def print_line(self, it: int, lr: float, loss: float, since: Optional[tuple[int, float]], now: float,
+                   peak_flops: Optional[float]) -> None:
+        """A logged step's line: its loss, and the speed over the steps since the clock's last reading `since`
+        ((iter, time); None: the clock did not run, the step compiled)."""
+        self.stop_if_diverged("training", loss, it)
+        metrics = {"iter": it, "train/loss": loss, "lr": lr}
+        if since is not None and it > since[0]:
+            steps, seconds = it - since[0], now - since[1]
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
             if peak_flops is not None:
                 metrics["mfu"] = self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size,
                                                                            peak_flops, self.cfg.block_size)
         self.log.log({**metrics, **self.rt.memory_metrics()})
-        return out_of_time > 0
 
     def stop_if_diverged(self, which: str, loss: float, it: int) -> None:
         if math.isfinite(loss):
@@ -274,33 +267,18 @@ def tokens_per_iter(cfg: Settings) -> int:  # over all ranks
     return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
 
 
-class StepEnd(NamedTuple):
-    """Where a logged step ends, marked as it is queued: the host's clock, and on CUDA an event behind the step."""
-    it: int
-    time: float
-    event: Optional[object]
-
-
 def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
     """Step until max_iters or max_seconds, evaluating and saving every eval_interval steps and at the end (a resumed
-    run not again at resumed_at). The clock: a line times the steps from the last line's step end to its own (on CUDA
-    between events, the device's time); it stops for the compiling step and for evaluations, and a logged step's loss,
-    copied to the host behind its step, is read once the next step is queued, so the device never waits on the host."""
+    run not again at resumed_at). The clock, as nanoGPT's: a logged step waits for the device and reads its loss, and
+    its line times the steps since the last reading; the compiling step and evaluations are left out."""
     cfg, rt = run.cfg, run.rt
     micro_steps = cfg.gradient_accumulation_steps // rt.world_size
     peak_flops = flops.peak_flops(rt)  # a GPU's datasheet figure; None on a CPU
     if rt.is_master:
         print(flops.peak_line(rt, peak_flops))
-    trained, started = 0.0, 0.0  # seconds of training before the clock last started, and when it did (host clock)
-    since: Optional[StepEnd] = None  # the clock's start: the last line's step end; None while it is stopped
-    waiting = None  # the logged step whose line is printed next: (StepEnd, lr, loss and out-of-time flag on the host)
+    trained, started = 0.0, 0.0  # seconds of training before the clock last started, and when it did
+    since = None  # the clock's last reading, (iter, time); None while it is stopped
     steps_run, out_of_time = 0, False
-
-    def print_waiting() -> bool:  # whether any rank ran out of max_seconds (the flag travels with the loss)
-        nonlocal since, waiting
-        out_of_time = waiting is not None and run.print_line(*waiting, since, peak_flops)
-        since, waiting = waiting[0] if waiting is not None and since is not None else since, None
-        return out_of_time
 
     def evaluates(it: int) -> bool:  # at max_iters and every eval_interval; time running out evaluates too
         return it >= cfg.max_iters or it % cfg.eval_interval == 0
@@ -309,13 +287,9 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             multiplier = lr_multiplier(run.iter_num, cfg)
             set_learning_rates(run.trainer.optimizers, multiplier)
             lr = cfg.learning_rate * multiplier  # the log's lr: AdamW's (Muon's is muon_lr times the same)
-            evaluating = evaluates(run.iter_num) or out_of_time
-            if evaluating:  # the training line before the evaluation's (it may say: stop)
-                out_of_time |= print_waiting()
             done = run.iter_num >= cfg.max_iters or out_of_time
-            if evaluating and run.iter_num != resumed_at:
-                if since is not None:  # the clock stops: evaluating and saving are not training time
-                    rt.synchronize()
+            if (evaluates(run.iter_num) or out_of_time) and run.iter_num != resumed_at:
+                if since is not None:  # the clock stops (the step before was logged): evaluating is not training
                     trained, since = trained + time.perf_counter() - started, None
                 # the lr both of iter N's lines show: the rate of the step that made iter N's weights
                 run.evaluate_and_save(cfg.learning_rate * lr_multiplier(max(0, run.iter_num - 1), cfg), trained)
@@ -329,21 +303,23 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
             if since is None and not compiling:  # the clock starts with nothing queued
                 rt.synchronize()
                 started = time.perf_counter()
-                since = StepEnd(run.iter_num, started, rt.stream_event())
+                since = (run.iter_num, started)
             loss = run.trainer.step(run.batches.micro_batches("train", micro_steps, rt.rank, rt.world_size))
             steps_run += 1
             run.iter_num += 1
             timed_out = cfg.max_seconds > 0 and since is not None and \
                 trained + time.perf_counter() - started >= cfg.max_seconds
-            if not rt.is_distributed:  # under torchrun the ranks stop together on the flag their logged step carries
+            if not rt.is_distributed:  # under torchrun the ranks stop together on the flag a logged step carries
                 out_of_time = timed_out
-            point = None  # every log_interval steps, and the step before an evaluation (the clock stops there)
             if run.iter_num % cfg.log_interval == 0 or evaluates(run.iter_num) or out_of_time:
-                values, event = rt.copy_behind(runtime.sum_across_ranks_(torch.stack([loss.detach().float(),
-                    torch.full_like(loss, float(rt.is_distributed and timed_out), dtype=torch.float32)])))
-                point = (StepEnd(run.iter_num, time.perf_counter(), event), lr, values)
-            out_of_time |= print_waiting()  # the last logged step's line: its step is done or nearly
-            waiting = point
+                values = runtime.sum_across_ranks_(torch.stack([loss.detach().float(), torch.full_like(
+                    loss, float(rt.is_distributed and timed_out), dtype=torch.float32)]))
+                rt.synchronize()
+                now = time.perf_counter()
+                loss_sum, flag = values.tolist()
+                out_of_time |= flag > 0
+                run.print_line(run.iter_num, lr, loss_sum / rt.world_size, since, now, peak_flops)
+                since = (run.iter_num, now) if since is not None else None
     finally:
         run.saver.close()  # an asynchronous save still writing finishes first
         run.log.close()

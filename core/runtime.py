@@ -145,26 +145,6 @@ class Runtime:
             return tuple(t.to(self.device) for t in tensors)
         return tuple(t if t.is_cuda else t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
 
-    def stream_event(self) -> Optional["torch.cuda.Event"]:
-        """On CUDA, a timing event recorded behind the work queued so far on the current stream; elsewhere None (a
-        CPU's work has run by the time its call returns; on MPS, copy_behind waits for the device, and the clock is
-        read after it)."""
-        if not self.is_cuda:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def copy_behind(self, values: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
-        """`values` copied to the host behind the work queued so far, and an event after the copy: waiting on it waits
-        for that work alone, where .item() would wait for all that is queued when it reads."""
-        if not self.is_cuda:
-            self.synchronize()  # MPS: the values are read at once
-            return values.detach().to("cpu"), None
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values.detach(), non_blocking=True)
-        return host, self.stream_event()
-
     def synchronize(self) -> None:
         """Wait for queued device work, so a clock read afterwards measures it."""
         if self.is_cuda:
