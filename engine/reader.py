@@ -99,7 +99,8 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
 
 def check_shapes(contents: dict, path: Path) -> None:
     """A damaged checkpoint is one error line, not a traceback where it is loaded: its model_config must be a model
-    GPTConfig accepts, and its weights and optimizer state (where read) must have that model's names and shapes."""
+    GPTConfig accepts, and its weights (a strict load_state_dict on the meta device) and optimizer state (where read)
+    must have that model's names and shapes."""
     damaged = f"{path} is damaged: its"
     fix = "restore it from a copy or train again"
     try:  # attention does not change the shape, and an older file may name one this version lacks
@@ -108,17 +109,16 @@ def check_shapes(contents: dict, path: Path) -> None:
         raise UserError(f"{damaged} model_config is not a model this version can build ({str(e).rstrip('.')}); "
                         f"{fix}.") from None
     with torch.device("meta"):  # shapes only, no memory
-        shapes = {name: tuple(t.shape) for name, t in GPT(config).state_dict().items()}
+        model = GPT(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     weights = contents.get("model")
     if isinstance(weights, dict):
-        found = {name: tuple(t.shape) if torch.is_tensor(t) else None for name, t in weights.items()}
-        wrong = sorted(set(shapes) ^ set(found)) or sorted(n for n in shapes if shapes[n] != found[n])
-        if wrong:
-            name = wrong[0]
-            found_as = f"{name} is {found.get(name, 'missing')}" if name in shapes else \
-                f"{name} is not one of its tensors"
+        try:  # names and shapes, torch's own check; nothing is copied onto the meta device (assign)
+            model.load_state_dict(weights, assign=True)
+        except RuntimeError as e:
+            said = str(e).split("\n")[1].strip().rstrip(".")  # the first of torch's findings
             raise UserError(f"{damaged} weights do not fit its model_config ({config.n_layer} layers of width "
-                            f"{config.n_embd}: {found_as}, {len(wrong)} such); {fix}.")
+                            f"{config.n_embd}; {said[:200]}{'...' if len(said) > 200 else ''}); {fix}.") from None
     state = contents.get("optimizer", {}).get("state", {}) if isinstance(contents.get("optimizer"), dict) else {}
     for name, tensors in state.items():
         misfit = [k for k, t in tensors.items()
