@@ -58,7 +58,7 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or pass --out_dir= the "
                         f"folder a run wrote its ckpt.pt to.")
     while True:
-        try:  # a sharded one for training: each rank reads its tensors in place later (train.restore)
+        try:  # a sharded one for training: each rank reads its tensors in place later (engine/resume.py's restore)
             contents = read(path, shards, parts=set() if for_training else {"model"}, mmap=False)
             break
         except UserError:
