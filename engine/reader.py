@@ -37,7 +37,7 @@ def describe_checkpoint(path: Path) -> str:
     'an unreadable checkpoint' when it cannot be read."""
     try:
         contents = read(path, sharded_folder(path), parts=set(), mmap=True)
-        return f"iter {int(contents['iter_num'])}, val loss {float(contents['best_val_loss']):.4g}"
+        return f"iter {int(contents['iter_num'])}, val loss {float(contents['best_val_loss']):.3f}"
     except Exception:
         return "an unreadable checkpoint"
 

@@ -74,7 +74,7 @@ def test_a_new_run_into_another_runs_out_dir_is_refused_and_its_files_survive(tr
     with pytest.raises(UserError) as refused:
         train_tiny(f"--data_dir={char_data}", "--max_iters=2", "--optimizer=muon", f"--out_dir={trained}")
     val = metrics(trained, "val/loss")[2]
-    assert str(refused.value) == (f"{trained} already holds another run's checkpoint (iter 2, val loss {val:.4g}); "
+    assert str(refused.value) == (f"{trained} already holds another run's checkpoint (iter 2, val loss {val:.3f}); "
                                   f"continue it with --init_from=resume, pass another --out_dir=, or replace it "
                                   f"with --overwrite=True.")
     assert {name: (trained / name).read_bytes() for name in before} == before

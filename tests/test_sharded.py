@@ -124,7 +124,7 @@ def test_another_runs_sharded_checkpoint_is_protected_until_overwrite(char_data,
     val = metrics(out, "val/loss")[4]
     with pytest.raises(UserError) as refused:
         tiny(char_data, out, "--max_iters=2", *SHARDED)
-    assert str(refused.value) == (f"{out} already holds another run's checkpoint (iter 4, val loss {val:.4g}); "
+    assert str(refused.value) == (f"{out} already holds another run's checkpoint (iter 4, val loss {val:.3f}); "
                                   f"continue it with --init_from=resume, pass another --out_dir=, or replace it "
                                   f"with --overwrite=True.")
     assert steps(out) == ["step-000002", "step-000004"] and load_checkpoint(out / "ckpt.pt").iter_num == 4
