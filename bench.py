@@ -21,7 +21,6 @@ if __name__ == "__main__":  # a Ctrl-C while the imports below load ends the pro
     import signal
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-import contextlib
 import functools
 import itertools
 import json
@@ -104,7 +103,7 @@ dtype = "auto"            # auto, float32, bfloat16, float16: autocast in train 
 threads = 0               # CPU threads; 0: OMP_NUM_THREADS if set, else torch's default (one per physical core)
 seed = 1337               # weights, data and prompts: the same seed gives the same rows
 # output
-out_dir = "bench_results" # <mode>.json, <mode>.png (and traces) go here; earlier results are kept beside them
+out_dir = "bench_results" # each run writes <mode>-<start>-<process>.json and .png (and traces) here
 profile = False           # also write a chrome trace (chrome://tracing, TensorBoard) of one step per row
 
 # the allowed range of every numeric setting (None: sized for the device)
@@ -333,42 +332,6 @@ def sweep_plan(cfg: Settings, rt: Runtime) -> str:
             f"runs (the progress counts them), the others are listed with the reason")
 
 
-def keep_earlier(out: Path, mode: str, run: str) -> None:
-    """Another run's <mode>.json and .png in out_dir are kept under that run's own name (its start and process),
-    printed in one line, before this run (`run`) writes its own: a new sweep never takes away a longer one, and runs
-    into one folder at once each keep theirs. The file is first taken aside under a name of this process's own, so
-    what is read is what is kept; this run's own earlier save goes (the save that follows writes it anew)."""
-    path = out / f"{mode}.json"
-    taken = out / f".{mode}.json.{os.getpid()}.kept"
-    try:
-        path.rename(taken)
-    except FileNotFoundError:
-        return
-    try:
-        other = json.loads(taken.read_text())["environment"]["run"]
-    except (OSError, ValueError, KeyError, TypeError):  # an older version's file, or not bench's
-        other = time.strftime("%Y%m%d-%H%M%S", time.localtime(taken.stat().st_mtime))
-    if other == run:
-        taken.unlink()
-        return
-    final = out / f"{mode}-{other}.json"
-    if final.exists() and progress_of(final) > progress_of(taken):  # a run beside this one kept a later save
-        taken.unlink()
-        return
-    kept = [taken.rename(final)]
-    with contextlib.suppress(FileNotFoundError):  # its chart, unless a run beside this one kept it first
-        kept.append((out / f"{mode}.png").rename(out / f"{mode}-{other}.png"))
-    print(f"kept the earlier {mode} results as {', '.join(str(p) for p in kept)}", file=sys.stderr)
-
-
-def progress_of(path: Path) -> tuple:
-    """How far a results file got: complete, then rows (a run's later save has as many or more)."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        saved = json.loads(path.read_text())
-        return bool(saved["complete"]), len(saved["rows"])
-    return False, -1
-
-
 RUNS = itertools.count()  # runs of this process (main called in process more than once)
 
 
@@ -394,23 +357,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.compile:
         runtime.check_compile_cache()
     env = environment(rt, argv)
-    path = out / f"{cfg.mode}.json"
+    path = out / f"{cfg.mode}-{env['run']}.json"  # this run's own name: runs into one folder each keep theirs
 
     def save(rows: list[dict], complete: bool = False) -> None:  # completely or not at all: an earlier save stays
-        staged = out / f".{cfg.mode}.json.{os.getpid()}.new"
-        with files.staged_outputs(out, [staged.name], what=f"the results to {path}") as tmp:
-            tmp[staged.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete,
-                                                        rows=rows), indent=1))
-        while True:  # linked only where no file is: another run's, even one written meanwhile, is kept aside first
-            keep_earlier(out, cfg.mode, env["run"])
-            try:
-                os.link(staged, path)
-            except FileExistsError:
-                continue
-            except OSError:  # a filesystem without hard links: replaced, as any staged file is
-                os.replace(staged, path)
-            staged.unlink(missing_ok=True)
-            return
+        with files.staged_outputs(out, [path.name], what=f"the results to {path}") as tmp:
+            tmp[path.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete,
+                                                      rows=rows), indent=1))
     print(sweep_plan(cfg, rt), file=sys.stderr)
     try:
         if cfg.mode == "generate":
@@ -427,7 +379,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.mask == ["causal"]:  # the table as it was before masks
         columns = {k: v for k, v in columns.items() if k not in ("mask", "computed")}
     save(rows, complete=True)  # before anything is printed: a closed stdout (| head) loses nothing measured
-    chart(out / f"{cfg.mode}.png", rows, cfg, env)
+    chart(path.with_suffix(".png"), rows, cfg, env)
     print(f"{env['device_name']}, torch {env['torch']}, {cfg.dtype}: {env['command']}")
     print(format_table(rows, columns))
     fallbacks = {(r["attn"], r["kernel"], ", ".join(r["kernel_ops"]) or "no SDPA op", " or ".join(r["kernel_expected"]))
@@ -437,7 +389,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"back without a word (dropout, a mask, the dtype or the head size)")
     if cfg.mode == "train" and len(cfg.padding) == 2:
         print(padding_note(rows))
-    print(f"wrote {out / (cfg.mode + '.json')} and {out / (cfg.mode + '.png')}")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
 

@@ -209,3 +209,11 @@ class FullDisk:
 
     def __getattr__(self, name):  # flush, fileno, tell ...: the real file's
         return getattr(self.file, name)
+
+
+def bench_file(folder, name: str) -> Path:
+    """The one bench run's file in `folder` for `name` ('train.json', 'attention.png'): <mode>-<run>.<suffix>."""
+    mode, suffix = name.split(".")
+    found = list(Path(folder).glob(f"{mode}-*.{suffix}"))
+    assert len(found) == 1, found
+    return found[0]

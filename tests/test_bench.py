@@ -19,7 +19,7 @@ from benchmarks import bench_train, measure
 from core import flops, runtime
 from core.configurator import Settings
 from model import IMPLEMENTATIONS
-from conftest import REPO, runnable_on_cpu, strict_recompile_limit
+from conftest import REPO, runnable_on_cpu, strict_recompile_limit, bench_file
 from core.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +41,13 @@ def one_thread():
 
 
 def run_bench(tmp_path: Path, *args: str) -> dict:
+    """The results of one bench run into tmp_path (another run's there beside them)."""
+    before = set(tmp_path.glob("*.json"))
     assert bench.main([*TINY, f"--out_dir={tmp_path}", *args]) == 0
     mode = next((a.split("=", 1)[1] for a in args if a.startswith("--mode=")), "train")
-    return json.loads((tmp_path / f"{mode}.json").read_text())
+    written = [p for p in tmp_path.glob(f"{mode}-*.json") if p not in before]
+    assert len(written) == 1, written
+    return json.loads(written[0].read_text())
 
 
 def rows_by(result: dict, *keys: str) -> dict:
@@ -84,7 +88,7 @@ def test_cuda_only_kernels_and_flex_training_are_skipped_on_cpu_with_a_reason(sw
 
 def test_chart_is_a_png_that_matplotlib_can_read(sweep):
     out, _ = sweep
-    path = out / "train.png"
+    path = bench_file(out, "train.png")
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     image = matplotlib.image.imread(path)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
@@ -222,7 +226,7 @@ def test_attention_mode_measures_forward_and_backward_and_manual_needs_more_memo
         assert rows[("flash", backward)]["kernel"] == "flash"
         # manual materialises (B, nh, T, T) scores: at least 2 * 128 * 128 floats more than flash
         assert rows[("manual", backward)]["mem/peak_gb"] - rows[("flash", backward)]["mem/peak_gb"] >= 131_072 / 1e9
-    assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert bench_file(tmp_path, "attention.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
 @pytest.mark.slow  # multi-second end to end: the whole suite runs it
@@ -271,8 +275,8 @@ def test_bench_prints_the_table_and_writes_json_chart_and_chrome_trace(tmp_path,
     assert bench.main([*TINY, "--attn=manual,flash", "--padding=on", "--profile=True", f"--out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "manual" in out and "flash" in out and "speedup" in out
-    assert json.loads((tmp_path / "train.json").read_text())["config"]["attn"] == ["manual", "flash"]
-    assert (tmp_path / "train.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert json.loads(bench_file(tmp_path, "train.json").read_text())["config"]["attn"] == ["manual", "flash"]
+    assert bench_file(tmp_path, "train.png").read_bytes()[:8] == PNG_SIGNATURE
     trace = json.loads((tmp_path / "trace_train_flash_padded.json").read_text())
     assert any("flash_attention" in event.get("name", "") for event in trace["traceEvents"])
 
@@ -309,7 +313,7 @@ def test_an_attn_list_without_autos_pick_ends_with_its_table_and_an_auto_row_tha
     autos = [row for row in result["rows"] if row["attn"] == "auto"]
     assert len(autos) == 2 * len(loss.split(",")) and all(row["status"] == "skipped" for row in autos)
     assert all(row["reason"] == "auto picked flash, which this sweep did not run" for row in autos)
-    assert "auto -> flash" in capsys.readouterr().out and (tmp_path / "train.png").exists()
+    assert "auto -> flash" in capsys.readouterr().out and bench_file(tmp_path, "train.png").exists()
 
 
 def test_speedup_pairs_iterations_so_drift_that_hits_every_row_cancels():
@@ -447,7 +451,7 @@ def test_generate_mode_times_every_attn_weights_and_cache_row_and_each_draws_the
         assert row["mem/peak_gb"] * 1e9 >= row["weight_bytes"] + row["kv_cache_bytes"]
         assert (row["compile_s"] is None) == (cache != "compiled")
     assert rows["sdpa", "int8", "cache"]["weight_bytes"] < 0.6 * rows["sdpa", "float32", "cache"]["weight_bytes"]
-    assert (tmp_path / "generate.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert bench_file(tmp_path, "generate.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
 def test_without_torchao_the_int8_rows_are_skipped_in_its_sentence_and_the_others_run(tmp_path, monkeypatch, capsys):
@@ -477,8 +481,8 @@ def test_an_interrupted_generate_sweep_keeps_the_rows_it_measured(tmp_path, monk
     args = [*TINY, "--mode=generate", "--attn=sdpa", "--seq_len=16", "--new_tokens=4", "--weights=float32",
             "--cache=none,cache", "--iters=3", f"--out_dir={tmp_path}"]
     assert bench.main(args) == 130
-    assert capsys.readouterr().err.strip().endswith(f"interrupted; what was measured is in {tmp_path / 'generate.json'}")
-    saved = json.loads((tmp_path / "generate.json").read_text())
+    assert capsys.readouterr().err.strip().endswith(f"interrupted; what was measured is in {bench_file(tmp_path, 'generate.json')}")
+    saved = json.loads(bench_file(tmp_path, "generate.json").read_text())
     assert saved["complete"] is False and len(saved["rows"]) == 4  # manual and sdpa x no cache and cache
     for row in saved["rows"]:
         assert row["rounds"] == 1 and len(row["ms_all"]) == 1 and row["tokens_per_s"] > 0 and row["kernel_ok"]
@@ -618,13 +622,14 @@ def test_a_row_whose_spread_swamps_its_median_shows_no_speedup():
     assert table.splitlines()[-1].startswith("unreliable: the row's spread (IQR) exceeds its median")
 
 
-def test_a_second_run_into_the_same_folder_keeps_the_first_ones_results(tmp_path, capsys):
+def test_runs_into_the_same_folder_each_write_their_own_results(tmp_path, capsys):
     first = run_bench(tmp_path, "--attn=manual", "--padding=off")
     second = run_bench(tmp_path, "--attn=sdpa", "--padding=off")
-    kept = sorted(p.name for p in tmp_path.glob("train-*"))
-    assert len(kept) == 2 and kept[0].endswith(".json") and kept[1].endswith(".png")
-    assert json.loads((tmp_path / kept[0]).read_text())["rows"] == first["rows"] != second["rows"]
-    assert f"kept the earlier train results as {tmp_path / kept[0]}" in capsys.readouterr().err
+    saved = sorted(tmp_path.glob("train-*.json"))
+    assert len(saved) == 2 and len(list(tmp_path.glob("train-*.png"))) == 2
+    assert sorted(json.dumps(json.loads(p.read_text())["rows"]) for p in saved) == sorted(
+        json.dumps(run["rows"]) for run in (first, second))
+    assert first["rows"] != second["rows"]
 
 
 def test_the_note_under_the_table_says_what_its_own_rows_say_of_padding():
@@ -648,7 +653,7 @@ def test_a_speedup_over_an_unreliable_baseline_reads_unreliable(tmp_path, capsys
     assert bench.main([*TINY, "--attn=manual,sdpa", "--dropout=0.1", "--padding=off,on", f"--out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert len([line for line in out.splitlines() if line.startswith("! sdpa ran math")]) == 1
-    rows = json.loads((tmp_path / "train.json").read_text())["rows"]
+    rows = json.loads(bench_file(tmp_path, "train.json").read_text())["rows"]
     manual = next(r for r in rows if r["attn"] == "manual" and not r["pad_vocab"])
     manual.update(ms_per_iter=113.0, ms_p25=50.0, ms_p75=240.0)
     sdpa = next(r for r in rows if r["attn"] == "sdpa" and not r["pad_vocab"])
@@ -715,7 +720,7 @@ def test_a_max_batch_search_says_each_row_as_it_ends_and_a_stop_keeps_what_was_m
                        "--max_batch_limit=4"]) == 130
     err = capsys.readouterr().err
     assert "max batch: manual_unpadded fits 2" in err.splitlines() and "what was measured is in" in err
-    saved = json.loads((tmp_path / "train.json").read_text())
+    saved = json.loads(bench_file(tmp_path, "train.json").read_text())
     assert not saved["complete"] and {r["attn"]: r.get("max_batch") for r in saved["rows"]} == {"manual": 2,
                                                                                                 "sdpa": None}
 
@@ -737,7 +742,7 @@ def test_what_was_measured_is_saved_when_stdout_closes_before_the_table(tmp_path
     monkeypatch.setattr(os, "dup2", lambda *args: None)  # exit_code points the real fd 1 at /dev/null: not here
     assert errors.exit_code(lambda: bench.main([*TINY, f"--out_dir={tmp_path}", "--attn=manual",
                                                 "--padding=off"])) == 0
-    saved = json.loads((tmp_path / "train.json").read_text())
+    saved = json.loads(bench_file(tmp_path, "train.json").read_text())
     assert saved["complete"] and [r["attn"] for r in saved["rows"]] == ["manual"]
 
 

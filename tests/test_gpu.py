@@ -19,7 +19,7 @@ from benchmarks import measure
 from core import runtime
 import sample
 import train
-from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed
+from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed, bench_file
 from attention.kernels import AttnCall, attention_problem, cuda_facts, cudnn_first, decodes_with_mask
 from engine.generate import Decoder, for_inference
 from engine.generate import weight_bytes
@@ -81,8 +81,8 @@ def default_bench(tmp_path_factory) -> dict:
     rounds rather than 20 and 3 s for auto's measuring rather than 10 (what is checked is what ran, not its speed)."""
     out = tmp_path_factory.mktemp("bench")
     assert bench.main([f"--out_dir={out}", "--iters=3", "--attn_auto_budget=3"]) == 0
-    assert (out / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    return json.loads((out / "train.json").read_text())
+    assert bench_file(out, "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(bench_file(out, "train.json").read_text())
 
 
 def test_the_audit_names_the_cuda_kernel_each_row_really_ran(default_bench):
@@ -230,7 +230,7 @@ def test_int8_weights_and_the_generate_benchmark_run_on_the_gpu(tmp_path):
     assert bench.main(["--mode=generate", "--attn=sdpa", "--n_layer=2", "--n_head=4", "--n_embd=256",
                        "--vocab_size=512", "--seq_len=128", "--weights=int8", "--new_tokens=32", "--iters=1",
                        f"--out_dir={tmp_path}"]) == 0
-    rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    rows = json.loads(bench_file(tmp_path, "generate.json").read_text())["rows"]
     ran = [r for r in rows if r["status"] == "ok"]
     assert {r["cache"] for r in ran if r["attn"] == "sdpa"} == {"none", "cache", "compiled"}
     assert all(r["kernel_ok"] for r in ran)

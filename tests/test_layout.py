@@ -148,7 +148,7 @@ def test_a_new_implementation_runs_in_train_sample_and_bench_from_its_record_alo
     """What adding an implementation takes: its entry in model.py, and the kernels bench's audit may see it run
     (benchmarks/measure.py's AUDIT), nothing else. Train, sample and bench's attention rows with their kernel audit
     all run it (the audit expects what its AUDIT entry says: no SDPA op)."""
-    from conftest import TINY
+    from conftest import TINY, bench_file
     out = tmp_path / "run"
 
     def run(*argv) -> str:
@@ -163,7 +163,7 @@ def test_a_new_implementation_runs_in_train_sample_and_bench_from_its_record_alo
     run("bench.py", "--mode=attention", "--attn=mine,manual", "--attn_batch=1", "--attn_heads=2",
         "--attn_seq_lens=64", "--attn_head_sizes=16", "--iters=1", "--warmup=1", "--dtype=float32", "--threads=1",
         "--device=cpu", f"--out_dir={tmp_path / 'bench'}")
-    rows = json.loads((tmp_path / "bench" / "attention.json").read_text())["rows"]
+    rows = json.loads(bench_file(tmp_path / "bench", "attention.json").read_text())["rows"]
     mine = [r for r in rows if r["attn"] == "mine"]
     assert mine and all(r["status"] == "ok" and r["kernel"] == "none" and r["kernel_ok"] for r in mine)
 
