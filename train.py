@@ -401,10 +401,12 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     except BaseException as e:  # diverged, Ctrl-C, SIGTERM during a save: what is kept, and how to go on
         if rt.is_master and isinstance(e, KeyboardInterrupt):
             print(resume_hint(cfg, run, argv), file=sys.stderr)
-        if rt.is_distributed and isinstance(e, RuntimeError) and runtime.lost_a_rank(e):  # this rank's own line
-            reason = str(e).split("] ", 1)[-1].split(". ")[0]
-            raise UserError(f"another rank stopped mid-run ({reason}); {resume_hint(cfg, run, argv)}",
-                            this_rank=True) from None
+        if rt.is_distributed and isinstance(e, RuntimeError):  # a rank lost mid-run: this rank's own line
+            from core.distributed import lost_a_rank
+            if lost_a_rank(e):
+                reason = str(e).split("] ", 1)[-1].split(". ")[0]
+                raise UserError(f"another rank stopped mid-run ({reason}); {resume_hint(cfg, run, argv)}",
+                                this_rank=True) from None
         raise
 
 

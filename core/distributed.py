@@ -1,10 +1,12 @@
 """
 A launch of several ranks (runtime.init_distributed imports it where RANK is set): torchrun's variables checked, the
-process group joined on a store of this restart's own, and the model wrapped for it (DDP or FSDP2).
+process group joined on a store of this restart's own, the model wrapped for it (DDP or FSDP2), the ranks' start-up
+agreement, rank 0's work while the others wait, and a rank lost mid-run.
 """
 
 import inspect
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -125,3 +127,37 @@ def agree(settings: dict, problems: list[UserError]) -> list[UserError]:
     for rank, (_, theirs) in enumerate(gathered[1:], 1):
         found += [f"rank {rank}: {text}" for text in theirs if text not in gathered[0][1]]
     return [UserError(text) for text in found]
+
+
+# -- rank 0's work, and a rank lost ------------------------------------------------------------------------
+
+def on_rank_0(work: Callable, device: str):
+    """What `work` returns, run on rank 0 while the others wait (None there); a UserError on rank 0 is raised on every
+    rank, so none waits at a later collective until the timeout."""
+    problem, result = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except UserError as e:
+            problem = str(e)
+    failed = mean_across_ranks(float(problem is not None), device) > 0  # also the barrier
+    if problem is not None:
+        raise UserError(problem)
+    if failed:
+        raise StoppedWithRank0("rank 0 stopped with an error (rank 0 prints it); the other ranks stop with it.")
+    return result
+
+
+def lost_a_rank(error: BaseException) -> bool:
+    """Whether a collective failed because another rank's process is gone (killed, or out of memory): gloo's broken
+    connection, or torch's distributed error."""
+    dist_error = getattr(dist, "DistError", ())
+    return isinstance(error, dist_error) or any(text in str(error) for text in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe"))
+
+
+def mean_across_ranks(value: float, device: str) -> float:
+    """The mean of a number over all ranks."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()

@@ -250,20 +250,11 @@ def destroy_distributed() -> None:
 
 
 def on_master(work: Callable[[], T], device: str) -> Optional[T]:
-    """What `work` returns, run on rank 0 while the others wait (None there); a UserError on rank 0 is raised on every
-    rank, so none waits at a later collective until the timeout."""
-    problem, result = None, None
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        try:
-            result = work()
-        except UserError as e:
-            problem = str(e)
-    failed = mean_across_ranks(float(problem is not None), device) > 0  # also the barrier
-    if problem is not None:
-        raise UserError(problem)
-    if failed:
-        raise errors.StoppedWithRank0("rank 0 stopped with an error (rank 0 prints it); the other ranks stop with it.")
-    return result
+    """What `work` returns, run on rank 0 while the other ranks wait (None there); on one process, a plain call."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return work()
+    from core.distributed import on_rank_0
+    return on_rank_0(work, device)
 
 
 def sum_across_ranks_(tensor: torch.Tensor) -> torch.Tensor:
@@ -272,23 +263,6 @@ def sum_across_ranks_(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor
-
-
-def lost_a_rank(error: BaseException) -> bool:
-    """Whether a collective failed because another rank's process is gone (killed, or out of memory): gloo's broken
-    connection, or torch's distributed error."""
-    dist_error = getattr(dist, "DistError", ())
-    return isinstance(error, dist_error) or any(text in str(error) for text in (
-        "Connection reset by peer", "Connection closed by peer", "Broken pipe"))
-
-
-def mean_across_ranks(value: float, device: str) -> float:
-    """The mean of a number over all ranks (the number itself in a single process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
 
 
 # -- timing -------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from core import runtime
 from core.errors import UserError
 from engine.checkpoint import POINTER, Checkpoint, sharded_folder
 from model import GPT, IMPLEMENTATIONS, GPTConfig
@@ -129,17 +128,21 @@ def check_shapes(contents: dict, path: Path) -> None:
 
 
 def check_finite(weights: dict, path, device: str | None = None) -> None:
-    """Weights holding NaN or inf (a run saved after it diverged) are one error line in every reader, not a traceback
-    in sampling or a silent export. `device`: the weights are this rank's shards (a sharded resume), and the ranks
-    agree over it."""
-    bad = 0.0
-    for tensor in weights.values():
+    """Weights holding NaN or inf are one error line in every reader, not a traceback in sampling or a silent export.
+    `device`: the weights are this rank's shards (a sharded resume), and the ranks agree over it."""
+    bad = []  # the names of the tensors holding NaN or inf
+    for name, tensor in weights.items():
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # an FSDP shard: this rank's part
-        if torch.is_tensor(local) and local.is_floating_point():
-            bad += float((~torch.isfinite(local)).sum())
-    if (runtime.mean_across_ranks(bad, device) if device else bad) > 0:
-        raise UserError(f"{path} holds weights that are not finite (NaN or inf): the run that saved it had diverged; "
-                        f"use an earlier checkpoint, or train again with a lower learning_rate.")
+        if torch.is_tensor(local) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    if device is not None and torch.distributed.is_initialized():  # the ranks agree
+        from core.distributed import mean_across_ranks
+        if mean_across_ranks(float(len(bad)), device) > 0 and not bad:
+            bad = ["a tensor another rank holds"]
+    if bad:
+        raise UserError(f"{path} holds weights that are not finite (NaN or inf: {bad[0]}"
+                        f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}), so it can be neither trained on "
+                        f"nor sampled from; use an earlier checkpoint.")
 
 
 def read(path: Path, shards: Path | None, parts: set[str], mmap: bool) -> dict:

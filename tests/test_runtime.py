@@ -172,6 +172,7 @@ def test_when_rank_0_fails_to_prepare_every_rank_stops_with_it(two_rank_runs):
 def test_on_master_runs_the_work_on_rank_0_alone_and_a_failure_there_stops_every_rank(monkeypatch, rank):
     """on_master's two sides in one process: the process group answers as it would for `rank` of two, rank 0 telling
     the others (through the mean of 'failed') whether its work raised. The slow test above runs two real ranks."""
+    from core import distributed
     ran = []
 
     def work(fails: bool):
@@ -184,7 +185,7 @@ def test_on_master_runs_the_work_on_rank_0_alone_and_a_failure_there_stops_every
     monkeypatch.setattr(runtime.dist, "get_rank", lambda: rank)
     for rank_0_fails in (False, True):
         other = float(rank_0_fails) if rank == 1 else 0.0  # the other rank's 'my work failed': rank 0's, rank 1's
-        monkeypatch.setattr(runtime, "mean_across_ranks", lambda mine, device: (mine + other) / 2)
+        monkeypatch.setattr(distributed, "mean_across_ranks", lambda mine, device: (mine + other) / 2)
         if not rank_0_fails:
             runtime.on_master(work(fails=False), "cpu")
             continue
