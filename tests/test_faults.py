@@ -580,6 +580,60 @@ def test_a_crafted_sharded_step_runs_no_code_in_any_reader_and_is_one_line(shard
     assert "\n" not in str(refused.value) and not marker.exists()
 
 
+def short_text(text: str) -> bytes:  # pickle's SHORT_BINUNICODE
+    return b"\x8c" + bytes([len(text.encode())]) + text.encode()
+
+
+def bypasses(marker: Path) -> dict[str, bytes]:
+    """Hand-made pickles of each kind that has slipped past an allow-list elsewhere; any that ran would make
+    `marker`. Protocol 4: module and name by STACK_GLOBAL, REDUCE calls, then STOP."""
+    p4, command = b"\x80\x04", f"touch {marker}"
+    call = short_text(command) + b"\x85R."  # (command,) called by REDUCE
+
+    def global4(module: str, name: str) -> bytes:
+        return p4 + short_text(module) + short_text(name) + b"\x93"
+    return {
+        "dotted name under an admitted module": global4("torch.distributed.checkpoint.metadata", "os.system") + call,
+        "a name an admitted module imports": global4("torch.distributed.checkpoint.metadata", "field") + b")R.",
+        "builtins exec by REDUCE": global4("builtins", "exec") + short_text(
+            f"import os; os.system({command!r})") + b"\x85R.",
+        "operator by REDUCE": global4("operator", "methodcaller") + short_text("system") + b"\x85R.",
+        "functools by REDUCE": global4("functools", "partial") + global4("os", "system")[2:] + b"\x85R.",
+        "INST": b"(" + f"V{command}\n".encode() + b"ios\nsystem\n.",
+        "OBJ": b"(cos\nsystem\n" + f"V{command}\n".encode() + b"o.",
+        "NEWOBJ": global4("os", "system") + b")\x81.",
+        "BUILD on an admitted class": global4("pathlib", "PosixPath") + short_text("x") + b"\x85R}" + short_text(
+            "_raw_paths") + short_text(command) + b"sb.",
+        "EXT1": p4 + b"\x82\x01.", "EXT2": p4 + b"\x83\x01\x00.", "EXT4": p4 + b"\x84\x01\x00\x00\x00.",
+        "persistent id": p4 + short_text(command) + b"Q.",
+    }
+
+
+@pytest.mark.parametrize("reader", ["sample", "resume"])
+def test_no_crafted_metadata_runs_code_and_each_is_one_line(sharded_run, char_data, tmp_path, reader):
+    """The .metadata allow-list admits exact (module, name) pairs only: every kind of bypass is one error line, and
+    the marker a bypass would make is never made."""
+    marker = tmp_path / "ran"
+    for kind, crafted in bypasses(marker).items():
+        out = damaged(sharded_run, tmp_path / kind.replace(" ", "_"),
+                      lambda out: (out / "step-000004" / ".metadata").write_bytes(crafted))
+        with pytest.raises(UserError, match=rf"^{out}/step-000004's shards cannot be read \(\w+.*\); the newest "
+                                            rf"whole step before it is {out}/step-000002") as refused:
+            READERS[reader](out, char_data)
+        assert "\n" not in str(refused.value) and not marker.exists(), kind
+
+
+def test_no_crafted_meta_pkl_runs_code_and_each_is_one_line(tmp_path):
+    """nanoGPT's meta.pkl is read with every import refused: the same bypasses are one error line each."""
+    from tools.nanogpt import read_nanogpt_meta
+    marker = tmp_path / "ran"
+    for kind, crafted in bypasses(marker).items():
+        (tmp_path / "meta.pkl").write_bytes(crafted)
+        with pytest.raises(UserError, match=rf"^{tmp_path / 'meta.pkl'} is refused: it is not a pickle of plain"):
+            read_nanogpt_meta(tmp_path / "meta.pkl")
+        assert not marker.exists(), kind
+
+
 # -- weights that are not finite --------------------------------------------------------------------------------
 
 NAN_READERS = {**{k: v for k, v in READERS.items() if k != "conversion"},

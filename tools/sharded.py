@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint._traverse import set_element  # what DCP's own planner sets an entry with
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
@@ -208,24 +208,25 @@ def unreadable(folder: Path, error: BaseException) -> UserError:
 # weights_only=False, so a crafted step could run a command when read. These read both with an allow-list, as
 # torch.load(weights_only=True) reads ckpt.pt.
 
-METADATA_CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+# exactly the (module, name) pairs DCP's .metadata names (torch 2.11-2.13), nothing under them: a protocol-4 pickle
+# resolves a dotted name ('os.system') through what an admitted module imports, so no module is admitted whole
+METADATA_CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                    ("pathlib._local", "PosixPath"),  # Python 3.13 pickles a path under pathlib._local
                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
-                    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+                    *(("torch.distributed.checkpoint.metadata", name) for name in (
+                        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+                    *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))}
 
 
 class MetadataUnpickler(pickle.Unpickler):
     """DCP's .metadata: its own dataclasses, torch's sizes and dtypes, paths; nothing else is looked up."""
 
     def find_class(self, module: str, name: str):
-        found = super().find_class(module, name) if (module, name) in METADATA_CLASSES or \
-            module == "torch.distributed.checkpoint.metadata" or module == "torch" and name in DTYPE_NAMES else None
-        if found is None:
+        if (module, name) not in METADATA_CLASSES:
             raise pickle.UnpicklingError(f"its .metadata names {module}.{name}, which no checkpoint holds: a pickle "
                                          f"that would run code, not read")
-        return found
-
-
-DTYPE_NAMES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+        return super().find_class(module, name)
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -236,6 +237,8 @@ class SafeReader(dcp.FileSystemReader):
             self.fs.concat_path(self.path, ".metadata")  # releases before per-rank metadata (docs/torch_versions.md)
         with self.fs.create_stream(path, "rb") as stream:
             metadata = MetadataUnpickler(stream).load()
+        if type(metadata) is not Metadata:
+            raise pickle.UnpicklingError(f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
