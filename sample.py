@@ -119,8 +119,13 @@ def read_prompt(start: str) -> str:
         raise UserError(f"cannot read prompt file {path} ({type(e).__name__}); pass a readable UTF-8 file.") from None
 
 
-def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
-    ids = tok.encode(text)
+def encode_prompt(tok: Tokenizer, text: str, default: bool = False) -> list[int]:
+    """The prompt's ids; `default`: the prompt is --start's default, which the error line says."""
+    try:
+        ids = tok.encode(text)
+    except UserError as e:
+        which = f"the default prompt (--start={text!r})" if default else "the prompt"
+        raise UserError(f"{which}: {e} (pass --start= text made of those characters, or --start=FILE:path)") from None
     if not ids:
         raise UserError("the prompt is empty; pass --start=TEXT or --start=FILE:path "
                         "(for GPT-2 BPE, --start='<|endoftext|>' starts from nothing).")
@@ -143,7 +148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         compare.attention_names(cfg.compare)
     rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
     model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
-    prompt = encode_prompt(tok, read_prompt(cfg.start))
+    prompt = encode_prompt(tok, read_prompt(cfg.start), default="start" not in cfg.set_by)
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
               "source": source, "prompt_tokens": len(prompt)}

@@ -379,3 +379,17 @@ def test_a_default_sample_prints_one_speed_line_and_measures_nothing_else(traine
     assert len(speed) == 1 and re.search(r"weights read at ([1-9]\d* MB/s|\d+\.\d GB/s)$", speed[0]), speed  # a unit
     # that fits: a small model's figure in MB/s, never "0.0 GB/s"
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_default_prompt_the_vocabulary_lacks_is_named_as_the_default_with_the_flag_to_set(tmp_path, capsys):
+    """A character vocabulary without '\\n' (a text of one line) cannot encode the default prompt: the error line says
+    it is the default and names --start=, not only the missing character."""
+    meta = {**CHAR_META, "chars": [c if c != "\n" else "\u2603" for c in CHAR_META["chars"]]}
+    out = save_checkpoint(tmp_path, confident_char_model(), meta)
+    with pytest.raises(UserError) as refused:
+        sample.main([f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=2"])
+    said = str(refused.value)
+    assert said.startswith("the default prompt (--start='\\n'): character '\\n' is not in this character "
+                           "vocabulary") and "pass --start=" in said and "\n" not in said
+    with pytest.raises(UserError, match=r"^the prompt: character '\\n'"):  # typed: not the default
+        sample.main([f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=2", "--start=\n"])
