@@ -634,6 +634,30 @@ def test_no_crafted_meta_pkl_runs_code_and_each_is_one_line(tmp_path):
         assert not marker.exists(), kind
 
 
+def test_a_step_removed_while_it_is_read_is_passed_over_for_the_newer_one_without_tracebacks(
+        sharded_run, char_data, tmp_path, monkeypatch, capfd, caplog):
+    """A training run saves step 6 and removes step 4 (keep_checkpoints) while sample reads step 4: sample reads step
+    6, and prints none of DCP's logged fallback ("Global metadata is not found") or its tracebacks."""
+    from tools import sharded
+    out = damaged(sharded_run, tmp_path, lambda out: None)
+    real, moved = sharded.SafeReader.read_metadata, []
+
+    def run_moves_on(self, *args, **kwargs):
+        metadata = real(self, *args, **kwargs)
+        if not moved and Path(self.path).name == "step-000004":  # the run's save of step 6, then its clean-up
+            moved.append(1)
+            shutil.copytree(out / "step-000004", out / "step-000006")
+            (out / "latest").write_text("step-000006")
+            shutil.rmtree(out / "step-000004")
+        return metadata
+    monkeypatch.setattr(sharded.SafeReader, "read_metadata", run_moves_on)
+    capfd.readouterr()
+    assert sample.main([f"--out_dir={out}", "--max_new_tokens=2", "--num_samples=1"]) == 0
+    err = capfd.readouterr().err
+    assert moved and "Traceback" not in err and "Global metadata" not in err, err[-2000:]
+    assert not [r for r in caplog.records if r.exc_info or "metadata" in r.getMessage()]  # DCP logs to the root
+
+
 # -- weights that are not finite --------------------------------------------------------------------------------
 
 NAN_READERS = {**{k: v for k, v in READERS.items() if k != "conversion"},

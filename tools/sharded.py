@@ -230,19 +230,24 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's reader, its .metadata unpickled by MetadataUnpickler (FileSystemReader.read_metadata, pickle.load aside)."""
+    """DCP's reader, its .metadata unpickled by MetadataUnpickler (FileSystemReader.read_metadata, pickle.load aside),
+    once: DCP asking again gets the same, so a step removed meanwhile (a run's keep_checkpoints) fails at its shards,
+    in our words, not in DCP's logged fallback and its tracebacks."""
+    metadata = None
 
     def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank")) if hasattr(self, "_get_metadata_path") else \
-            self.fs.concat_path(self.path, ".metadata")  # releases before per-rank metadata (docs/torch_versions.md)
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = MetadataUnpickler(stream).load()
-        if type(metadata) is not Metadata:
-            raise pickle.UnpicklingError(f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if self.metadata is None:
+            path = self._get_metadata_path(kwargs.get("rank")) if hasattr(self, "_get_metadata_path") else \
+                self.fs.concat_path(self.path, ".metadata")  # releases before per-rank metadata (torch_versions.md)
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = MetadataUnpickler(stream).load()
+            if type(metadata) is not Metadata:
+                raise pickle.UnpicklingError(f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            self.metadata = metadata
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
 
 
 def weights_only_bytes(planner_class):
@@ -263,8 +268,9 @@ def read_step(folder: Path, parts: set[str]) -> dict:
     CPU, read by this process alone: how DCP's own conversion to one file (format_utils.dcp_to_torch_save) reads."""
     state: dict = {}
     try:
-        SafeReader(folder).read_metadata()  # a refused .metadata in its own words (DCP would wrap them)
-        _load_state_dict(state, storage_reader=SafeReader(folder),
+        reader = SafeReader(folder)
+        reader.read_metadata()  # a refused .metadata in its own words (DCP would wrap them)
+        _load_state_dict(state, storage_reader=reader,
                          planner=weights_only_bytes(_EmptyStateDictLoadPlanner)(keys=parts | {TRAIN}), no_dist=True)
     except (CheckpointException, Exception) as e:  # DCP's is a BaseException: each rank's error with its traceback
         raise unreadable(folder, e) from None
@@ -276,7 +282,9 @@ def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
     shaped for set_optimizer_state_dict. Collective under torchrun."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     try:
-        dcp.load(state, storage_reader=SafeReader(folder), planner=weights_only_bytes(DefaultLoadPlanner)())
+        reader = SafeReader(folder)
+        reader.read_metadata()
+        dcp.load(state, storage_reader=reader, planner=weights_only_bytes(DefaultLoadPlanner)())
     except (CheckpointException, Exception) as e:  # a shard damaged after the step was read for its settings
         raise unreadable(folder, e) from None
     set_model_state_dict(model, state["model"])
