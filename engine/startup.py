@@ -88,7 +88,7 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         # rank 0 prepares an embedded dataset while the others wait; then the data's own problems, all at once
         runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
         meta = check_data(cfg, rt, data_dir, checkpoint)
-        if lock is None and not cfg.eval_only:  # a new run's out_dir, made and locked only now
+        if cfg.init_from != "resume" and not cfg.eval_only:  # a new run's out_dir, made and locked only now
             lock = runtime.on_master(lambda: files.claim_out_dir(Path(cfg.out_dir), cfg.overwrite, describe_run),
                                      rt.device)
     except BaseException:
