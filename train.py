@@ -311,7 +311,8 @@ def train_loop(run: TrainingRun, resumed_at: int | None) -> None:
                 trained + time.perf_counter() - started >= cfg.max_seconds
             if not rt.is_distributed:  # under torchrun the ranks stop together on the flag a logged step carries
                 out_of_time = timed_out
-            if run.iter_num % cfg.log_interval == 0 or evaluates(run.iter_num) or out_of_time:
+            first_timed = steps_run == (2 if cfg.compile else 1)  # a first line at once, whatever log_interval says
+            if run.iter_num % cfg.log_interval == 0 or evaluates(run.iter_num) or out_of_time or first_timed:
                 values = runtime.sum_across_ranks_(torch.stack([loss.detach().float(), torch.full_like(
                     loss, float(rt.is_distributed and timed_out), dtype=torch.float32)]))
                 rt.synchronize()
@@ -384,7 +385,7 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
         run.log.log({"iter": run.iter_num, **losses})
         if "val/tokens" in losses and rt.is_master:  # the whole split: the digits to hold lm-eval's figure against
             print(f"val/loss {losses['val/loss']:.10f} nats a token over {losses['val/tokens']:,} tokens of "
-                  f"val.bin (the sum: {losses['val/loss'] * losses['val/tokens']:.6f} nats)")
+                  f"val.bin in {rt.dtype} (the sum: {losses['val/loss'] * losses['val/tokens']:.6f} nats)")
         run.log.close()
         return
     if run.attn_decision:  # the whole table beside the run's metrics (wandb has it in the run's config)

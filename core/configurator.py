@@ -42,7 +42,8 @@ def coerce(key: str, value, default, current):
 
 def _check_key(key: str, known: dict) -> None:
     if key not in known:
-        close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6) or [  # or its initials: lr, wd
+            name for name in known if "".join(word[0] for word in name.split("_")) == key and len(key) > 1]
         hint = f"; did you mean {' or '.join(close)}?" if close else "; --help lists the settings."
         raise UserError(f"unknown setting '{key}'{hint}")
 
@@ -102,13 +103,14 @@ class Choice:
         return "a comma list of" if self.many else "one of"
 
     def suggestion(self, given: list) -> str:
-        """'; did you mean 'flash'?' when every word not allowed is close to one that is, else '.'."""
-        fixed = []
-        for word in given:
-            close = [word] if word in self.words else difflib.get_close_matches(str(word), self.words, n=1)
-            if not close:
-                return "."
-            fixed.append(close[0])
+        """'; did you mean 'flash'?' when every word not allowed is close to one that is, else the words that are
+        not ('; 'foo' is not one of them.')."""
+        fixed = [word if word in self.words else next(iter(difflib.get_close_matches(str(word), self.words, n=1)),
+                                                      None) for word in given]
+        if None in fixed:
+            unknown = [repr(word) for word, close in zip(given, fixed) if close is None]
+            return f"; {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not one of them." if self.many \
+                else "."
         return f"; did you mean {','.join(fixed)!r}?" if fixed else "."
 
 

@@ -6,6 +6,7 @@ files once, and drawing the batches.
     x, y = batches.micro_batches("train", 1)[0]          # (B, T) each
 """
 
+import difflib
 import os
 import subprocess
 import sys
@@ -33,8 +34,10 @@ def dataset_dir(data_dir: str, name: str) -> Path:
         raise UserError(f"dataset {name!r} is not the name of a folder in data/; pass --dataset= such a name, or "
                         f"--data_dir= the folder that holds train.bin and val.bin.")
     if not (DATA / name / "prepare.py").exists() and not (DATA / name / "train.bin").exists():
-        known = sorted(p.parent.name for p in DATA.glob("*/prepare.py"))
-        raise UserError(f"unknown dataset '{name}' (no data/{name}/); use one of {', '.join(known)}, "
+        known = sorted({p.parent.name for pattern in ("*/prepare.py", "*/train.bin") for p in DATA.glob(pattern)})
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean --dataset={close[0]}? The datasets are" if close else "use one of"
+        raise UserError(f"unknown dataset '{name}' (no data/{name}/); {hint} {', '.join(known)}, "
                         f"or --data_dir= a folder with train.bin and val.bin.")
     return DATA / name
 

@@ -208,12 +208,13 @@ class OutDirLock:
         self.file.close()  # closing the file drops the lock
 
 
-def check_out_dir(out: Path, overwrite: bool, describe: Callable[[Path], str]) -> None:
+def check_out_dir(out_dir: str, overwrite: bool, describe: Callable[[Path], str]) -> None:
     """A new run's out_dir, before anything is written: a folder (or one to make) that can be written, and, unless
     --overwrite=True, holding no other run's checkpoint (a log and a .lock alone, a run stopped before its first save,
     are no reason to refuse). `describe(ckpt)`: a few words on the checkpoint the error line names."""
-    if not str(out):
+    if not str(out_dir):
         raise UserError("out_dir is empty (an unset shell variable?); pass --out_dir= a folder name.")
+    out = Path(out_dir)
     if (out / "ckpt.pt").exists() or (out / "latest").is_file():  # ckpt.pt, or the pointer to a sharded step
         if not overwrite:
             raise UserError(f"{out} already holds another run's checkpoint ({describe(out / 'ckpt.pt')}); continue "
@@ -225,14 +226,14 @@ def check_out_dir(out: Path, overwrite: bool, describe: Callable[[Path], str]) -
         raise UserError(f"out_dir {out} {what}; pass --out_dir= a writable folder.")
 
 
-def claim_out_dir(out: Path, overwrite: bool, describe: Callable[[Path], str]) -> OutDirLock:
+def claim_out_dir(out_dir: str, overwrite: bool, describe: Callable[[Path], str]) -> OutDirLock:
     """A new run's out_dir, made and locked once every check has passed; checked again under the lock, for a run
     that took it meanwhile (the old log is replaced at the new run's first line, an old checkpoint at its first save:
     a run stopped before then leaves both as they were)."""
-    check_writable_dir(out)
-    lock = OutDirLock(out)
+    check_writable_dir(Path(out_dir))
+    lock = OutDirLock(Path(out_dir))
     try:
-        check_out_dir(out, overwrite, describe)
+        check_out_dir(out_dir, overwrite, describe)
     except UserError:
         lock.release()
         raise

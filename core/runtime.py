@@ -280,7 +280,11 @@ def time_call(call: Callable[[], T], rt: Runtime) -> tuple[T, float]:
 # -- scripts ------------------------------------------------------------------------------------------
 
 def run_main(main) -> None:
-    """Exit with errors.exit_code(main), the process group destroyed on every way out."""
+    """Exit with errors.exit_code(main), the process group destroyed on every way out. Every line printed reaches a
+    log file or pipe at once (line buffering), so a run killed early still shows its banner and notes."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     try:
         code = errors.exit_code(main, exiting=True)
     finally:

@@ -48,7 +48,7 @@ class Checkpoint:
     meta: Optional[dict] = None          # the dataset's meta.json: which tokenizer decodes the model's ids
     attn_decision: Optional[dict] = None  # attn=auto's table and pick, which a resume on the same shapes reuses
     shards: Optional[str] = None         # not saved: the step folder of a sharded checkpoint loaded for training,
-                                         # whose model and optimizer state each rank reads in place (engine/resume.py's restore)
+                                         # whose model and optimizer state each rank reads in place (restore)
 
     def save(self, path: Path) -> None:
         """Write it completely or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""

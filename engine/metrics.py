@@ -71,8 +71,9 @@ class MetricsLog:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
             except OSError as e:  # a full disk: the line above was printed; the run stops with one error line
-                raise UserError(f"could not append to {self.path} ({e.strerror or e}); the run stops, its checkpoint "
-                                f"(if one was saved) kept - free disk space or pass --out_dir= another folder.") from None
+                raise UserError(f"could not append to {self.path} ({e.strerror or e}); the run stops, its "
+                                f"checkpoint (if one was saved) kept - free disk space or pass --out_dir= another "
+                                f"folder.") from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "iter"}, step=metrics["iter"])
 
@@ -91,9 +92,11 @@ def banner(cfg: Settings, rt: Runtime, model: GPT, tokens_per_iter: int) -> str:
     kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
     kernels = f" ({kernels})" if kernels else ""
     c = model.config
+    differ = [flag for flag, differs in (("--bias=False", c.bias), ("--gelu=none", c.gelu == "tanh")) if differs]
     layers = f"{'biases' if c.bias else 'no biases'}, {'tanh' if c.gelu == 'tanh' else 'exact'} GELU" + (
-        "; nanoGPT's train.py: --bias=False --gelu=none" if c.bias or c.gelu == "tanh" else "")
-    return (f"{model.get_num_params() / 1e6:.2f}M parameters ({layers}), attn={c.attn}{kernels}, {rt.dtype} on "
+        f"; nanoGPT's train.py: {' '.join(differ)}" if differ else "")
+    masks = "".join([", documents masked (doc_mask)"] * c.doc_mask + [f", window {c.window}"] * (c.window > 0))
+    return (f"{model.get_num_params() / 1e6:.2f}M parameters ({layers}), attn={c.attn}{kernels}{masks}, {rt.dtype} on "
             f"{rt.name}{muon}, {ranks}, {tokens_per_iter:,} tokens per iteration")
 
 

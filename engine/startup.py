@@ -21,8 +21,8 @@ RUNTIME_SETTINGS = ("device", "dtype", "muon_dtype", "threads", "backend")
 CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py "
                "--gradient_accumulation_steps=2 --batch_size=16 --out_dir=out-ddp-cpu")
 
-# The rules between settings: (error or note, the settings it reads, whether it applies, what it says). A rule that
-# reads a setting already out of range is skipped (that setting's own problem is named).
+# The rules between settings: (error, note, or hint: a note said with the errors too; the settings it reads; whether
+# it applies; what it says). A rule that reads a setting already out of range is skipped (its own problem is named).
 RULES = [
     ("error", "optimizer parallel", lambda c, rt: c.optimizer == "muon" and rt.is_distributed and
      c.parallel == "fsdp", lambda c, rt: "optimizer='muon' does not run under --parallel=fsdp: Muon orthogonalizes "
@@ -46,7 +46,14 @@ RULES = [
      not c.eval_only and c.early_decay_iters and not c.warmup_iters < c.early_decay_iters < c.lr_decay_iters,
      lambda c, rt: f"early_decay_iters={c.early_decay_iters} is not between warmup_iters={c.warmup_iters} and "
                    f"lr_decay_iters={c.lr_decay_iters}, so there is no early decay"),
-    ("note", "n_layer n_embd", lambda c, rt: rt.device_type == "cpu" and 12 * c.n_layer * c.n_embd ** 2 > 50e6,
+    ("note", "n_layer n_embd gradient_accumulation_steps batch_size block_size", lambda c, rt: 12 * c.n_layer *
+     c.n_embd ** 2 < 10e6 and c.gradient_accumulation_steps >= 8, lambda c, rt: f"a model of about "
+     f"{12 * c.n_layer * c.n_embd ** 2:,} block parameters takes {c.gradient_accumulation_steps} micro-steps "
+     f"({c.gradient_accumulation_steps * c.batch_size * c.block_size:,} tokens) an iteration, GPT-2's batch; a model "
+     f"this small usually learns faster per second with --gradient_accumulation_steps=1"),
+    ("note", "dtype", lambda c, rt: rt.device_type == "cpu" and rt.dtype == "float16", lambda c, rt: "float16 on a "
+     "CPU is emulated, several times slower than float32; --dtype=float32 (or bfloat16 where the CPU has it)"),
+    ("hint", "n_layer n_embd", lambda c, rt: rt.device_type == "cpu" and 12 * c.n_layer * c.n_embd ** 2 > 50e6,
      lambda c, rt: f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe "
                    f"is {CPU_COMMAND}"),
 ]
@@ -60,6 +67,8 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
     old steps) and runs with its checkpoint's settings (resumed_settings), so every check is the resumed run's."""
     out_of_range: dict = {}
     cfg = configure(namespace, argv, limits, out_of_range)
+    if cfg.eval_only and cfg.eval_iters == 0 and "dtype" not in cfg.set_by:  # a figure to compare: fp32 unless named
+        cfg = Settings({**cfg.set_by, "dtype": "--eval_iters=0"}, **{**cfg.as_dict(), "dtype": "float32"})
     problems = list(out_of_range.values())
     if out_of_range.keys() & set(RUNTIME_SETTINGS):  # no device to check the rest against
         errors.refuse_all(problems)
@@ -73,15 +82,15 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         cfg, rt, checkpoint, lock = read_resumed(cfg, rt, limits, problems)
     problems += [UserError(say(cfg, rt)) for kind, keys, applies, say in RULES
                  if kind == "error" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)]
-    notes = [say(cfg, rt) for kind, keys, applies, say in RULES
-             if kind == "note" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)]
+    notes = {say(cfg, rt): kind for kind, keys, applies, say in RULES
+             if kind != "error" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)}
     for check in environment(cfg, rt, out_of_range):
         problems += problems_of(check)
     if rt.is_distributed:  # every rank's settings and problems in one exchange: a node's own problem stops all
         from core.distributed import agree
         problems = agree(cfg.as_dict(), problems)
     try:
-        errors.refuse_all(problems, "; ".join(notes))
+        errors.refuse_all(problems, "; ".join(note for note, kind in notes.items() if kind == "hint"))
         for note in notes if rt.is_master else []:
             print(f"note: {note}.", file=sys.stderr, flush=True)
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
@@ -89,7 +98,7 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
         meta = check_data(cfg, rt, data_dir, checkpoint)
         if cfg.init_from != "resume" and not cfg.eval_only:  # a new run's out_dir, made and locked only now
-            lock = runtime.on_master(lambda: files.claim_out_dir(Path(cfg.out_dir), cfg.overwrite, describe_run),
+            lock = runtime.on_master(lambda: files.claim_out_dir(cfg.out_dir, cfg.overwrite, describe_run),
                                      rt.device)
     except BaseException:
         if lock is not None:
@@ -129,7 +138,7 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
         checks.append(lambda: prepare_if_missing(dataset_dir(cfg.data_dir, cfg.dataset), cfg.dataset,
                                                  check_only=True))
     if not cfg.eval_only and cfg.init_from != "resume" and "out_dir" not in out_of_range:
-        checks.append(lambda: files.check_out_dir(Path(cfg.out_dir), cfg.overwrite, describe_run))
+        checks.append(lambda: files.check_out_dir(cfg.out_dir, cfg.overwrite, describe_run))
     if cfg.compile:
         checks.append(runtime.check_compile_cache)
     if cfg.wandb_log:

@@ -215,7 +215,7 @@ def test_a_choice_is_checked_against_its_declared_words_before_anything_runs():
     assert configurator.configure(defaults, [], limits).padding is None  # None: the script picks
     with pytest.raises(UserError, match="^parallel must be one of 'ddp', 'fsdp', got 'zero'.$"):
         configurator.configure(defaults, ["--parallel=zero"], limits)
-    with pytest.raises(UserError, match="^padding must be a comma list of 'off', 'on', got 'off,maybe'.$"):
+    with pytest.raises(UserError, match="^padding must be a comma list of 'off', 'on', got 'off,maybe'; 'maybe' is not one of them.$"):
         configurator.configure(defaults, ["--padding=off,maybe"], limits)
     with pytest.raises(UserError, match="parallel must be one of 'ddp', 'fsdp', got 'zero'"):
         train.main(["--parallel=zero"])  # declared beside train.py's LIMITS, refused before any work
@@ -327,10 +327,20 @@ def test_a_token_file_is_read_through_once_and_again_only_when_it_changes(tmp_pa
     assert scans == ["train.bin", "val.bin", "train.bin"]
 
 
-def test_an_unknown_dataset_lists_the_datasets_that_exist(tmp_path):
-    with pytest.raises(UserError, match=r"unknown dataset 'shakespear' \(no data/shakespear/\); use one of "
-                                        r"openwebtext, shakespeare, shakespeare_char"):
+def test_an_unknown_dataset_lists_the_datasets_that_exist_and_names_a_close_one(tmp_path, monkeypatch):
+    """The candidates are data/'s folders with a prepare.py or a train.bin (a dataset a user prepared there)."""
+    from core import dataset
+    with pytest.raises(UserError, match=r"unknown dataset 'shakespear' \(no data/shakespear/\); did you mean "
+                                        r"--dataset=shakespeare\? The datasets are openwebtext, shakespeare, "
+                                        r"shakespeare_char"):
         train_tiny("--dataset=shakespear", f"--out_dir={tmp_path / 'out'}")
+    (tmp_path / "data" / "pystdlib_char").mkdir(parents=True)
+    (tmp_path / "data" / "pystdlib_char" / "train.bin").write_bytes(b"")
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
+    with pytest.raises(UserError, match=r"did you mean --dataset=pystdlib_char\? The datasets are pystdlib_char"):
+        train_tiny("--dataset=pystdlib_chr", f"--out_dir={tmp_path / 'out'}")
+    with pytest.raises(UserError, match=r"^unknown setting 'lr'; did you mean learning_rate\?$"):
+        train_tiny("--lr=1e-3")
 
 
 def test_a_known_dataset_not_yet_prepared_names_its_prepare_command(tmp_path, monkeypatch):

@@ -612,7 +612,8 @@ def test_a_signal_while_prepare_replaces_another_texts_data_leaves_one_whole_set
                    capture_output=True)
     (tmp_path / "wrap.py").write_text(PREPARE_INTERRUPTED)
     done = subprocess.run([sys.executable, str(tmp_path / "wrap.py"), str(n), str(int(sig)), script,
-                           f"--input={tmp_path / 'new.txt'}", f"--out_dir={out}"], capture_output=True, text=True,
+                           f"--input={tmp_path / 'new.txt'}", f"--out_dir={out}", "--overwrite=True"],
+                          capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert done.returncode == code and "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1] == said
     meta = json.loads((out / "meta.json").read_text())

@@ -6,6 +6,8 @@ import io
 import json
 import re
 import shlex
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,6 +88,7 @@ def test_eval_iters_0_is_the_loss_of_every_val_token_once_as_lm_eval_reads_the_t
     capsys.readouterr()
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--eval_only=True", "--eval_iters=0"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if " nats a token over " in x)
+    assert " tokens of val.bin in float32 (the sum: " in line  # a figure to compare: fp32 where no dtype is named
     printed, tokens = float(line.split()[1]), int(line.split(" over ")[1].split()[0].replace(",", ""))
     from engine.reader import build_model, load_checkpoint
     model = build_model(load_checkpoint(out / "ckpt.pt")).eval()
@@ -394,9 +397,9 @@ def test_the_device_is_waited_for_only_where_a_line_is_logged_and_an_evaluation_
     queueing work ahead of a GPU), and the clock starts with nothing queued (accumulation 2: micro-batches in play)."""
     assert train.main(TINY + [f"--data_dir={char_data}", "--max_iters=12", "--log_interval=4", "--eval_interval=100",
                               "--gradient_accumulation_steps=2", f"--out_dir={tmp_path}"]) == 0
-    assert set(stream.waits) == {0, 4, 8, 12}  # the start, each logged step, the end's evaluation
-    assert sorted(metrics(tmp_path, "train/loss")) == [4, 8, 12] and sorted(metrics(tmp_path, "ms_per_iter")) == [
-        4, 8, 12]
+    assert set(stream.waits) == {0, 1, 4, 8, 12}  # the start, each logged step (the first timed one too), the end
+    assert sorted(metrics(tmp_path, "train/loss")) == [1, 4, 8, 12] and sorted(metrics(tmp_path, "ms_per_iter")) == [
+        1, 4, 8, 12]  # a first line at once, whatever log_interval says
 
 
 class StepClock:
@@ -699,3 +702,43 @@ def test_nanogpts_backend_flag_is_taken_and_the_banner_names_the_layers_nanogpt_
     assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'b'}", "--max_iters=1",
                               "--bias=False", "--gelu=none"]) == 0
     assert "parameters (no biases, exact GELU), attn=" in capsys.readouterr().out
+    assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path / 'c'}", "--max_iters=1",
+                              "--gelu=none", "--window=8"]) == 0  # one flag differs: that one is named
+    banner = capsys.readouterr().out
+    assert "parameters (biases, exact GELU; nanoGPT's train.py: --bias=False), attn=sdpa" in banner
+    assert ", window 8, float32 on " in banner
+
+
+@pytest.mark.parametrize("args, note", [
+    (["--window=64"], "note: window=64 is not shorter than block_size=32, so every token sees its whole block"),
+    (["--gradient_accumulation_steps=40"], "note: a model of about 24,576 block parameters takes 40 micro-steps "
+                                           "(5,120 tokens) an iteration"),
+    (["--dtype=float16"], "note: float16 on a CPU is emulated"),
+])
+def test_a_setting_that_does_not_do_what_it_seems_is_a_note_at_start(char_data, tmp_path, capsys, args, note):
+    assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--max_iters=0", *args]) == 0
+    assert note in capsys.readouterr().err
+
+
+def test_an_empty_out_dir_is_refused_before_anything_is_written(char_data, tmp_path, monkeypatch):
+    """--out_dir=$UNSET trained into the current folder once."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^out_dir is empty \(an unset shell variable\?\); pass --out_dir= a folder"):
+        train.main(TINY + [f"--data_dir={char_data}", "--out_dir=", "--max_iters=1"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_line_reaches_a_log_file_at_once(tmp_path):
+    """A script's output to a file or pipe is line-buffered (runtime.run_main): a line printed before minutes of work
+    (the banner, then a long probe) is there at once, not when the buffer fills or the process ends."""
+    script = "from core import runtime\nimport time\nruntime.run_main(lambda: print('the banner') or time.sleep(60))"
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                           env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                                "PYTHONPATH": str(REPO)})  # as a user's shell has it
+    try:
+        import select
+        assert select.select([run.stdout], [], [], 20)[0], "nothing within 20 s"  # a full buffer: the whole minute
+        assert run.stdout.readline() == "the banner\n"
+    finally:
+        run.kill()
+        run.wait()
