@@ -88,6 +88,11 @@ def bf16_native(device_type: str, training: bool = False) -> bool:
     return device_type == "cpu" and cpu_capability() in (("AMX",) if training else ("AMX", "AVX512_BF16"))
 
 
+# On a CPU, Muon's Newton-Schulz pays in bf16 only from this width on (AMX, 2 threads: 1.2x slower than fp32 at
+# 128 x 128, 0.86x at 128 x 512, 0.55x at 256 x 256, ~0.3x from 384; docs/training.md "Precision on CPU")
+MUON_BF16_WIDTH = 256
+
+
 def pick_dtype(dtype: str, device: str) -> str:
     """'auto' is bf16 where the hardware runs it fast, fp16 (with a GradScaler) on older GPUs, fp32 otherwise."""
     if dtype != "auto":  # a key of DTYPES: every script's LIMITS says so
@@ -104,7 +109,7 @@ class Runtime:
     resolve_runtime, asked by every script."""
     device: str  # "cpu", "cuda:N" or "mps"
     dtype: str   # a key of DTYPES: the autocast dtype, or float32 for none
-    muon_dtype: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 only where it is native)
+    muon_dtype: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 where it pays: resolve_runtime)
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -182,7 +187,7 @@ class Runtime:
 
 def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str = "auto",
                     distributed: bool = False, threads: int = 0, backend: str = "auto",
-                    joined: Optional[Runtime] = None) -> Runtime:
+                    joined: Optional[Runtime] = None, width: int = 0) -> Runtime:
     """The one place device, autocast dtype, Muon's dtype and CPU threads are decided (bf16_native says where each
     picks bf16); a cuda:N device made current, TF32 on. `distributed`: under torchrun, join the process group first.
     `joined`: decided again for a resume's settings, in the ranks (and under torchrun on the device) already joined."""
@@ -203,8 +208,9 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str =
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     kind = device.split(":")[0]
-    if muon_dtype == "auto":
-        muon_dtype = "bfloat16" if bf16_native(kind) else "float32"
+    if muon_dtype == "auto":  # `width`: the model's n_embd, every block matrix's smaller side
+        muon_dtype = "bfloat16" if bf16_native(kind, training=True) and (kind != "cpu" or width >= MUON_BF16_WIDTH) \
+            else "float32"
     return Runtime(device, pick_dtype(dtype, device), muon_dtype, rank, local_rank, world_size)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from core import runtime
 from core.configurator import Settings
 from core.errors import UserError
 from core.files import staged_outputs
@@ -86,7 +87,12 @@ class MetricsLog:
 
 def banner(cfg: Settings, rt: Runtime, model: GPT, tokens_per_iter: int) -> str:
     """The run's first line: the model, attention, precision, device, and how the ranks split the work."""
-    muon = f", Muon's Newton-Schulz in {rt.muon_dtype}" if cfg.optimizer == "muon" else ""
+    why = {"float32": "bf16 is not native here" if not runtime.bf16_native(rt.device_type, training=True) else
+           f"bf16 pays on a CPU from {runtime.MUON_BF16_WIDTH} wide", "bfloat16": "bf16 is native here"}
+    muon = f", Muon's Newton-Schulz in {rt.muon_dtype}" + (f" (auto: {why[rt.muon_dtype]})" if cfg.muon_dtype == "auto"
+                                                          else "") if cfg.optimizer == "muon" else ""
+    dtype = f"{rt.dtype}" + (f" (auto: {'bf16 is native here' if rt.dtype == 'bfloat16' else 'bf16 does not pay here'})"
+                             if cfg.dtype == "auto" and rt.device_type == "cpu" else "")
     ranks = f"{rt.world_size} ranks under {'DDP' if cfg.parallel == 'ddp' else 'FSDP2'}" if rt.is_distributed else \
         "world size 1"
     kernels = IMPLEMENTATIONS[model.config.attn].kernels_on(model.transformer.wpe.weight.device)
@@ -96,7 +102,7 @@ def banner(cfg: Settings, rt: Runtime, model: GPT, tokens_per_iter: int) -> str:
     layers = f"{'biases' if c.bias else 'no biases'}, {'tanh' if c.gelu == 'tanh' else 'exact'} GELU" + (
         f"; nanoGPT's train.py: {' '.join(differ)}" if differ else "")
     masks = "".join([", documents masked (doc_mask)"] * c.doc_mask + [f", window {c.window}"] * (c.window > 0))
-    return (f"{model.get_num_params() / 1e6:.2f}M parameters ({layers}), attn={c.attn}{kernels}{masks}, {rt.dtype} on "
+    return (f"{model.get_num_params() / 1e6:.2f}M parameters ({layers}), attn={c.attn}{kernels}{masks}, {dtype} on "
             f"{rt.name}{muon}, {ranks}, {tokens_per_iter:,} tokens per iteration")
 
 

@@ -74,7 +74,7 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         errors.refuse_all(problems)
     try:
         rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
-                                     backend=cfg.backend)
+                                     backend=cfg.backend, width=cfg.n_embd)
     except UserError as e:
         errors.refuse_all(problems + [e])
     checkpoint, lock = None, None
@@ -122,8 +122,9 @@ def read_resumed(cfg: Settings, rt: Runtime, limits: dict, problems: list) -> tu
     except UserError as e:
         problems.append(e)
         return cfg, rt, None, lock
-    if any(getattr(cfg, k) != getattr(command, k) for k in RUNTIME_SETTINGS):
-        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt)
+    if any(getattr(cfg, k) != getattr(command, k) for k in (*RUNTIME_SETTINGS, "n_embd")):
+        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt,
+                                     width=cfg.n_embd)
     return cfg, rt, checkpoint, lock
 
 

@@ -131,20 +131,21 @@ def test_muon_in_bf16_takes_exactly_torch_optim_muons_steps():
     assert ours.state_dict()["param_groups"][0].keys() == theirs.state_dict()["param_groups"][0].keys()
 
 
-@pytest.mark.parametrize("device_type,capability,bf16_gpu,wanted", [
-    ("cpu", "AVX2", False, "float32"),        # bf16 emulated: ~20x an fp32 iteration
-    ("cpu", "AVX512", False, "float32"),
-    ("cpu", "AVX512_BF16", False, "bfloat16"),
-    ("cpu", "AMX", False, "bfloat16"),
-    ("cuda", "AVX2", True, "bfloat16"),       # Ampere and later
-    ("cuda", "AVX2", False, "float32"),       # a V100 or T4 only emulates bf16
+@pytest.mark.parametrize("device_type,capability,bf16_gpu,width,wanted", [
+    ("cpu", "AVX2", False, 1024, "float32"),        # bf16 emulated: ~20x an fp32 iteration
+    ("cpu", "AVX512", False, 1024, "float32"),
+    ("cpu", "AVX512_BF16", False, 1024, "float32"),  # native, but slower than fp32 without AMX (MEASURED.md)
+    ("cpu", "AMX", False, 128, "float32"),           # the quickstart's width: the casts cost more than AMX saves
+    ("cpu", "AMX", False, 256, "bfloat16"),          # 0.55x fp32's time at 256 x 256, ~0.3x from 384
+    ("cuda", "AVX2", True, 128, "bfloat16"),         # Ampere and later, at any width
+    ("cuda", "AVX2", False, 1024, "float32"),        # a V100 or T4 only emulates bf16
 ])
-def test_muon_iterates_in_bf16_only_where_bf16_is_native(monkeypatch, device_type, capability, bf16_gpu, wanted):
+def test_muon_iterates_in_bf16_only_where_bf16_pays(monkeypatch, device_type, capability, bf16_gpu, width, wanted):
     monkeypatch.setattr(runtime, "cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_gpu)
     monkeypatch.setattr(runtime, "pick_device", lambda device: "cuda:0" if device_type == "cuda" else "cpu")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    rt = runtime.resolve_runtime(device_type, "float32")
+    rt = runtime.resolve_runtime(device_type, "float32", width=width)
     assert rt.muon_dtype == wanted
     assert runtime.resolve_runtime(device_type, "float32", "bfloat16").muon_dtype == "bfloat16"  # a setting wins
     cfg = configure(vars(train), ["--optimizer=muon"], train.LIMITS)

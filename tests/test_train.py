@@ -640,9 +640,10 @@ def test_the_first_evaluation_says_what_it_does_at_once_and_how_long_it_takes_wh
 def test_the_banner_says_how_the_ranks_split_the_work(char_data):
     from types import SimpleNamespace
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=11))
-    rt = SimpleNamespace(world_size=2, is_distributed=True, dtype="float32", name="CPU", muon_dtype="float32")
+    rt = SimpleNamespace(world_size=2, is_distributed=True, dtype="float32", name="CPU", muon_dtype="float32",
+                         device_type="cpu")
     cfg = SimpleNamespace(optimizer="adamw", parallel="fsdp", gradient_accumulation_steps=2, batch_size=4,
-                          block_size=8)
+                          block_size=8, dtype="float32")
     per_iter = train.tokens_per_iter(cfg)
     assert ", 2 ranks under FSDP2, 64 tokens per iteration" in train_metrics.banner(cfg, rt, model, per_iter)
     cfg.parallel = "ddp"
