@@ -87,8 +87,8 @@ max_batch_limit = 256     # the search stops here
 # attention-only mode: q, k, v of (attn_batch, attn_heads, T, hs) for T in attn_seq_lens, hs in attn_head_sizes
 attn_batch = None         # sequences per call
 attn_heads = None         # heads per sequence
-attn_seq_lens = None      # e.g. 512,1024,2048
-attn_head_sizes = None    # e.g. 64,128
+attn_seq_lens = None      # e.g. 512,1024,2048; None: the device's own list (GPU 512-4096, CPU 256-2048)
+attn_head_sizes = None    # e.g. 64,128; None: the device's own (GPU 64,128, CPU 32,64)
 # generate mode: new_tokens greedy tokens after a prompt of prompt_len, gen_batch sequences at once
 prompt_len = 1            # tokens of prompt before the timed ones (prefilled)
 new_tokens = None         # tokens generated per row, timed

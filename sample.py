@@ -51,7 +51,8 @@ dtype = "auto"                    # the weights' dtype: auto (bf16 on GPUs from 
                                   # older GPUs, else fp32), float32, bfloat16, float16
 quantize = ""                     # "int8": int8 weight-only weights (torchao), a quarter of fp32's bytes per token
 compile = False                   # compile the prefill and the decode step: slow to start, faster per token
-threads = 0                       # CPU threads; 0: OMP_NUM_THREADS if set, else torch's default (one per core)
+threads = 0                       # CPU threads; 0: OMP_NUM_THREADS if set, else torch's default (one per physical
+                                  # core)
 # comparison
 compare = ""                      # "manual,sdpa,flash" or "all": compare the same weights through each of them
 json = ""                         # write every number (settings, tokens, timings, errors) to this JSON file

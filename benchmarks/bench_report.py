@@ -212,16 +212,18 @@ def ms_chart(ax, rows: list[dict], cfg: Settings) -> str:
     for i, (label, by_attn) in enumerate(bars.items()):
         found = [by_attn.get(a) for a in groups]  # None: skipped, a gap in the chart
         ys = np.arange(len(groups)) + (i - (len(bars) - 1) / 2) * height
-        if speedups:
-            values = [r.get("speedup_vs_manual") or np.nan if r else np.nan for r in found]
+        doubtful = [r is not None and speedup_cell(r) == "unreliable" for r in found]  # as the table calls them
+        if speedups:  # no bar where the table shows no speedup: the word instead
+            values = [0.0 if bad else r.get("speedup_vs_manual") or np.nan if r else np.nan
+                      for r, bad in zip(found, doubtful)]
             drawn = ax.barh(ys, values, height, label=label)
-            labels = ["" if x != x else f"{x:.2f}x" for x in values]
+            labels = ["unreliable" if bad else "" if x != x else f"{x:.2f}x" for x, bad in zip(values, doubtful)]
         else:
             values = [r["ms_per_iter"] if r else np.nan for r in found]
             whiskers = [(r["ms_per_iter"] - r["ms_p25"], r["ms_p75"] - r["ms_per_iter"]) if r else (0, 0)
                         for r in found]
             drawn = ax.barh(ys, values, height, xerr=np.array(whiskers, dtype=float).T, capsize=2, label=label)
-            labels = [ms_label(m) for m in values]
+            labels = [ms_label(m) + (" unreliable" if bad else "") for m, bad in zip(values, doubtful)]
         fallback = ["" if r is None or r.get("kernel_ok", True) else f"  ! ran {r['kernel']}" for r in found]
         ax.bar_label(drawn, labels=[text + flag for text, flag in zip(labels, fallback)], padding=3, fontsize=7)
     ax.set_yticks(np.arange(len(groups)), groups)

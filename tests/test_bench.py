@@ -684,6 +684,30 @@ def test_an_attention_chart_over_lengths_100x_apart_draws_speedups_per_length_no
     plt.close(fig)
 
 
+def test_a_cell_the_table_calls_unreliable_is_drawn_as_the_word_not_as_a_bar():
+    """sdpa hs=32 T=256 read 'unreliable' in the table (its IQR past its median) and a plain 1.23x bar in the chart:
+    the chart now says what the table says, in the speedup chart and the ms chart alike."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    from benchmarks import bench_report
+    cfg = SimpleNamespace(mode="attention", mask=["causal"], attn=["manual", "sdpa"], attn_head_sizes=[32],
+                          attn_seq_lens=[256, 4096])
+    rows = [dict(attn=a, status="ok", seq_len=T, head_size=32, backward=True, ms_per_iter=ms, ms_p25=ms * lo,
+                 ms_p75=ms * hi, speedup_vs_manual=speedup)
+            for a, T, ms, lo, hi, speedup in (("manual", 256, 2.8, 1, 1, 1.0), ("sdpa", 256, 2.3, 0.5, 2.8, 1.23),
+                                              ("manual", 4096, 433.0, 1, 1, 1.0), ("sdpa", 4096, 120.0, 1, 1, 3.61))]
+    assert bench_report.speedup_cell(rows[1]) == "unreliable"
+    for seq_lens in ([256, 4096], [256]):  # speedups over several lengths; ms bars at one
+        cfg.attn_seq_lens = seq_lens
+        fig, ax = plt.subplots()
+        bench_report.ms_chart(ax, rows, cfg)
+        texts = [t.get_text() for t in ax.texts]
+        assert sum("unreliable" in t for t in texts) == 1 and not any("1.23x" in t for t in texts), texts
+        plt.close(fig)
+
+
 def test_a_length_with_no_measured_row_has_no_legend_entry_and_the_title_says_why():
     import matplotlib
     matplotlib.use("Agg")
