@@ -211,14 +211,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "
           f"pipeline('text-generation', model={str(target)!r}) loads it; its context is "
           f"{checkpoint.model_config['block_size']} tokens, prompt and new tokens together")
-    masks = [m for m, on in (("doc_mask", checkpoint.model_config.get("doc_mask")),
-                             ("window", checkpoint.model_config.get("window", 0) > 0)) if on]
-    if masks:  # GPT-2 in transformers attends to the whole causal context
-        print(f"note: this model was trained with {' and '.join(masks)}, which GPT-2 in transformers, ONNX Runtime "
-              f"and llama.cpp cannot express: their logits match this project's only on windows "
-              f"{'without an end-of-text token' if 'doc_mask' in masks else ''}"
-              f"{' and ' if len(masks) == 2 else ''}{'no longer than the window' if 'window' in masks else ''}; "
-              f"elsewhere they differ (docs/interop.md)")
+    if checkpoint.model_config.get("doc_mask"):  # GPT-2 in transformers attends across documents (a window: refused)
+        print("note: this model was trained with doc_mask, which GPT-2 in transformers, ONNX Runtime and llama.cpp "
+              "cannot express: their logits match this project's on windows without an end-of-text token and "
+              "differ on windows holding one (docs/interop.md)")
     if not is_bpe(checkpoint.meta):  # no special token: lm-eval is told where a text starts
         print(f"a character vocabulary has no end-of-text token: give lm-eval --model_args "
               f"pretrained={target},prefix_token_id={newline_id(checkpoint.meta)} (its newline)")

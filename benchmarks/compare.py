@@ -278,6 +278,13 @@ def print_comparison(comparison: Comparison, report: dict) -> None:
         "tok/s no cache": lambda r: f"{r['tokens_per_s_no_cache']:.1f}",
         "held-out loss": lambda r: f"{r['held_out_loss']:.4f}",
         "cache = no cache": lambda r: "yes" if r["cache_equals_no_cache"] else "NO"}))
+    differs = [r["attn"] for r in rows if r["status"] == "ok" and (r["tokens"] not in ("reference", "identical") or
+                                                                   not r["cache_equals_no_cache"])]
+    if differs and comparison.rt.dtype != "float32":  # what holds, and what does not, in a reduced dtype
+        print(f"({', '.join(differs)} part from {first}'s tokens or from their own without the cache in "
+              f"{comparison.rt.dtype}: where two tokens' logits are closer than {comparison.rt.dtype}'s rounding, "
+              f"the order of the sums decides, and every implementation and cache length sums in its own order; "
+              f"with --dtype=float32 the tokens of every implementation, cache or not, are identical)")
     block, tokens = report["block_size"], len(comparison.prompt) + sampling.max_new_tokens
     if tokens > block:  # why "tok/s cache" can trail "no cache" in this table
         print(f"(the cache holds block_size={block} positions and a sample reaches {tokens}: past the block every new "

@@ -463,3 +463,14 @@ def test_sampling_a_nanogpt_checkpoint_never_reads_its_optimizer_state_and_resum
     with pytest.raises(UserError, match=r"ckpt.pt's optimizer state is not AdamW's as nanoGPT's configure_optimizers "
                                         r"writes it .*; it samples and exports, but does not resume"):
         train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}"])
+
+
+def test_an_export_of_a_doc_mask_model_says_where_clients_differ(char_data, bpe_data, trained, tmp_path, capsys):
+    """GPT-2 in transformers cannot mask documents: such an export says in one line where its logits match this
+    project's and where they differ (a window is refused); a plain model's export says nothing of it."""
+    for data, extra, named in ((bpe_data, ("--doc_mask=True",), "doc_mask"), (char_data, (), None)):
+        capsys.readouterr()
+        assert export_hf.main([f"--out_dir={trained(data, *extra)}", f"--hf_dir={tmp_path / (named or 'plain')}"]) == 0
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this model was")]
+        assert len(notes) == (named is not None)
+        assert not notes or f"trained with {named}, which GPT-2 in transformers" in notes[0] and "differ" in notes[0]

@@ -393,3 +393,17 @@ def test_a_default_prompt_the_vocabulary_lacks_is_named_as_the_default_with_the_
                            "vocabulary") and "pass --start=" in said and "\n" not in said
     with pytest.raises(UserError, match=r"^the prompt: character '\\n'"):  # typed: not the default
         sample.main([f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=2", "--start=\n"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rows_that_part_in_a_reduced_dtype_get_a_line_saying_what_holds_there(char_ckpt, monkeypatch, capsys, dtype):
+    """In bf16 two tokens whose logits are closer than its rounding can go either way: a row that differs gets one
+    line under the table saying so and naming --dtype=float32, where they must be identical (no such line)."""
+    from benchmarks import compare
+    monkeypatch.setattr(compare, "tokens_cell", lambda name, gens, first: "reference" if name == first else
+                        "differ at s0 t3")
+    out = run_sample(capsys, f"--out_dir={char_ckpt}", "--compare=manual,sdpa", f"--dtype={dtype}",
+                     "--num_samples=1", "--max_new_tokens=8")
+    said = [line for line in out.splitlines() if line.startswith("(sdpa part from manual's tokens")]
+    assert len(said) == (dtype == "bfloat16")
+    assert not said or "with --dtype=float32 the tokens of every implementation, cache or not, are identical" in said[0]
