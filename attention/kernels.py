@@ -145,7 +145,10 @@ def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
     strided views of one projection (with backward when training), and for inference a one-query decode step as
     attention/masks.py's decode_step hands it: eager over the written keys, or (decode_step="compiled") compiled,
     over a longer cache behind a mask row."""
-    T, hs, device, dtype = call.seq_len, call.head_size, call.device_type, call.dtype
+    hs, device, dtype = call.head_size, call.device_type, call.dtype
+    # a kernel's support does not change past a few thousand positions (its length rule, cuDNN's 128s, kept): a
+    # mistyped block_size=100000 is probed in a second, not for minutes through a (T, T) matrix
+    T = min(call.seq_len, 4096 + call.seq_len % 128)
     # fork_rng: the probe must not move the RNG that dropout and resumed runs depend on. It may run inside a
     # forward: in exactly `dtype` whatever autocast says, with gradients when training whatever no_grad says
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []), \

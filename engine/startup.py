@@ -51,6 +51,10 @@ RULES = [
      f"{12 * c.n_layer * c.n_embd ** 2:,} block parameters takes {c.gradient_accumulation_steps} micro-steps "
      f"({c.gradient_accumulation_steps * c.batch_size * c.block_size:,} tokens) an iteration, GPT-2's batch; a model "
      f"this small usually learns faster per second with --gradient_accumulation_steps=1"),
+    ("note", "block_size batch_size", lambda c, rt: rt.device_type == "cpu" and c.block_size > 8192, lambda c, rt:
+     f"block_size={c.block_size:,} on a CPU: every step and evaluation batch attends over {c.batch_size} x "
+     f"{c.block_size:,} positions, which can take minutes a batch here before any line is printed (a typo? GPT-2's is "
+     f"1024)"),
     ("note", "dtype", lambda c, rt: rt.device_type == "cpu" and rt.dtype == "float16", lambda c, rt: "float16 on a "
      "CPU is emulated, several times slower than float32; --dtype=float32 (or bfloat16 where the CPU has it)"),
     ("hint", "n_layer n_embd", lambda c, rt: rt.device_type == "cpu" and 12 * c.n_layer * c.n_embd ** 2 > 50e6,

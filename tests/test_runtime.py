@@ -134,7 +134,7 @@ def test_tf32_is_set_in_one_place_that_every_script_goes_through(monkeypatch, tm
     class Resolved(Exception):
         pass
 
-    def resolve_runtime(device, dtype, muon_dtype="auto", distributed=False, threads=0, backend="auto"):
+    def resolve_runtime(device, dtype, muon_dtype="auto", distributed=False, threads=0, backend="auto", width=0):
         raise Resolved
     monkeypatch.setattr(runtime, "resolve_runtime", resolve_runtime)
     for script in (train, sample, bench):

@@ -715,6 +715,8 @@ def test_nanogpts_backend_flag_is_taken_and_the_banner_names_the_layers_nanogpt_
     (["--gradient_accumulation_steps=40"], "note: a model of about 24,576 block parameters takes 40 micro-steps "
                                            "(5,120 tokens) an iteration"),
     (["--dtype=float16"], "note: float16 on a CPU is emulated"),
+    (["--block_size=10000", "--batch_size=1", "--eval_iters=1"], "note: block_size=10,000 on a CPU: every step and "
+                                                                 "evaluation batch attends over 1 x 10,000 positions"),
 ])
 def test_a_setting_that_does_not_do_what_it_seems_is_a_note_at_start(char_data, tmp_path, capsys, args, note):
     assert train.main(TINY + [f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--max_iters=0", *args]) == 0
