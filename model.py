@@ -746,7 +746,7 @@ def decode_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
                   prefill=last_logits, decode=last_logits, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Append max_new_tokens sampled tokens to idx (B, T), each row its own text; temperature=0 is greedy. Over the
     model's KV cache in `dtype`, with the given `prefill` and `decode` steps (compiled ones: tools/decoding.py); the
-    loop owns the position, and hands a decode step its own as an int."""
+    loop owns the position, and passes a decode step its own as an int."""
     if idx.dim() != 2 or idx.size(1) == 0:
         raise user_error(f"generation needs a prompt of at least one token per row, shape (B, T), got "
                          f"{tuple(idx.shape)}; start from a token such as end-of-text.")

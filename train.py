@@ -407,7 +407,7 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
             if lost_a_rank(e):
                 reason = str(e).split("] ", 1)[-1].split(". ")[0]
                 raise UserError(f"another rank stopped mid-run ({reason}); {resume_hint(cfg, run, argv)}",
-                                this_rank=True) from None
+                                own_rank=True) from None
         raise
 
 

@@ -103,7 +103,7 @@ def attention_call(fn: Callable, layout: str, w: Workload, data: dict, takes_mas
                    ) -> Callable[[], torch.Tensor]:
     """One timed call of `fn` (an implementation's, maybe compiled; `layout`: its mask's): forward and backward for
     training; for sampling a prefill and as many decode steps at position T as the text has new tokens, each handed
-    what an eager decode step hands it (attention/masks.py's decode_step; `takes_mask`: whether it takes a mask row).
+    what an eager decode step passes it (attention/masks.py's decode_step; `takes_mask`: whether it takes a mask row).
     Returns the prefill's or the forward's output."""
     q, k, v, docs = data["q"], data["k"], data["v"], data["docs"]
     mask = None

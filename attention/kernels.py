@@ -28,7 +28,7 @@ KERNEL_HEADERS = {SDPBackend.FLASH_ATTENTION: "Flash attention", SDPBackend.EFFI
 _TRIGGERED = re.compile(r"\s*\(Triggered internally at .*\)\s*$")  # what a warning from C++ carries at its end
 
 
-def refusal_reason(messages: list[str], backend: Optional[SDPBackend]) -> Optional[str]:
+def why_declined(messages: list[str], backend: Optional[SDPBackend]) -> Optional[str]:
     """The first reason SDPA's warnings give for refusing the `backend` forced (any kernel's where none is), without
     the C++ source location; None if they give none. The text is torch 2.11-2.13's (docs/torch_versions.md)."""
     sections: dict[Optional[str], list[str]] = {}
@@ -143,7 +143,7 @@ def attention_pass(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
     """Run the implementation `impl` on what the model passes it (kernels' limits differ between layouts): q, k, v as
     strided views of one projection (with backward when training), and for inference a one-query decode step as
-    attention/masks.py's decode_step hands it: eager over the written keys, or (decode_step="compiled") compiled,
+    attention/masks.py's decode_step passes it: eager over the written keys, or (decode_step="compiled") compiled,
     over a longer cache behind a mask row."""
     hs, device, dtype = call.head_size, call.device_type, call.dtype
     # a kernel's support does not change past a few thousand positions (its length rule, cuDNN's 128s, kept): a
@@ -174,13 +174,13 @@ def probe(attn: str, impl, call: AttnCall) -> Optional[str]:
                     keys, row = decode_step(impl.mask, end, 0, T + 8, takes_mask, device, None if compiled else dtype)
                     impl(q[:, :, -1:], cache[:1, :, keys], cache[1:, :, keys], row, 0.0)
         except (RuntimeError, NotImplementedError) as e:
-            reason = refusal_reason([str(w.message) for w in caught], impl.backend) or str(e).splitlines()[0]
+            reason = why_declined([str(w.message) for w in caught], impl.backend) or str(e).splitlines()[0]
             return f"PyTorch has no kernel for it ({reason.rstrip('.')})"
     return None
 
 
 def decodes_with_mask(attn: str, impl, device_type: str, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether `attn` takes a decode step's mask row (over the whole cache, as a compiled step hands it): a compiled
+    """Whether `attn` takes a decode step's mask row (over the whole cache, as a compiled step passes it): a compiled
     decode step (one shape at every position) needs one, and an eager one reads its keys behind one where it can
     (attention/masks.py's decode_step). FlashAttention-2 takes none."""
     call = AttnCall(device_type, dtype, head_size, seq_len=16, decode_step="compiled")

@@ -21,7 +21,7 @@ def join(device: str, backend: str = "auto") -> tuple[int, int, int, str]:
     if device.startswith("cuda") and local_rank >= torch.cuda.device_count():
         raise UserError(f"LOCAL_RANK={local_rank} has no GPU of its own: this node shows "
                         f"{torch.cuda.device_count()}; pass torchrun --nproc_per_node= at most that many.",
-                        this_rank=True)
+                        own_rank=True)
     # torchrun's store outlives a restart (--max-restarts): keys of this attempt's own, or the restarted ranks read
     # the dead ones' addresses and hang or fail to connect
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
@@ -75,7 +75,7 @@ def one_mig_slice_per_rank(env) -> str | None:
     local_rank = int(env["LOCAL_RANK"]) if env["LOCAL_RANK"].isdigit() else 0
     if local_rank >= len(slices):
         raise UserError(f"LOCAL_RANK={local_rank} has no MIG slice of its own: CUDA_VISIBLE_DEVICES names "
-                        f"{len(slices)}; pass torchrun --nproc_per_node= at most that many.", this_rank=True)
+                        f"{len(slices)}; pass torchrun --nproc_per_node= at most that many.", own_rank=True)
     env["CUDA_VISIBLE_DEVICES"] = ",".join([slices[local_rank]] + slices[:local_rank] + slices[local_rank + 1:])
     return (f"note: CUDA_VISIBLE_DEVICES names {len(slices)} MIG slices and a process sees only the first named; "
             f"each rank puts its own first (local rank N runs on slice N)") if local_rank == 0 else None

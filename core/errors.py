@@ -13,12 +13,12 @@ from typing import Callable, Iterator
 
 class UserError(ValueError):
     """Bad input from a user. The message says what was wrong and how to fix it; scripts print it as one
-    `error: ...` line, without a traceback, with exit code 2. `this_rank`: a problem of this rank only (its GPU, its
+    `error: ...` line, without a traceback, with exit code 2. `own_rank`: a problem of this rank only (its GPU, its
     node's files), which that rank prints under torchrun even before the ranks have met."""
 
-    def __init__(self, message: str = "", this_rank: bool = False):
+    def __init__(self, message: str = "", own_rank: bool = False):
         super().__init__(message)
-        self.this_rank = this_rank
+        self.own_rank = own_rank
 
 
 class StoppedWithRank0(UserError):
@@ -148,4 +148,4 @@ def error_line(e: UserError) -> str | None:
     rank = env.get("RANK", "0")
     if rank == "0":
         return f"error: {e}"
-    return f"error: rank {rank}: {e}" if e.this_rank else None
+    return f"error: rank {rank}: {e}" if e.own_rank else None

@@ -136,13 +136,13 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
                                 f"{advice}.") from None
             raise
         for name, path in staged.items():  # a signal from here on is raised once the new files are in place
-            durable(path)  # the new bytes on disk before they replace the old: a node crash keeps one or the other
+            fsync(path)  # the new bytes on disk before they replace the old: a node crash keeps one or the other
             os.replace(path, targets[name][0])
         for folder in {targets[name][0].parent for name in staged}:
-            durable(folder)  # and the renames
+            fsync(folder)  # and the renames
 
 
-def durable(path: Path) -> None:
+def fsync(path: Path) -> None:
     """fsync a written file, or a folder's entries; a filesystem that cannot (some FUSE mounts) is left as it is."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -226,7 +226,7 @@ def check_out_dir(out_dir: str, overwrite: bool, describe: Callable[[Path], str]
         raise UserError(f"out_dir {out} {what}; pass --out_dir= a writable folder.")
 
 
-def claim_out_dir(out_dir: str, overwrite: bool, describe: Callable[[Path], str]) -> OutDirLock:
+def lock_out_dir(out_dir: str, overwrite: bool, describe: Callable[[Path], str]) -> OutDirLock:
     """A new run's out_dir, made and locked once every check has passed; checked again under the lock, for a run
     that took it meanwhile (the old log is replaced at the new run's first line, an old checkpoint at its first save:
     a run stopped before then leaves both as they were)."""

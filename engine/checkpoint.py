@@ -87,7 +87,7 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class SingleFileSaver:
-    """ckpt.pt: the full model and optimizer state gathered to rank 0's CPU (collective: every rank takes part, only
+    """ckpt.pt: the full model and optimizer state gathered to rank 0's CPU (collective: every rank calls it, only
     rank 0 receives them, cpu_offload), which writes them."""
 
     def __init__(self, out: Path, rt: Runtime):

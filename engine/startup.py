@@ -102,7 +102,7 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
         meta = check_data(cfg, rt, data_dir, checkpoint)
         if cfg.init_from != "resume" and not cfg.eval_only:  # a new run's out_dir, made and locked only now
-            lock = runtime.on_master(lambda: files.claim_out_dir(cfg.out_dir, cfg.overwrite, describe_run),
+            lock = runtime.on_master(lambda: files.lock_out_dir(cfg.out_dir, cfg.overwrite, describe_run),
                                      rt.device)
     except BaseException:
         if lock is not None:

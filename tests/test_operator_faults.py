@@ -25,7 +25,6 @@ from engine import metrics as train_metrics
 from conftest import REPO, TINY, ctrl_c_at_step
 from core import errors, files
 from core.errors import UserError
-from engine import checkpoint as checkpoint_module
 from engine.reader import load_checkpoint
 
 
@@ -329,7 +328,7 @@ def test_under_torchrun_rank_0_prints_an_error_and_another_rank_only_one_of_its_
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert errors.error_line(UserError("the same on every rank", this_rank=own)) == printed
+    assert errors.error_line(UserError("the same on every rank", own_rank=own)) == printed
 
 
 RANK_LOCAL = textwrap.dedent("""
@@ -338,7 +337,7 @@ RANK_LOCAL = textwrap.dedent("""
     def main():
         rt = runtime.resolve_runtime("cpu", "float32", distributed=True)
         if sys.argv[1] == "rank-1-only" and rt.rank == 1:
-            raise errors.UserError("data/x/train.bin is missing on this node", this_rank=True)
+            raise errors.UserError("data/x/train.bin is missing on this node", own_rank=True)
         if sys.argv[1] == "every-rank":
             raise errors.UserError("the same on every rank")
         dist.barrier()  # rank 0 waits here for a rank that never comes
@@ -370,7 +369,7 @@ def test_local_ranks_beyond_the_gpus_refuse_each_in_their_own_name(monkeypatch):
     with pytest.raises(UserError, match=r"^LOCAL_RANK=3 has no GPU of its own: this node shows 2; pass torchrun "
                                         r"--nproc_per_node= at most that many\.$") as refused:
         distributed.join("cuda:0")
-    assert refused.value.this_rank
+    assert refused.value.own_rank
 
 
 def test_several_mig_slices_are_narrowed_to_one_per_rank_and_their_mfu_is_labelled():
