@@ -227,6 +227,9 @@ IMPLEMENTATIONS = {  # nanoGPT's masked softmax and SDPA's two calls first, then
 # -----------------------------------------------------------------------------
 # the model; RUN_FIELDS: what a run may choose for weights trained otherwise (attention, its masks, dropout)
 
+# the allowed range of each size GPTConfig holds, "[lo, hi)": checked here, and in train.py's LIMITS at the command line
+SHAPE_RANGES = {"block_size": "[1, inf)", "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)",
+                "dropout": "[0, 1)", "window": "[0, inf)"}
 RUN_FIELDS = ("attn", "dropout", "doc_mask", "window", "eot_token", "chunked_loss")
 
 
@@ -253,6 +256,11 @@ class GPTConfig:
                              "attn (say 'sdpa'), then call model.set_attention('auto').")
         if self.attn not in IMPLEMENTATIONS:
             raise user_error(f"unknown attn '{self.attn}'; choose one of {', '.join(IMPLEMENTATIONS)}.")
+        for name, spec in {**SHAPE_RANGES, "vocab_size": "[1, inf)"}.items():
+            lo, hi = (float(bound) for bound in spec[1:-1].split(","))  # "[lo, hi)"
+            if not lo <= getattr(self, name) < hi:
+                raise user_error(f"{name} must be at least {lo:g}" + (f" and less than {hi:g}" if hi < math.inf else "")
+                                 + f", got {getattr(self, name)}.")
         if self.n_embd % self.n_head != 0:
             raise user_error(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                              f"pick sizes where n_embd is a multiple of n_head.")
@@ -262,13 +270,6 @@ class GPTConfig:
             raise user_error(f"doc_mask needs the end-of-text token that separates documents, and eot_token="
                              f"{self.eot_token} is not a token of the {self.vocab_size}-token vocabulary; use a "
                              f"dataset whose meta.json names one (shakespeare, openwebtext) or doc_mask=False.")
-        if self.window < 0:
-            raise user_error(f"window must be 0 (no limit) or a positive number of tokens, got {self.window}.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise user_error(f"dropout must be in [0, 1), got {self.dropout}.")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise user_error(f"{name} must be a positive integer, got {getattr(self, name)}.")
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":

@@ -31,7 +31,7 @@ from core.errors import UserError
 from engine import startup
 from engine.metrics import MetricsLog, Progress, banner, resume_hint
 from engine.trainer import Trainer, lr_multiplier, make_optimizers, set_learning_rates
-from model import GPT, IMPLEMENTATIONS, GPTConfig
+from model import GPT, IMPLEMENTATIONS, SHAPE_RANGES, GPTConfig
 from core.runtime import Runtime
 
 # I/O
@@ -114,12 +114,11 @@ LIMITS = {
     "checkpoint_format": one_of("single", "sharded"),
     "keep_checkpoints": "[1, inf)",
     "eval_interval": "[1, inf)", "log_interval": "[1, inf)", "eval_iters": "[0, inf) int", "max_seconds": "[0, inf)",
-    "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", "block_size": "[1, inf)",
-    "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "dropout": "[0, 1)",
+    "gradient_accumulation_steps": "[1, inf)", "batch_size": "[1, inf)", **SHAPE_RANGES,
     "learning_rate": "(0, inf)", "max_iters": "[0, inf)", "weight_decay": "[0, inf)", "beta1": "[0, 1)",
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
     "min_lr": "[0, inf)", "seed": SEED, "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
-    "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "window": "[0, inf)", "attn_auto_budget": "(0, inf)",
+    "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "attn_auto_budget": "(0, inf)",
     "threads": "[0, inf) int", "out_dir": PATH, "data_dir": PATH,
 }
 

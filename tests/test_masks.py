@@ -211,7 +211,7 @@ def test_an_implementation_that_cannot_take_the_mask_is_refused_naming_what_can(
 def test_doc_mask_without_an_end_of_text_token_is_refused_in_one_sentence():
     with pytest.raises(UserError, match="doc_mask needs the end-of-text token"):
         GPTConfig(**{**TINY, "eot_token": -1}, doc_mask=True)
-    with pytest.raises(UserError, match="window must be 0"):
+    with pytest.raises(UserError, match="window must be at least 0, got -2"):
         GPTConfig(**TINY, window=-2)
 
 

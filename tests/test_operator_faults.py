@@ -412,7 +412,7 @@ def damaged(contents: dict, kind: str) -> dict:
 
 
 @pytest.mark.parametrize("kind, sentence", [
-    ("nonsense size", r"model_config is not a model this version can build \(n_layer must be a positive integer, "
+    ("nonsense size", r"model_config is not a model this version can build \(n_layer must be at least 1, "
                       r"got -1\); restore it from a copy or train again\.$"),
     ("config against weights", r"weights do not fit its model_config \(3 layers of width 32; Missing key\(s\) in "
                                r"state_dict: \"transformer\.h\.2\.\S+\", .*\.\.\.\); restore it"),
