@@ -116,16 +116,16 @@ def agree(settings: dict, problems: list[UserError]) -> list[UserError]:
     mine = [str(p) for p in problems if not isinstance(p, StoppedWithRank0)]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (settings, mine))
-    differ = [key for key in settings if len({repr(ranks.get(key)) for ranks, _ in gathered}) > 1]
-    found = []
+    found = list(gathered[0][1])
+    for rank, (_, theirs) in enumerate(gathered[1:], 1):
+        found += [f"rank {rank}: {text}" for text in theirs if text not in gathered[0][1]]
+    # settings compared where no rank had a problem (a resume a rank could not read keeps the command's settings)
+    differ = [key for key in settings if len({repr(ranks.get(key)) for ranks, _ in gathered}) > 1] if not found else []
     if differ:
         values = ", ".join(f"rank {rank}: {ranks.get(differ[0])!r}" for rank, (ranks, _) in enumerate(gathered))
         more = f" (and {', '.join(differ[1:])})" if differ[1:] else ""
         found.append(f"the ranks were given different settings: {differ[0]} is {values}{more}; give every rank the "
                      f"same config file and command line.")
-    found += gathered[0][1]
-    for rank, (_, theirs) in enumerate(gathered[1:], 1):
-        found += [f"rank {rank}: {text}" for text in theirs if text not in gathered[0][1]]
     return [UserError(text) for text in found]
 
 

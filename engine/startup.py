@@ -90,7 +90,9 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
              if kind != "error" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)}
     for check in environment(cfg, rt, out_of_range):
         problems += problems_of(check)
-    if rt.is_distributed:  # every rank's settings and problems in one exchange: a node's own problem stops all
+    # every rank's settings and problems in one exchange, the first collective: ranks given other settings would
+    # otherwise call different ones; a node's own problem stops every rank here
+    if rt.is_distributed:
         from core.distributed import agree
         problems = agree(cfg.as_dict(), problems)
     try:
@@ -119,7 +121,7 @@ def read_resumed(cfg: Settings, rt: Runtime, limits: dict, problems: list) -> tu
     lock, out = None, Path(cfg.out_dir)
     try:
         if not cfg.eval_only and out.is_dir():  # evaluation writes nothing and takes no lock
-            lock = runtime.on_master(lambda: files.OutDirLock(out), rt.device)
+            lock = files.OutDirLock(out) if rt.is_master else None  # no collective before the ranks agree
         checkpoint = load_checkpoint(out / "ckpt.pt", for_training=not cfg.eval_only,
                                      data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
         command, cfg = cfg, resumed_settings(checkpoint, cfg, limits, cfg.out_dir)
@@ -148,7 +150,7 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
         checks.append(runtime.check_compile_cache)
     if cfg.wandb_log:
         from tools.wandb_check import check_wandb
-        checks.append(lambda: runtime.on_master(lambda: check_wandb(cfg.wandb_project), rt.device))
+        checks += [lambda: check_wandb(cfg.wandb_project)] if rt.is_master else []  # rank 0's: agree() spreads it
     return checks
 
 

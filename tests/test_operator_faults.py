@@ -572,6 +572,28 @@ def test_ranks_that_fail_apart_are_one_error_line_and_no_gloo_traceback(char_dat
         assert not out.exists()  # refused before anything was written
 
 
+@pytest.mark.slow
+def test_ranks_told_to_resume_and_to_start_afresh_stop_with_one_line_not_a_hang(char_data, tmp_path):
+    """Rank 0 resumes (it locks out_dir and reads the checkpoint), rank 1 starts a new run there: no collective runs
+    before the ranks exchange their settings and problems, so the mismatch is one error line, never two ranks
+    waiting in different collectives."""
+    out = tmp_path / "out"
+    assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    script, config = tmp_path / "apart.py", tmp_path / "per_rank.py"
+    script.write_text(APART)
+    config.write_text("import os\ninit_from = 'resume' if os.environ['RANK'] == '0' else 'scratch'\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), "same-settings", str(config), *TINY, f"--data_dir={char_data}",
+                           f"--out_dir={out}", "--gradient_accumulation_steps=2", "--max_iters=4"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = done.stdout + done.stderr
+    errors_said = [line for line in output.splitlines() if line.startswith("error:")]
+    assert done.returncode != 0 and len(errors_said) == 1, output[-3000:]
+    assert errors_said[0].startswith(f"error: rank 1: {out} already holds another run's checkpoint")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 @pytest.mark.parametrize("rank, printed", [("0", "interrupted\n"), ("1", "")])
 def test_under_torchrun_ctrl_c_is_said_once_by_rank_0(monkeypatch, capsys, rank, printed):
     """torchrun hands Ctrl-C to every rank: one `interrupted` line, not one a rank."""
