@@ -84,10 +84,9 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
     checkpoint, lock = None, None
     if cfg.init_from == "resume":
         cfg, rt, checkpoint, lock = read_resumed(cfg, rt, limits, problems)
-    problems += [UserError(say(cfg, rt)) for kind, keys, applies, say in RULES
-                 if kind == "error" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)]
-    notes = {say(cfg, rt): kind for kind, keys, applies, say in RULES
-             if kind != "error" and not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)}
+    said = [(kind, say(cfg, rt)) for kind, keys, applies, say in RULES
+            if not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)]
+    problems += [UserError(text) for kind, text in said if kind == "error"]
     for check in environment(cfg, rt, out_of_range):
         problems += problems_of(check)
     # every rank's settings and problems in one exchange, the first collective: ranks given other settings would
@@ -96,9 +95,10 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         from core.distributed import agree
         problems = agree(cfg.as_dict(), problems)
     try:
-        errors.refuse_all(problems, "; ".join(note for note, kind in notes.items() if kind == "hint"))
-        for note in notes if rt.is_master else []:
-            print(f"note: {note}.", file=sys.stderr, flush=True)
+        errors.refuse_all(problems, "; ".join(text for kind, text in said if kind == "hint"))
+        for kind, text in said if rt.is_master else []:
+            if kind != "error":
+                print(f"note: {text}.", file=sys.stderr, flush=True)
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
         # rank 0 prepares an embedded dataset while the others wait; then the data's own problems, all at once
         runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
