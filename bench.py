@@ -38,6 +38,7 @@ from core import files
 from core import runtime
 from benchmarks.measure import AUDIT, audited_row, free_memory, max_batch_size, measure_calls, paired_speedup, progress
 from core.configurator import PATH, SEED, Settings, as_list, comma_list_of, configure, one_of
+from core import errors
 from core.errors import UserError
 from attention.kernels import AttnCall, attention_pass, attention_problem
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
@@ -388,7 +389,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"! {attn} ran {kernel} ({ops}), not {expected}: a fused kernel refused these settings and PyTorch fell "
               f"back without a word (dropout, a mask, the dtype or the head size)")
     if cfg.mode == "train" and len(cfg.padding) == 2:
-        print(padding_note(rows))
+        errors.note(padding_note(rows))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 

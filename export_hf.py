@@ -212,9 +212,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"pipeline('text-generation', model={str(target)!r}) loads it; its context is "
           f"{checkpoint.model_config['block_size']} tokens, prompt and new tokens together")
     if checkpoint.model_config.get("doc_mask"):  # GPT-2 in transformers attends across documents (a window: refused)
-        print("note: this model was trained with doc_mask, which GPT-2 in transformers, ONNX Runtime and llama.cpp "
-              "cannot express: their logits match this project's on windows without an end-of-text token and "
-              "differ on windows holding one (docs/interop.md)")
+        errors.note("this model was trained with doc_mask, which GPT-2 in transformers, ONNX Runtime and llama.cpp cannot "
+             "express: their logits match this project's on windows without an end-of-text token and differ on "
+             "windows holding one (docs/interop.md)")
     if not is_bpe(checkpoint.meta):  # no special token: lm-eval is told where a text starts
         print(f"a character vocabulary has no end-of-text token: give lm-eval --model_args "
               f"pretrained={target},prefix_token_id={newline_id(checkpoint.meta)} (its newline)")

@@ -24,7 +24,7 @@ import torch
 from core import flops
 from core import files
 from core import runtime
-from engine.checkpoint import Checkpoint, SingleFileSaver, describe_tokens, rng_state
+from engine.checkpoint import Checkpoint, SingleFileSaver, rng_state
 from core.configurator import PATH, SEED, Settings, one_of
 from core.dataset import Batches
 from core.errors import UserError
@@ -125,7 +125,7 @@ LIMITS = {
 
 # -- model, optimizer, checkpoint ------------------------------------------------------------------------
 
-def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None) -> GPT:
+def build_model(cfg: Settings, meta: dict | None) -> GPT:
     """The model this run trains: new, of a resumed checkpoint's shape (cfg holds it), or GPT-2's; attention, its
     masks and dropout are this run's settings whatever the weights were trained with."""
     vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
@@ -134,16 +134,12 @@ def build_model(cfg: Settings, meta: dict | None, checkpoint: Checkpoint | None)
                chunked_loss=cfg.chunked_loss)
     if cfg.init_from in ("scratch", "resume"):  # a resume's shape is in cfg (resumed_settings), its weights restore's
         shape = {"vocab_size": vocab_size, **cfg.as_dict()}
-        model, source = GPT(GPTConfig.build(shape, run)), "the checkpoint" if checkpoint else "a new model"
+        model = GPT(GPTConfig.build(shape, run))
     else:
-        model, source = GPT.from_pretrained(cfg.init_from, dict(pad_vocab=cfg.pad_vocab, **run)), cfg.init_from
-    if model.config.vocab_size != vocab_size:
-        data = f"the data in {cfg.data_dir}" if cfg.data_dir else f"dataset '{cfg.dataset}'"
-        holds = f"{vocab_size} ({describe_tokens(meta)})" if meta else f"{vocab_size} (no meta.json: GPT-2 BPE)"
-        trained_on = f" ({describe_tokens(checkpoint.meta)})" if checkpoint is not None and checkpoint.meta else \
-            " (GPT-2 BPE)" if checkpoint is None else ""
-        raise UserError(f"{source} has vocab_size {model.config.vocab_size} but {data} has {holds}; use the data the "
-                        f"weights were trained on{trained_on}.")
+        model = GPT.from_pretrained(cfg.init_from, dict(pad_vocab=cfg.pad_vocab, **run))
+    if model.config.vocab_size != vocab_size:  # a hub id's weights, known only now (startup checks the others)
+        raise UserError(f"init_from={cfg.init_from!r} has vocab_size {model.config.vocab_size} but the data has "
+                        f"{vocab_size}; use the data the weights were trained on.")
     if cfg.block_size != model.config.block_size:  # GPT-2's, shorter only: crop_block_size refuses a longer one
         model.crop_block_size(cfg.block_size)
     return model
@@ -361,7 +357,7 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
         saver = ShardedSaver(Path(cfg.out_dir), cfg.keep_checkpoints, cfg.async_save, rt)
     # model: the same initial weights on every rank (FSDP shards each rank's own copy)
     torch.manual_seed(cfg.seed)
-    raw_model = build_model(cfg, meta, checkpoint).to(rt.device)
+    raw_model = build_model(cfg, meta).to(rt.device)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; the data generator does not
     model = parallelize(raw_model, cfg, rt)  # FSDP shards raw_model's parameters in place
     optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)

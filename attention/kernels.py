@@ -9,7 +9,6 @@ bench), and the error line when it cannot: what was asked, why it cannot run, an
 
 import functools
 import re
-import sys
 import warnings
 from dataclasses import KW_ONLY, dataclass
 from typing import Callable, Optional
@@ -18,6 +17,7 @@ import torch
 
 from torch.nn.attention import SDPBackend
 
+from core import errors
 from core.errors import UserError
 
 # The headers SDPA warns before each kernel's reasons ("Flash attention kernel not used because:"), by the attn
@@ -203,4 +203,4 @@ def refuse_unless_runs(attn: str, call: AttnCall, implementations: dict, problem
 def _warn_cudnn_hazard(attn: str, impl, needs_grad: bool, masked: bool, seq_len: int) -> None:
     hazard = cudnn_mask_hazard(impl, needs_grad, masked, seq_len, *cuda_facts())
     if hazard is not None:
-        print(f"warning: attn='{attn}' may run cuDNN here: {hazard}.", file=sys.stderr)
+        errors.note(f"attn='{attn}' may run cuDNN here: {hazard}.")

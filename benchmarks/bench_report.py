@@ -80,9 +80,9 @@ def padding_note(rows: list[dict]) -> str:
     ratios = [ok[a, m, loss, True]["ms_per_iter"] / row["ms_per_iter"] for (a, m, loss, padded), row in ok.items()
               if not padded and (a, m, loss, True) in ok]
     if not ratios:
-        return "note: no implementation ran both padded and unpadded, so this run says nothing of padding"
+        return "no implementation ran both padded and unpadded, so this run says nothing of padding"
     faster = sum(ratio < 1 for ratio in ratios)
-    return (f"note: padded vocabulary faster in {faster} of {len(ratios)} pairs of rows here (median time ratio "
+    return (f"padded vocabulary faster in {faster} of {len(ratios)} pairs of rows here (median time ratio "
             f"{float(np.median(ratios)):.2f}x the unpadded row's); why PyTorch's post expects it on a GPU: "
             f"docs/bench.md")
 

@@ -227,45 +227,59 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None,
     namespace = dict(namespace)
     defaults = settings(namespace)  # types are checked against these, whatever a config file set before
     set_by = {}  # key -> where it was set last
-    for arg in argv:
-        if arg.startswith("--"):
-            key, sep, text = arg[2:].partition("=")
-            if not sep:
-                raise UserError(f"'{arg}' has no value; write --{key}=VALUE.")
-            _check_key(key, defaults)
-            value = _parse_value(text)
-            if isinstance(defaults[key], str) and isinstance(value, (int, float)):  # --start=2024 is the text "2024"
-                value = text
-            namespace[key] = coerce(key, value, defaults[key], namespace[key])
-            set_by[key] = "the command line"
-            continue
-        path = Path(arg)
-        key, _, text = arg.lstrip("-").partition("=")
-        meant = [key] if key in defaults else difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
-        if not path.is_file() and "=" in arg and meant:  # a setting typed without its dashes
-            raise UserError(f"'{arg}' is not a config file; a setting takes two dashes: pass --{meant[0]}={text}.")
-        if not path.is_file():
-            raise UserError(f"config file '{arg}' not found; {closest_config(path)}")
-        scope: dict = {}
+    found: dict = {}  # every problem, by the setting (or argument) it is about: the range checks add theirs
+
+    def apply(key: str, value, where: str) -> None:
         try:
-            exec(compile(path.read_text(), str(path), "exec"), scope)
-        except SystemExit:
-            raise UserError(f"config file '{arg}' calls sys.exit(), and nothing ran; a config file only assigns "
-                            f"settings - remove the exit.") from None
-        except Exception as e:
-            raise UserError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}.") from None
-        for key, value in settings(scope).items():
             _check_key(key, defaults)
             namespace[key] = coerce(key, value, defaults[key], namespace[key])
-            set_by[key] = str(path)
+            set_by[key] = where
+        except UserError as e:  # a config file's line names the file
+            found.setdefault(key, e if where == "the command line" else UserError(f"{where}: {e}"))
+    for arg in argv:
+        try:
+            scope = read_argument(arg, defaults)
+        except UserError as e:
+            found.setdefault(arg.lstrip("-").partition("=")[0] or arg, e)
+            continue
+        for key, value in scope.items():
+            apply(key, value, "the command line" if arg.startswith("--") else arg)
     values = settings({k: namespace[k] for k in defaults})
     if limits is not None:
-        found = check_limits(values, limits, defaults)
-        if problems is None:
-            refuse_all(list(found.values()))
-        else:
-            problems.update(found)
+        found.update({k: e for k, e in check_limits(values, limits, defaults).items() if k not in found})
+    if problems is None:
+        refuse_all(list(found.values()))
+    else:
+        problems.update(found)
     return Settings(set_by, **values)
+
+
+def read_argument(arg: str, defaults: dict) -> dict:
+    """The settings one argument gives: {key: value} for --key=value, or a config file's plain assignments."""
+    if arg.startswith("--"):
+        key, sep, text = arg[2:].partition("=")
+        if not sep:
+            raise UserError(f"'{arg}' has no value; write --{key}=VALUE.")
+        value = _parse_value(text)
+        if isinstance(defaults.get(key), str) and isinstance(value, (int, float)):  # --start=2024 is the text "2024"
+            value = text
+        return {key: value}
+    path = Path(arg)
+    key, _, text = arg.lstrip("-").partition("=")
+    meant = [key] if key in defaults else difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
+    if not path.is_file() and "=" in arg and meant:  # a setting typed without its dashes
+        raise UserError(f"'{arg}' is not a config file; a setting takes two dashes: pass --{meant[0]}={text}.")
+    if not path.is_file():
+        raise UserError(f"config file '{arg}' not found; {closest_config(path)}")
+    scope: dict = {}
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), scope)
+    except SystemExit:
+        raise UserError(f"config file '{arg}' calls sys.exit(), and nothing ran; a config file only assigns "
+                        f"settings - remove the exit.") from None
+    except Exception as e:
+        raise UserError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}.") from None
+    return settings(scope)
 
 
 def as_list(value, cast=str) -> list:

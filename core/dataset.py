@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.errors import UserError
+from core.errors import UserError, problems_of, refuse_all
 from core.files import TOKEN_BYTES, TOKEN_DTYPE, cache_folder, read_cache, token_file, write_cache
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -86,9 +86,8 @@ def scan_max_token_id(path: Path, chunk: int = 1 << 26) -> int:
 
 def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
     """When the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them, and only
-    ids the model has embeddings for (each file read through once, max_token_id)."""
-    for split in ("train", "val"):
-        path = data_dir / f"{split}.bin"
+    ids the model has embeddings for (each file read through once, max_token_id); the problems of both, together."""
+    def check(path: Path) -> None:
         if not path.is_file():
             what = "is a folder, not a token file" if path.is_dir() else "is missing"
             raise UserError(f"{path} {what}; a dataset folder needs train.bin and val.bin "
@@ -100,6 +99,7 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
             raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "
                             f"(0-{vocab_size - 1}); the data was tokenized for another vocabulary - check its "
                             f"meta.json (or nanoGPT's meta.pkl) or prepare the data again.")
+    refuse_all([p for split in ("train", "val") for p in problems_of(lambda: check(data_dir / f"{split}.bin"))])
 
 
 def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tensor:

@@ -77,7 +77,7 @@ def one_mig_slice_per_rank(env) -> str | None:
         raise UserError(f"LOCAL_RANK={local_rank} has no MIG slice of its own: CUDA_VISIBLE_DEVICES names "
                         f"{len(slices)}; pass torchrun --nproc_per_node= at most that many.", own_rank=True)
     env["CUDA_VISIBLE_DEVICES"] = ",".join([slices[local_rank]] + slices[:local_rank] + slices[local_rank + 1:])
-    return (f"note: CUDA_VISIBLE_DEVICES names {len(slices)} MIG slices and a process sees only the first named; "
+    return (f"CUDA_VISIBLE_DEVICES names {len(slices)} MIG slices and a process sees only the first named; "
             f"each rank puts its own first (local rank N runs on slice N)") if local_rank == 0 else None
 
 

@@ -85,15 +85,19 @@ def problems_of(work: Callable[[], object]) -> list[UserError]:
 
 
 def refuse_all(problems: list[UserError], hint: str = "") -> None:
-    """One UserError saying every problem found, numbered, with `hint` after them; none raised when there is none.
-    A rank other than 0 stops quietly (rank 0 prints the line)."""
+    """One UserError saying every problem found, numbered, with `hint` after them (a problem that is itself such a
+    list adds its own items); none raised when there is none. A rank other than 0 stops quietly (rank 0 prints the
+    line)."""
     after_rank0 = [p for p in problems if isinstance(p, StoppedWithRank0)]  # rank 0 prints the error line
     if after_rank0:
         raise after_rank0[0]
+    problems = [item for p in problems for item in getattr(p, "problems", [p])]
     if problems:
         text = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)) if len(problems) > 1 else str(problems[0])
-        raise UserError((f"{len(problems)} problems: " if len(problems) > 1 else "") + text
-                        + (f" ({hint})" if hint else ""))
+        error = UserError((f"{len(problems)} problems: " if len(problems) > 1 else "") + text
+                          + (f" ({hint})" if hint else ""))
+        error.problems = problems
+        raise error
 
 
 def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
@@ -129,6 +133,13 @@ def exit_code(main: Callable[[], int | None], exiting: bool = False) -> int:
         if main_thread:
             for s, handler in previous.items():
                 signal.signal(s, signal.SIG_DFL if exiting or handler is None else handler)
+
+
+def note(text: str) -> None:
+    """The one way a `note: ...` line is printed (something the user may want to change, not an error): to stderr,
+    flushed, by rank 0 alone under torchrun."""
+    if first_rank():
+        print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 def first_rank() -> bool:

@@ -10,7 +10,6 @@ import errno
 import json
 import os
 import stat
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -201,8 +200,8 @@ class OutDirLock:
         except OSError as e:  # a shared filesystem without flock (Lustre without -o flock, some NFS)
             if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK):
                 raise
-            print(f"note: {self.out}'s filesystem has no file locks ({e.strerror}); this run goes on unlocked, "
-                  f"so start no other run on this out_dir until it ends.", file=sys.stderr)
+            errors.note(f"{self.out}'s filesystem has no file locks ({e.strerror}); this run goes on unlocked, so "
+                        f"start no other run on this out_dir until it ends.")
 
     def release(self) -> None:
         self.file.close()  # closing the file drops the lock
@@ -261,8 +260,8 @@ def read_cache(path: Path, entry_ok: Callable[[object], bool], what: str) -> dic
     if problem is None and len(usable) < len(known):
         problem = f"{len(known) - len(usable)} of its {len(known)} entries are not {what}"
     if problem is not None:
-        print(f"note: {path} is not what this project wrote ({problem}); measuring again, and the file is "
-              f"rewritten with the result.", file=sys.stderr)
+        errors.note(f"{path} is not what this project wrote ({problem}); measuring again, and the file is "
+                    f"rewritten with the result.")
     return usable
 
 

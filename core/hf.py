@@ -45,12 +45,53 @@ def gelu_of(hf_config: dict, source: str) -> str:
 
 
 def check_init_from(name_or_path: str) -> Path:
-    """A name close to one of INIT_WORDS is a typo, one error line, never a trip to the hub."""
+    """A name close to one of INIT_WORDS is a typo, and an empty name or a local path that is no folder is named, each
+    one error line, never a trip to the hub (which takes owner/name ids)."""
     close = difflib.get_close_matches(name_or_path, INIT_WORDS, n=1, cutoff=0.6)
-    if not Path(name_or_path).is_dir() and close and name_or_path not in INIT_WORDS:
+    path = Path(name_or_path)
+    if not path.is_dir() and close and name_or_path not in INIT_WORDS:
         raise UserError(f"init_from={name_or_path!r} is not scratch, resume, a GPT-2 name or a local folder; did you "
                         f"mean --init_from={close[0]}?")
-    return Path(name_or_path)
+    local = not name_or_path.strip() or name_or_path.startswith((".", "/", "~")) or path.exists()
+    if name_or_path not in INIT_WORDS and local and (not path.is_dir() or not name_or_path.strip()):
+        raise UserError(f"init_from={name_or_path!r} is not scratch, resume, {', '.join(INIT_WORDS[2:])}, a local "
+                        f"folder of GPT-2 weights (config.json and model.safetensors) nor a hub id (owner/name); pass "
+                        f"one of them.")
+    return path
+
+
+GPT2_SHAPE = {"block_size": 1024, "vocab_size": 50257}  # every GPT-2 size on the hub (INIT_WORDS)
+
+
+def gpt2_shape(name_or_path: str) -> dict:
+    """The block_size and vocab_size of the weights init_from names, before they are read: GPT-2's for its names,
+    a local folder's config.json (a hub id is known only once downloaded: {})."""
+    path = check_init_from(name_or_path)
+    if name_or_path in INIT_WORDS:
+        return dict(GPT2_SHAPE)
+    if not path.is_dir():
+        return {}
+    hf_config = read_config(path)
+    return {"block_size": hf_config["n_positions"], "vocab_size": hf_config["vocab_size"]}
+
+
+def read_config(path: Path) -> dict:
+    """A GPT-2 folder's config.json, or one error line saying what the folder is instead."""
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} has no config.json; pass a Hugging Face GPT-2 model directory.")
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not read {path / 'config.json'} ({type(e).__name__}); pass a Hugging Face GPT-2 "
+                        f"model directory.") from None
+    model_type = hf_config.get("model_type", "gpt2") if isinstance(hf_config, dict) else None
+    missing = [k for k in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd") if k not in hf_config] \
+        if isinstance(hf_config, dict) else ["everything"]
+    if model_type != "gpt2" or missing:
+        raise UserError(f"{path} holds a Hugging Face '{model_type}' model"
+                        f"{' whose config.json lacks ' + ', '.join(missing) if missing else ''}, not GPT-2; pass a "
+                        f"GPT-2 model directory (config.json's model_type 'gpt2').")
+    return hf_config
 
 
 def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
@@ -61,17 +102,10 @@ def load_hf_checkpoint(name_or_path: str) -> tuple[dict, dict]:
             from huggingface_hub import snapshot_download
             path = Path(snapshot_download(name_or_path, allow_patterns=["config.json", "*.safetensors"]))
         except Exception as e:
-            raise UserError(f"could not get '{name_or_path}' from the Hugging Face hub ({type(e).__name__}); "
-                            f"download it where there is network and pass the local directory instead.") from None
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path} has no config.json; pass a Hugging Face GPT-2 model directory.")
-    hf_config = json.loads((path / "config.json").read_text())
-    model_type = hf_config.get("model_type", "gpt2")
-    missing = [k for k in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd") if k not in hf_config]
-    if model_type != "gpt2" or missing:
-        raise UserError(f"{path} holds a Hugging Face '{model_type}' model"
-                        f"{' whose config.json lacks ' + ', '.join(missing) if missing else ''}, not GPT-2; pass a "
-                        f"GPT-2 model directory (config.json's model_type 'gpt2').")
+            raise UserError(f"init_from={name_or_path!r}: could not get it from the Hugging Face hub "
+                            f"({type(e).__name__}); download it where there is network and pass the local directory "
+                            f"instead.") from None
+    hf_config = read_config(path)
     if (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
         state_dict = load_file(path / "model.safetensors")

@@ -67,9 +67,9 @@ def set_threads(requested: int) -> None:
     if requested == 0 and omp.isdigit() and int(omp) > 0:
         requested, setting = int(omp), f"OMP_NUM_THREADS={omp}"
     elif requested == 0 and "OMP_NUM_THREADS" in os.environ:  # OpenMP's own line, if any, names no fix
-        print(f"note: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']!r} is not a positive whole number, so it is "
-              f"not used: this run takes torch's default of {torch.get_num_threads()} threads (set it to a count, or "
-              f"pass --threads=N).", file=sys.stderr)
+        errors.note(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']!r} is not a positive whole number, so it is not "
+                    f"used: this run takes torch's default of {torch.get_num_threads()} threads (set it to a count, "
+                    f"or pass --threads=N).")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if requested > MAX_THREADS_PER_CPU * cpus:
         raise UserError(f"{setting} is more threads than the {cpus} CPU(s) this process may use can run; pass "
@@ -194,9 +194,9 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str =
     set_threads(threads)
     if distributed and "RANK" in os.environ and joined is None:  # before CUDA starts: it reads CUDA_VISIBLE_DEVICES
         from core.distributed import one_mig_slice_per_rank
-        note = one_mig_slice_per_rank(os.environ)
-        if note:
-            print(note, file=sys.stderr)
+        mig = one_mig_slice_per_rank(os.environ)
+        if mig:
+            errors.note(mig)
     if joined is not None:
         rank, local_rank, world_size = joined.rank, joined.local_rank, joined.world_size
         device = joined.device if joined.is_distributed else pick_device(device)

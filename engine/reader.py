@@ -7,12 +7,11 @@ by tools/sharded.py; Hugging Face's files are core/hf.py's.
 """
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 
-from core.errors import UserError
+from core.errors import UserError, note
 from engine.checkpoint import POINTER, Checkpoint, sharded_folder
 from model import GPT, IMPLEMENTATIONS, GPTConfig
 
@@ -23,8 +22,8 @@ def build_model(checkpoint: Checkpoint, **overrides) -> GPT:
     """The model a checkpoint holds; `overrides` may choose another attention, masks or dropout (model.RUN_FIELDS)."""
     shape = checkpoint.model_config
     if "attn" not in overrides and shape.get("attn") not in IMPLEMENTATIONS:  # every one computes the same
-        print(f"note: the checkpoint was trained with attn={shape.get('attn')!r}, which this version does not "
-              f"have; it is read through attn='sdpa' (--attn= picks another).", file=sys.stderr)
+        note(f"the checkpoint was trained with attn={shape.get('attn')!r}, which this version does not have; it is "
+             f"read through attn='sdpa' (--attn= picks another).")
         shape = {**shape, "attn": "sdpa"}
     model = GPT(GPTConfig.build(shape, overrides))
     model.load_state_dict(checkpoint.model)
@@ -89,8 +88,8 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
         check_finite(contents["model"], path)
     unknown = sorted(set(contents["model_config"]) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:  # a newer version's fields: the weights are read as this version's model
-        print(f"note: {path}'s model_config has field(s) this version does not know ({', '.join(unknown)}: a newer "
-              f"version's checkpoint?); the model is built without them.", file=sys.stderr)
+        note(f"{path}'s model_config has field(s) this version does not know ({', '.join(unknown)}: a newer "
+             f"version's checkpoint?); the model is built without them.")
     known = {f.name for f in dataclasses.fields(Checkpoint)}  # earlier files' `version` field is read no more
     return Checkpoint(**{"model": None, **{k: v for k, v in contents.items() if k in known}},
                       shards=str(shards) if shards and for_training else None)

@@ -8,14 +8,13 @@ train.py imports it for --init_from=resume alone.
 """
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from core.configurator import Settings, check_limits, coerce
-from core.errors import UserError
+from core.errors import UserError, note
 from core.runtime import Runtime
 from engine.checkpoint import FULL_STATE, Checkpoint, describe_tokens
 from model import RUN_FIELDS, GPT, GPTConfig
@@ -69,11 +68,11 @@ def resumed_settings(checkpoint: Checkpoint, cfg: Settings, limits: dict, where:
             raise UserError(f"--{key}={settings[key]!r} differs from the checkpoint in {where} ({key}={saved!r}), "
                             f"and a resumed run keeps the checkpoint's shape; drop --{key}= (or pass "
                             f"--{key}={saved!r}), or start a new run in another --out_dir=.")
-        print(f"note: {key}={settings[key]!r} from {set_by[key]} is not the checkpoint's ({key}={saved!r}); the "
-              f"resumed run keeps the checkpoint's shape.", file=sys.stderr)
+        note(f"{key}={settings[key]!r} from {set_by[key]} is not the checkpoint's ({key}={saved!r}); the resumed "
+             f"run keeps the checkpoint's shape.")
         changed = [c for c in changed if not c.startswith(f"{key}=")]
     if changed:
-        print(f"note: resuming with the run's own settings, but for {', '.join(changed)}", file=sys.stderr)
+        note(f"resuming with the run's own settings, but for {', '.join(changed)}")
     shape = {key: checkpoint.model_config[key] for key in (*SHAPE_SETTINGS, "vocab_size")
              if key in checkpoint.model_config}
     return Settings(set_by, **{**settings, **shape})

@@ -6,7 +6,6 @@ once the data is prepared, the data itself. A new start-up rule is a row of RULE
     cfg, rt, checkpoint, data_dir, meta, lock = start(globals(), argv, LIMITS)
 """
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +14,7 @@ from core.configurator import Settings, configure
 from core.dataset import check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError, problems_of
 from core.runtime import Runtime
-from engine.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint, describe_tokens
 
 RUNTIME_SETTINGS = ("device", "dtype", "muon_dtype", "threads", "backend")
 CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py "
@@ -51,13 +50,13 @@ RULES = [
      f"{12 * c.n_layer * c.n_embd ** 2:,} block parameters takes {c.gradient_accumulation_steps} micro-steps "
      f"({c.gradient_accumulation_steps * c.batch_size * c.block_size:,} tokens) an iteration, GPT-2's batch; a model "
      f"this small usually learns faster per second with --gradient_accumulation_steps=1"),
-    ("note", "block_size batch_size", lambda c, rt: rt.device_type == "cpu" and c.block_size > 8192, lambda c, rt:
+    ("note", "block_size batch_size device", lambda c, rt: rt.device_type == "cpu" and c.block_size > 8192, lambda c, rt:
      f"block_size={c.block_size:,} on a CPU: every step and evaluation batch attends over {c.batch_size} x "
      f"{c.block_size:,} positions, which can take minutes a batch here before any line is printed (a typo? GPT-2's is "
      f"1024)"),
-    ("note", "dtype", lambda c, rt: rt.device_type == "cpu" and rt.dtype == "float16", lambda c, rt: "float16 on a "
+    ("note", "dtype device", lambda c, rt: rt.device_type == "cpu" and rt.dtype == "float16", lambda c, rt: "float16 on a "
      "CPU is emulated, several times slower than float32; --dtype=float32 (or bfloat16 where the CPU has it)"),
-    ("hint", "n_layer n_embd", lambda c, rt: rt.device_type == "cpu" and 12 * c.n_layer * c.n_embd ** 2 > 50e6,
+    ("hint", "n_layer n_embd device", lambda c, rt: rt.device_type == "cpu" and 12 * c.n_layer * c.n_embd ** 2 > 50e6,
      lambda c, rt: f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe "
                    f"is {CPU_COMMAND}"),
 ]
@@ -73,17 +72,20 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
     cfg = configure(namespace, argv, limits, out_of_range)
     if cfg.eval_only and cfg.eval_iters == 0 and "dtype" not in cfg.set_by:  # a figure to compare: fp32 unless named
         cfg = Settings({**cfg.set_by, "dtype": "--eval_iters=0"}, **{**cfg.as_dict(), "dtype": "float32"})
+    rt = None
+    if not out_of_range.keys() & set(RUNTIME_SETTINGS):
+        try:
+            rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
+                                         backend=cfg.backend, width=cfg.n_embd)
+        except UserError as e:
+            out_of_range["device"] = e
     problems = list(out_of_range.values())
-    if out_of_range.keys() & set(RUNTIME_SETTINGS):  # no device to check the rest against
-        errors.refuse_all(problems)
-    try:
-        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, distributed=True, threads=cfg.threads,
-                                     backend=cfg.backend, width=cfg.n_embd)
-    except UserError as e:
-        errors.refuse_all(problems + [e])
+    if rt is None:  # no device to check against: the checks that read one are left out, the rest still run
+        out_of_range.update(dict.fromkeys(set(RUNTIME_SETTINGS) - out_of_range.keys()))
+        rt = runtime.Runtime("cpu", "float32")
     checkpoint, lock = None, None
     if cfg.init_from == "resume":
-        cfg, rt, checkpoint, lock = read_resumed(cfg, rt, limits, problems)
+        cfg, rt, checkpoint, lock = read_resumed(cfg, rt, limits, problems, runtime_ok="device" not in out_of_range)
     said = [(kind, say(cfg, rt)) for kind, keys, applies, say in RULES
             if not out_of_range.keys() & set(keys.split()) and applies(cfg, rt)]
     problems += [UserError(text) for kind, text in said if kind == "error"]
@@ -96,9 +98,9 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         problems = agree(cfg.as_dict(), problems)
     try:
         errors.refuse_all(problems, "; ".join(text for kind, text in said if kind == "hint"))
-        for kind, text in said if rt.is_master else []:
-            if kind != "error":
-                print(f"note: {text}.", file=sys.stderr, flush=True)
+        for kind, text in said:
+            if kind == "note":
+                errors.note(f"{text}.")
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
         # rank 0 prepares an embedded dataset while the others wait; then the data's own problems, all at once
         runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
@@ -113,14 +115,15 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
     return cfg, rt, checkpoint, data_dir, meta, lock
 
 
-def read_resumed(cfg: Settings, rt: Runtime, limits: dict, problems: list) -> tuple:
-    """A resume's settings, runtime, checkpoint and lock (rank 0's, taken before anything is read); what went wrong
-    is added to `problems`, and the command's settings stand for the rest of the checks."""
+def read_resumed(cfg: Settings, rt: Runtime, limits: dict, problems: list, runtime_ok: bool) -> tuple:
+    """A resume's settings, runtime (decided again where its settings differ, unless the command's had a problem),
+    checkpoint and lock (rank 0's, taken before anything is read, where a checkpoint is); what went wrong is added to
+    `problems`, and the command's settings stand for the rest of the checks."""
     from engine.reader import load_checkpoint
     from engine.resume import resumed_settings
     lock, out = None, Path(cfg.out_dir)
     try:
-        if not cfg.eval_only and out.is_dir():  # evaluation writes nothing and takes no lock
+        if not cfg.eval_only and ((out / "ckpt.pt").exists() or (out / "latest").is_file()):  # eval: no lock
             lock = files.OutDirLock(out) if rt.is_master else None  # no collective before the ranks agree
         checkpoint = load_checkpoint(out / "ckpt.pt", for_training=not cfg.eval_only,
                                      data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
@@ -128,9 +131,12 @@ def read_resumed(cfg: Settings, rt: Runtime, limits: dict, problems: list) -> tu
     except UserError as e:
         problems.append(e)
         return cfg, rt, None, lock
-    if any(getattr(cfg, k) != getattr(command, k) for k in (*RUNTIME_SETTINGS, "n_embd")):
-        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt,
-                                     width=cfg.n_embd)
+    if runtime_ok and any(getattr(cfg, k) != getattr(command, k) for k in (*RUNTIME_SETTINGS, "n_embd")):
+        try:
+            rt = runtime.resolve_runtime(cfg.device, cfg.dtype, cfg.muon_dtype, threads=cfg.threads, joined=rt,
+                                         width=cfg.n_embd)
+        except UserError as e:
+            problems.append(e)
     return cfg, rt, checkpoint, lock
 
 
@@ -140,7 +146,7 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
     possible, not done yet), torch.compile's cache folder, wandb."""
     checks = []
     if not out_of_range.keys() & {*MODEL_SETTINGS, "init_from", "attn", "dropout", "window"}:
-        checks.append(lambda: check_model(cfg, rt))
+        checks.append(lambda: check_model(cfg, None if "device" in out_of_range else rt, meta=False))
     if not out_of_range.keys() & {"data_dir", "dataset"}:
         checks.append(lambda: prepare_if_missing(dataset_dir(cfg.data_dir, cfg.dataset), cfg.dataset,
                                                  check_only=True))
@@ -157,20 +163,31 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
 MODEL_SETTINGS = ("n_layer", "n_head", "n_embd", "block_size")
 
 
-def check_model(cfg: Settings, rt: Runtime, meta: Optional[dict] = None) -> None:
-    """The model the settings describe, as GPTConfig checks it, and its attention on this device in this dtype; the
-    data's vocabulary and end-of-text token once it is prepared (`meta`: doc_mask needs it). A GPT-2 name is checked
-    for a typo, its weights are read later."""
+def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = None) -> None:
+    """The model the settings describe, as GPTConfig checks it, and its attention on this device in this dtype (rt
+    None: no device to check against); the data's vocabulary and end-of-text token once it is prepared (`meta`, False
+    before: doc_mask needs it). GPT-2's weights (init_from) are checked by their config: a typo, a block_size past theirs, a
+    vocabulary other than the data's; they are read later."""
     if cfg.init_from not in ("scratch", "resume"):
-        from core.hf import check_init_from
-        check_init_from(cfg.init_from)
+        from core.hf import gpt2_shape
+        shape = gpt2_shape(cfg.init_from)
+        if cfg.block_size > shape.get("block_size", cfg.block_size):
+            raise UserError(f"block_size={cfg.block_size} is longer than the {shape['block_size']} positions of "
+                            f"init_from={cfg.init_from!r}; pass --block_size={shape['block_size']} or less.")
+        vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
+        if meta is not False and shape.get("vocab_size", vocab_size) != vocab_size:
+            data = f"the data in {cfg.data_dir}" if cfg.data_dir else f"dataset '{cfg.dataset}'"
+            holds = f"{vocab_size} ({describe_tokens(meta)})" if meta else f"{vocab_size} (no meta.json: GPT-2 BPE)"
+            raise UserError(f"init_from={cfg.init_from!r} has vocab_size {shape['vocab_size']} but {data} has "
+                            f"{holds}; use the data the weights were trained on (GPT-2 BPE).")
         return
     from model import GPTConfig
     config = GPTConfig.build({**cfg.as_dict(), "vocab_size": meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE},
                              dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn, dropout=cfg.dropout,
-                                  window=cfg.window, doc_mask=cfg.doc_mask and meta is not None,
-                                  eot_token=files.eot_token_of(meta)))
-    config.check_attention(rt.device_type, rt.torch_dtype, not cfg.eval_only, cfg.block_size, decoding=False)
+                                  window=cfg.window, doc_mask=cfg.doc_mask and bool(meta),
+                                  eot_token=files.eot_token_of(meta or None)))
+    if rt is not None:
+        config.check_attention(rt.device_type, rt.torch_dtype, not cfg.eval_only, cfg.block_size, decoding=False)
 
 
 def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[Checkpoint]) -> Optional[dict]:
@@ -187,7 +204,7 @@ def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[
     if checkpoint is not None:
         from engine.resume import check_tokens
         problems += problems_of(lambda: check_tokens(checkpoint, meta, cfg.out_dir))
-    if cfg.doc_mask and meta is not None:
+    if (cfg.doc_mask and meta is not None) or cfg.init_from not in ("scratch", "resume"):
         problems += problems_of(lambda: check_model(cfg, rt, meta))
     vocab_size = checkpoint.model_config["vocab_size"] if checkpoint is not None else \
         meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE

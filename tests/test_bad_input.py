@@ -339,7 +339,7 @@ def test_an_unknown_dataset_lists_the_datasets_that_exist_and_names_a_close_one(
     monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
     with pytest.raises(UserError, match=r"did you mean --dataset=pystdlib_char\? The datasets are pystdlib_char"):
         train_tiny("--dataset=pystdlib_chr", f"--out_dir={tmp_path / 'out'}")
-    with pytest.raises(UserError, match=r"^unknown setting 'lr'; did you mean learning_rate\?$"):
+    with pytest.raises(UserError, match=r"\(1\) unknown setting 'lr'; did you mean learning_rate\? \(2\)"):
         train_tiny("--lr=1e-3")
 
 
@@ -441,7 +441,7 @@ def test_a_vocabulary_too_large_for_uint16_token_files_is_refused_before_trainin
 def test_a_setting_typed_without_its_dashes_is_named_with_them(script, arg, said):
     with pytest.raises(UserError) as refused:
         script.main([arg])
-    assert str(refused.value) == said
+    assert str(refused.value).split(" (2) ")[0] in (said, f"2 problems: (1) {said}")  # train names its data too
 
 
 @pytest.mark.parametrize("script", [train, sample])
