@@ -39,7 +39,7 @@ from core import runtime
 from benchmarks.measure import AUDIT, audited_row, free_memory, max_batch_size, measure_calls, paired_speedup, progress
 from core.configurator import PATH, SEED, Settings, as_list, comma_list_of, configure, one_of
 from core import errors
-from core.errors import UserError
+from core.errors import UserError, problems_of
 from attention.kernels import AttnCall, attention_pass, attention_problem
 from benchmarks.bench_generate import CACHES, WEIGHTS, generate_sweep
 from benchmarks.bench_masks import MASKS, block_documents, boundaries_per_block, fractions, mask_settings, row_mask
@@ -142,9 +142,14 @@ GENERATE_SIZES = {
 
 # -- settings ------------------------------------------------------------------------------------------
 
-def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
-    """Settings left at None sized for the device, device/dtype picked, comma lists split and checked."""
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
+def resolve(cfg: Settings, found: dict | None = None) -> tuple[Settings, Runtime]:
+    """Settings left at None sized for the device, device/dtype picked, comma lists split and checked; every problem
+    (`found`: those of the settings already) in one report."""
+    problems = list((found or {}).values())
+    try:
+        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
+    except UserError as e:  # the rest is checked as on a CPU
+        rt, problems = Runtime("cpu", "float32"), problems + [e]
     cfg.device, cfg.dtype = rt.device, rt.dtype
     generating = cfg.mode == "generate"
     sizes = (GENERATE_SIZES if generating else SIZES)["cuda" if rt.is_cuda else "cpu"]
@@ -153,26 +158,35 @@ def resolve(cfg: Settings) -> tuple[Settings, Runtime]:
     for key, value in {**SIZES["cuda" if rt.is_cuda else "cpu"], **sizes}.items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
-    cfg.attn = attention_names(cfg.attn or "all")
+    if "attn" not in (found or {}):
+        problems += problems_of(lambda: setattr(cfg, "attn", attention_names(cfg.attn or "all")))
     for baseline in ("manual", "sdpa") if generating else ("manual",):  # what speedups are measured against
-        if baseline not in cfg.attn:
+        if isinstance(cfg.attn, list) and baseline not in cfg.attn:
             cfg.attn.insert(0, baseline)
     if generating:
         cfg.weights, cfg.cache = as_list(cfg.weights), as_list(cfg.cache)  # checked against LIMITS' words
         if cfg.prompt_len + 1 > cfg.seq_len:
-            raise UserError(f"prompt_len={cfg.prompt_len} leaves no room in block_size (seq_len) {cfg.seq_len}; "
-                            f"use a shorter prompt.")
+            problems.append(UserError(f"prompt_len={cfg.prompt_len} leaves no room in block_size (seq_len) "
+                                      f"{cfg.seq_len}; use a shorter prompt."))
     cfg.mask = list(dict.fromkeys(as_list(cfg.mask)))  # checked against LIMITS' words
     words = as_list(cfg.padding or ("off" if generating else "off,on"))  # checked against LIMITS' words
     cfg.padding = [w == "on" for w in dict.fromkeys(words)]
     cfg.loss = list(dict.fromkeys(as_list(cfg.loss)))  # checked against LIMITS' words
+    lengths_ok = True
     for key in ("attn_seq_lens", "attn_head_sizes"):
-        setattr(cfg, key, as_list(getattr(cfg, key), int))
-        if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
-            raise UserError(f"{key} must be positive whole numbers, comma-separated; got {getattr(cfg, key)!r}.")
-    if any("doc" in m for m in cfg.mask) and cfg.mode != "generate":  # a bad --doc_data is printed before any row runs
-        block_documents(cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens),
-                        cfg.seed)
+        try:
+            setattr(cfg, key, as_list(getattr(cfg, key), int))
+            if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
+                raise UserError(f"{key} must be positive whole numbers, comma-separated; got {getattr(cfg, key)!r}.")
+        except UserError as e:
+            problems, lengths_ok = problems + [e], False
+    if any("doc" in m for m in cfg.mask) and cfg.mode != "generate" and lengths_ok:
+        problems += problems_of(lambda: block_documents(  # a bad --doc_data is named before any row runs
+            cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens), cfg.seed))
+    problems += problems_of(lambda: files.check_writable_dir(Path(cfg.out_dir)))  # before the sweep, not after it
+    if cfg.compile:
+        problems += problems_of(runtime.check_compile_cache)
+    errors.refuse_all(problems)
     return cfg, rt
 
 
@@ -347,16 +361,14 @@ def environment(rt: Runtime, argv: list[str]) -> dict:
 
 def settings(argv: list[str]) -> tuple[Settings, Runtime]:
     """This module's settings with config files and --key=value overrides applied, resolved for the device."""
-    return resolve(configure(globals(), argv, LIMITS))
+    found: dict = {}
+    return resolve(configure(globals(), argv, LIMITS, found), found)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg, rt = settings(argv)
     out = Path(cfg.out_dir)
-    files.check_writable_dir(out)  # before the sweep, not after it
-    if cfg.compile:
-        runtime.check_compile_cache()
     env = environment(rt, argv)
     path = out / f"{cfg.mode}-{env['run']}.json"  # this run's own name: runs into one folder each keep theirs
 

@@ -27,9 +27,9 @@ from safetensors import SafetensorError
 from core import errors, files
 from core import runtime
 from engine.checkpoint import Checkpoint
-from engine.reader import build_model, load_checkpoint
+from engine.reader import build_model, find_checkpoint, load_checkpoint
 from core.configurator import PATH, configure
-from core.errors import UserError
+from core.errors import UserError, problems_of
 from model import CONV1D_WEIGHTS
 from tools.decoding import quiet_imports
 from model import GPT
@@ -204,17 +204,22 @@ def write_staged(hf_model, checkpoint: Checkpoint, block_size: int, staging: Pat
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    check_hf_dir(Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), writable=False)  # before minutes of loading
+    found: dict = {}
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS, found)
+    # every problem of the command in one report: the settings, hf_dir, the checkpoint (read where all else is right)
+    problems = list(found.values()) if found.keys() & {"out_dir", "hf_dir"} else list(found.values()) + [
+        *problems_of(lambda: check_hf_dir(Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), writable=False)),
+        *problems_of(lambda: find_checkpoint(Path(cfg.out_dir) / "ckpt.pt"))]
+    errors.refuse_all(problems)
     checkpoint = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
     target = export(checkpoint, Path(cfg.hf_dir or Path(cfg.out_dir) / "hf"), cfg.temperature, cfg.top_k)
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "
           f"pipeline('text-generation', model={str(target)!r}) loads it; its context is "
           f"{checkpoint.model_config['block_size']} tokens, prompt and new tokens together")
     if checkpoint.model_config.get("doc_mask"):  # GPT-2 in transformers attends across documents (a window: refused)
-        errors.note("this model was trained with doc_mask, which GPT-2 in transformers, ONNX Runtime and llama.cpp cannot "
-             "express: their logits match this project's on windows without an end-of-text token and differ on "
-             "windows holding one (docs/interop.md)")
+        errors.note("this model was trained with doc_mask, which GPT-2 in transformers, ONNX Runtime and llama.cpp "
+                    "cannot express: their logits match this project's on windows without an end-of-text token and "
+                    "differ on windows holding one (docs/interop.md)")
     if not is_bpe(checkpoint.meta):  # no special token: lm-eval is told where a text starts
         print(f"a character vocabulary has no end-of-text token: give lm-eval --model_args "
               f"pretrained={target},prefix_token_id={newline_id(checkpoint.meta)} (its newline)")

@@ -21,9 +21,10 @@ from typing import Optional
 from core import files
 from core import runtime
 from engine.checkpoint import POINTER, sharded_folder
-from engine.reader import build_model, load_checkpoint
+from engine.reader import build_model, find_checkpoint, load_checkpoint
 from core.configurator import PATH, SEED, configure, one_of
-from core.errors import UserError
+from core import errors
+from core.errors import UserError, problems_of
 from engine.generate import (QUANTIZE, Decoder, Sampling, draw_samples, for_inference, full_warmup, print_samples,
                              tokens_per_s, weight_bytes)
 from model import GPT, IMPLEMENTATIONS
@@ -136,19 +137,30 @@ def encode_prompt(tok: Tokenizer, text: str, default: bool = False) -> list[int]
 # -----------------------------------------------------------------------------
 
 def main(argv: Optional[list[str]] = None) -> int:
-    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
-    if cfg.json:  # find out now, not after a long comparison
-        files.check_writable_file(Path(cfg.json), "json")
+    found: dict = {}
+    cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS, found)
+    # every problem of the command in one report, before the model is moved or anything is written
+    checks = [lambda: read_prompt(cfg.start)]
+    if cfg.json and "json" not in found:  # find out now, not after a long comparison
+        checks.append(lambda: files.check_writable_file(Path(cfg.json), "json"))
     if cfg.compile:
-        runtime.check_compile_cache()
+        checks.append(runtime.check_compile_cache)
     if cfg.quantize:
         from tools.decoding import int8_weights
-        int8_weights()
+        checks.append(int8_weights)
     if cfg.compare:  # its names checked before anything is loaded
         from benchmarks import compare  # the comparison: only when it is asked for
-        compare.attention_names(cfg.compare)
-    rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
-    model, tok, source, settings = load_model(cfg.init_from, cfg.out_dir, cfg.attn)
+        checks.append(lambda: compare.attention_names(cfg.compare))
+    made = {}  # the runtime and the model, where their settings are in range
+    if not found.keys() & {"device", "dtype", "threads"}:
+        checks.append(lambda: made.update(rt=runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)))
+    problems = list(found.values()) + [p for check in checks for p in problems_of(check)]
+    if not problems:  # the model is read only where nothing else is wrong; else only whether a checkpoint is there
+        problems += problems_of(lambda: made.update(loaded=load_model(cfg.init_from, cfg.out_dir, cfg.attn)))
+    elif cfg.init_from == "resume" and "out_dir" not in found:
+        problems += problems_of(lambda: find_checkpoint(Path(cfg.out_dir) / "ckpt.pt"))
+    errors.refuse_all(problems)
+    rt, (model, tok, source, settings) = made["rt"], made["loaded"]
     prompt = encode_prompt(tok, read_prompt(cfg.start), default="start" not in cfg.set_by)
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,

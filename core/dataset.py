@@ -66,15 +66,16 @@ def prepare_if_missing(data_dir: Path, name: str, check_only: bool = False) -> N
                         f"python data/{name}/prepare.py to see why.")
 
 
-def max_token_id(path: Path) -> int:
-    """The largest id in a token file, read through once and then remembered by its path, size and modification time
-    in the cache folder: OpenWebText's 17 GB are not read again at every start and resume."""
+def max_token_id(path: Path, known: dict) -> int:
+    """The largest id in a token file, read through once and then remembered (`known`: the cache folder's entries)
+    by its path, size, inode and change times: OpenWebText's 17 GB are not read again at every start and resume. A file
+    rewritten since, even to its old size and modification time (cp -p, tar, rsync -t), has a new change time
+    (st_ctime, which no user call sets), and is read again."""
     stat = path.stat()
-    key, cache = f"{path.resolve()}, {stat.st_size} bytes, mtime {stat.st_mtime_ns}", cache_folder() / "token_ids.json"
-    known = read_cache(cache, lambda v: isinstance(v, int) and not isinstance(v, bool), "token ids")
+    key = f"{path.resolve()}, {stat.st_size} bytes, inode {stat.st_ino}, mtime {stat.st_mtime_ns}, ctime " \
+          f"{stat.st_ctime_ns}"
     if key not in known:
         known[key] = scan_max_token_id(path)
-        write_cache(cache, known)
     return known[key]
 
 
@@ -84,9 +85,14 @@ def scan_max_token_id(path: Path, chunk: int = 1 << 26) -> int:
     return max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
 
 
-def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
+def check_token_files(data_dir: Path, vocab_size: int, block_size: int, remember: bool = True) -> None:
     """When the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them, and only
-    ids the model has embeddings for (each file read through once, max_token_id); the problems of both, together."""
+    ids the model has embeddings for (each file read through once, max_token_id); the problems of both, together.
+    `remember`: the ids read go to the cache folder where both files pass (a refused command writes nothing)."""
+    cache = cache_folder() / "token_ids.json"
+    known = read_cache(cache, lambda v: isinstance(v, int) and not isinstance(v, bool), "token ids")
+    remembered = dict(known)
+
     def check(path: Path) -> None:
         if not path.is_file():
             what = "is a folder, not a token file" if path.is_dir() else "is missing"
@@ -94,12 +100,15 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int) -> None:
                             f"(python data/<name>/prepare.py writes both).")
         token_file(path, at_least=block_size + 1, fix=f"block_size={block_size} takes {block_size + 1} a sequence: "
                                                    f"use a smaller block_size or more data")
-        top = max_token_id(path)
+        top = max_token_id(path, known)
         if top >= vocab_size:
             raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "
                             f"(0-{vocab_size - 1}); the data was tokenized for another vocabulary - check its "
                             f"meta.json (or nanoGPT's meta.pkl) or prepare the data again.")
-    refuse_all([p for split in ("train", "val") for p in problems_of(lambda: check(data_dir / f"{split}.bin"))])
+    problems = [p for split in ("train", "val") for p in problems_of(lambda: check(data_dir / f"{split}.bin"))]
+    refuse_all(problems)
+    if remember and known != remembered:
+        write_cache(cache, known)
 
 
 def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tensor:

@@ -40,11 +40,8 @@ def describe_checkpoint(path: Path) -> str:
         return "an unreadable checkpoint"
 
 
-def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | None = None) -> Checkpoint:
-    """The checkpoint at `path` (ckpt.pt, or out_dir's newer sharded step; a step folder named directly), on the CPU,
-    or one error line on why not. `for_training`: it must hold what resuming needs; `data_dir`: where nanoGPT's meta.pkl
-    is looked for first."""
-    path = Path(path)
+def find_checkpoint(path: Path) -> Path | None:
+    """That a checkpoint is at `path`, without reading it (the newer sharded step, if one is), or one error line."""
     shards = sharded_folder(path)
     if not path.is_file() and shards is None:
         if path.is_dir():
@@ -55,6 +52,15 @@ def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | Non
                             f"--out_dir={path.parent.parent}.")
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ...) or pass --out_dir= the "
                         f"folder a run wrote its ckpt.pt to.")
+    return shards
+
+
+def load_checkpoint(path: Path, for_training: bool = False, data_dir: Path | None = None) -> Checkpoint:
+    """The checkpoint at `path` (ckpt.pt, or out_dir's newer sharded step; a step folder named directly), on the CPU,
+    or one error line on why not. `for_training`: it must hold what resuming needs; `data_dir`: where nanoGPT's meta.pkl
+    is looked for first."""
+    path = Path(path)
+    shards = find_checkpoint(path)
     while True:
         try:  # a sharded one for training: each rank reads its tensors in place later (engine/resume.py's restore)
             contents = read(path, shards, parts=set() if for_training else {"model"}, mmap=False)

@@ -174,12 +174,8 @@ def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = Non
         if cfg.block_size > shape.get("block_size", cfg.block_size):
             raise UserError(f"block_size={cfg.block_size} is longer than the {shape['block_size']} positions of "
                             f"init_from={cfg.init_from!r}; pass --block_size={shape['block_size']} or less.")
-        vocab_size = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
-        if meta is not False and shape.get("vocab_size", vocab_size) != vocab_size:
-            data = f"the data in {cfg.data_dir}" if cfg.data_dir else f"dataset '{cfg.dataset}'"
-            holds = f"{vocab_size} ({describe_tokens(meta)})" if meta else f"{vocab_size} (no meta.json: GPT-2 BPE)"
-            raise UserError(f"init_from={cfg.init_from!r} has vocab_size {shape['vocab_size']} but {data} has "
-                            f"{holds}; use the data the weights were trained on (GPT-2 BPE).")
+        if meta is not False and "vocab_size" in shape:
+            check_vocab(f"init_from={cfg.init_from!r}", shape["vocab_size"], cfg, meta, " (GPT-2 BPE)")
         return
     from model import GPTConfig
     config = GPTConfig.build({**cfg.as_dict(), "vocab_size": meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE},
@@ -204,14 +200,26 @@ def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[
     if checkpoint is not None:
         from engine.resume import check_tokens
         problems += problems_of(lambda: check_tokens(checkpoint, meta, cfg.out_dir))
+        problems += problems_of(lambda: check_vocab("the checkpoint", checkpoint.model_config["vocab_size"], cfg, meta,
+                                                    f" ({describe_tokens(checkpoint.meta)})" if checkpoint.meta else ""))
     if (cfg.doc_mask and meta is not None) or cfg.init_from not in ("scratch", "resume"):
         problems += problems_of(lambda: check_model(cfg, rt, meta))
     vocab_size = checkpoint.model_config["vocab_size"] if checkpoint is not None else \
         meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
-    problems += problems_of(lambda: runtime.on_master(lambda: check_token_files(data_dir, vocab_size,
-                                                                                 cfg.block_size), rt.device))
+    problems += problems_of(lambda: runtime.on_master(lambda: check_token_files(
+        data_dir, vocab_size, cfg.block_size, remember=not problems), rt.device))
     errors.refuse_all(problems)
     return meta
+
+
+def check_vocab(source: str, vocab_size: int, cfg: Settings, meta: Optional[dict], trained_on: str) -> None:
+    """The weights' vocabulary (`source`'s) against the data's: the same, or one line naming both."""
+    have = meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
+    if vocab_size != have:
+        data = f"the data in {cfg.data_dir}" if cfg.data_dir else f"dataset '{cfg.dataset}'"
+        holds = f"{have} ({describe_tokens(meta)})" if meta else f"{have} (no meta.json: GPT-2 BPE)"
+        raise UserError(f"{source} has vocab_size {vocab_size} but {data} has {holds}; use the data the weights were "
+                        f"trained on{trained_on}.")
 
 
 def describe_run(ckpt: Path) -> str:  # a few words on the checkpoint a refused out_dir holds

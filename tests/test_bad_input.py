@@ -275,6 +275,94 @@ def test_every_start_up_problem_is_named_at_once_and_nothing_is_prepared_or_made
     assert [p.name for p in plays.iterdir()] == ["prepare.py"] and not (tmp_path / "out").exists()
 
 
+def tree(*folders: Path) -> dict:
+    """Every path under the folders with its bytes (None for a folder): what a refused command must leave as it was."""
+    return {str(p): None if p.is_dir() else p.read_bytes() for folder in folders if folder.exists()
+            for p in [folder, *sorted(folder.rglob("*"))]}
+
+
+MIXED = {  # a mix of bad settings, of each kind beside the others -> what the one report must name
+    "range, device, model, data": (["--dtype=float64", "--n_embd=130", "--dataset=nope"],
+                                   ["dtype must be one of", "n_embd=130 is not divisible", "unknown dataset 'nope'"]),
+    "device, model, data": (["--device=cuda:99", "--n_embd=130", "--dataset=nope"],
+                            ["device 'cuda:99'", "n_embd=130 is not divisible", "unknown dataset 'nope'"]),
+    "resume, range, runtime, rule": (["--init_from=resume", "--out_dir={tmp}/empty", "--batch_size=0",
+                                      "--async_save=True", "--threads=100000", "--dataset=plays"],
+                                     ["batch_size must be at least 1", "--threads=100000 is more threads",
+                                      "no checkpoint at", "async_save=True writes sharded checkpoints only"]),
+    "unknown, range, data": (["--n_layr=3", "--batch_size=0", "--dataset=nope"],
+                             ["unknown setting 'n_layr'", "batch_size must be at least 1", "unknown dataset 'nope'"]),
+    "type, range, data": (["--batch_size=abc", "--learning_rate=-1", "--dataset=nope"],
+                          ["batch_size expects an int", "learning_rate must be greater than 0",
+                           "unknown dataset 'nope'"]),
+    "no value, config file, rule": (["--compile", "{tmp}/raises.py", "--async_save=True", "--dataset=plays"],
+                                    ["'--compile' has no value", "raises.py' failed to run",
+                                     "async_save=True writes sharded checkpoints only"]),
+    "init_from, block_size": (["--init_from={tmp}/gpt2-local", "--block_size=128", "--dataset=plays"],
+                              ["block_size=128 is longer than the 64 positions"]),
+    "init_from, vocabulary": (["--init_from={tmp}/gpt2-local", "--block_size=8", "--data_dir={tmp}/chars"],
+                              ["has vocab_size 50257 but the data in"]),
+    "both splits": (["--data_dir={tmp}/broken", "--block_size=8", "--n_layer=1", "--n_head=1", "--n_embd=8"],
+                    ["train.bin holds token id 9 but the model's vocabulary has 5 ids",
+                     "val.bin is 201 bytes, not a whole number"]),
+}
+
+
+@pytest.mark.parametrize("case", MIXED)
+def test_a_mix_of_bad_settings_is_one_report_naming_each_with_exit_2_and_nothing_written(case, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """Parse errors, settings out of range, rules between settings, the device, the model, GPT-2 weights' shape and
+    the data's own problems are named together, whatever mix a command holds; exit code 2; the file tree (out_dir,
+    the data folders, the cache folder) as it was: nothing prepared, made or locked."""
+    from core.files import cache_folder
+    plays = tmp_path / "data" / "plays"
+    plays.mkdir(parents=True)
+    (plays / "prepare.py").write_text("open(__file__ + '.ran', 'w')")  # a marker: preparing ran
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
+    monkeypatch.setattr(dataset, "EMBEDDED_DATASETS", {"plays"})
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "raises.py").write_text("batch_size = 1 / 0\n")
+    (tmp_path / "gpt2-local").mkdir()
+    (tmp_path / "gpt2-local" / "config.json").write_text(json.dumps(dict(
+        model_type="gpt2", n_positions=64, vocab_size=50257, n_layer=1, n_head=1, n_embd=8)))
+    token_folder(tmp_path / "chars", np.arange(200) % 5, np.arange(100) % 5, vocab_size=5)
+    ids = np.arange(200) % 5
+    ids[150] = 9  # meta.json says 5 tokens
+    token_folder(tmp_path / "broken", ids, np.arange(100) % 5, vocab_size=5)
+    with open(tmp_path / "broken" / "val.bin", "ab") as f:
+        f.write(b"\x01")  # 201 bytes
+    args, named = MIXED[case]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if not any(a.startswith("--out_dir=") for a in args):
+        args.append(f"--out_dir={tmp_path / 'out'}")
+    before = tree(tmp_path, cache_folder())
+    assert errors.exit_code(lambda: train.main(["--compile=False", *args])) == 2
+    err = capsys.readouterr().err
+    assert [line.startswith("error: ") for line in err.splitlines()][-1:] == [True] and err.count("error: ") == 1, err
+    assert all(text in err for text in named), err
+    assert len(named) == 1 or f"{len(named)} problems: (1) " in err, err
+    assert tree(tmp_path, cache_folder()) == before
+
+
+def test_sample_export_and_bench_name_every_problem_of_a_command_at_once(tmp_path, capsys):
+    """The other scripts report the same way: sample.py's output file, comparison and missing checkpoint; bench's
+    settings, implementations and lengths; export_hf's settings and checkpoint."""
+    import export_hf
+    (tmp_path / "a_folder").mkdir()
+    commands = [
+        (sample.main, [f"--json={tmp_path / 'a_folder'}", "--compare=foo", f"--out_dir={tmp_path}", "--top_k=0"],
+         ["json", "unknown attn 'foo'", "no checkpoint at", "top_k must be"]),
+        (bench.main, ["--attn=flash,foo", "--attn_seq_lens=0", "--iters=0", f"--out_dir={tmp_path / 'b'}"],
+         ["iters must be", "'foo' is not one of them", "attn_seq_lens must be positive"]),
+        (export_hf.main, [f"--out_dir={tmp_path}", "--temperature=-1", "--tmperature=1"],
+         ["unknown setting 'tmperature'", "temperature must be", "no checkpoint at"]),
+    ]
+    for main, args, named in commands:
+        assert errors.exit_code(lambda: main(args)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {len(named)} problems: (1) ") and all(text in err for text in named), err
+
+
 # -- data files -------------------------------------------------------------------------------------------
 
 def test_train_bin_without_val_bin_is_named(tmp_path):
@@ -309,7 +397,8 @@ def test_the_largest_token_id_is_found_across_read_chunks(tmp_path):
 
 def test_a_token_file_is_read_through_once_and_again_only_when_it_changes(tmp_path, monkeypatch):
     """OpenWebText's train.bin is 17 GB: the id check at each start and resume reads what it remembered, and a file
-    rewritten since is read again, so an id past the vocabulary is still refused."""
+    rewritten since is read again, even with its old size and modification time, so an id past the vocabulary is
+    still refused."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     scans = []
     real_scan = dataset.scan_max_token_id
@@ -320,8 +409,9 @@ def test_a_token_file_is_read_through_once_and_again_only_when_it_changes(tmp_pa
     assert scans == ["train.bin", "val.bin"]
     bad = np.arange(100, dtype=np.uint16) % 5
     bad[50] = 9
+    kept = os.stat(folder / "train.bin")
     bad.tofile(folder / "train.bin")
-    os.utime(folder / "train.bin", ns=(1, 1))  # the same size: the time tells it changed
+    os.utime(folder / "train.bin", ns=(kept.st_atime_ns, kept.st_mtime_ns))  # its size and time kept, as cp -p does
     with pytest.raises(UserError, match=r"train.bin holds token id 9 but the model's vocabulary has 5 ids"):
         dataset.check_token_files(folder, vocab_size=5, block_size=8)
     assert scans == ["train.bin", "val.bin", "train.bin"]

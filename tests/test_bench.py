@@ -639,7 +639,7 @@ def test_the_note_under_the_table_says_what_its_own_rows_say_of_padding():
     rows = [dict(attn=a, mask="causal", loss="chunked", pad_vocab=p, status="ok", ms_per_iter=ms)
             for a, p, ms in (("manual", False, 10.0), ("manual", True, 9.0), ("sdpa", False, 5.0), ("sdpa", True, 6.0),
                              ("flash", False, 4.0), ("flash", True, 3.0))]
-    assert padding_note(rows) == ("note: padded vocabulary faster in 2 of 3 pairs of rows here (median time ratio "
+    assert padding_note(rows) == ("padded vocabulary faster in 2 of 3 pairs of rows here (median time ratio "
                                   "0.90x the unpadded row's); why PyTorch's post expects it on a GPU: docs/bench.md")
     assert "says nothing of padding" in padding_note(rows[:1] + rows[3:4])
 

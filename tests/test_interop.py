@@ -471,6 +471,6 @@ def test_an_export_of_a_doc_mask_model_says_where_clients_differ(char_data, bpe_
     for data, extra, named in ((bpe_data, ("--doc_mask=True",), "doc_mask"), (char_data, (), None)):
         capsys.readouterr()
         assert export_hf.main([f"--out_dir={trained(data, *extra)}", f"--hf_dir={tmp_path / (named or 'plain')}"]) == 0
-        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this model was")]
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: this model was")]
         assert len(notes) == (named is not None)
         assert not notes or f"trained with {named}, which GPT-2 in transformers" in notes[0] and "differ" in notes[0]

@@ -376,7 +376,7 @@ def test_several_mig_slices_are_narrowed_to_one_per_rank_and_their_mfu_is_labell
     from core import distributed, flops
     slices = "MIG-aaaa,MIG-bbbb,MIG-cccc"
     env = {"CUDA_VISIBLE_DEVICES": slices, "LOCAL_RANK": "0"}
-    assert distributed.one_mig_slice_per_rank(env).startswith("note: CUDA_VISIBLE_DEVICES names 3 MIG slices")
+    assert distributed.one_mig_slice_per_rank(env).startswith("CUDA_VISIBLE_DEVICES names 3 MIG slices")
     assert env["CUDA_VISIBLE_DEVICES"] == slices  # local rank 0's is already first
     env = {"CUDA_VISIBLE_DEVICES": slices, "LOCAL_RANK": "2"}
     assert distributed.one_mig_slice_per_rank(env) is None and env["CUDA_VISIBLE_DEVICES"].startswith("MIG-cccc,")
