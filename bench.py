@@ -12,7 +12,8 @@ PyTorch's "Accelerating Large Language Models with Accelerated Transformers" pos
     python bench.py --profile=True                         # also a chrome trace of one step per row
     python bench.py --mode=generate                        # generation: cache, compiled cache, bf16, int8
 
-Writes a table to stdout, and <out_dir>/<mode>.json (every number and the environment) and <mode>.png.
+Writes a table to stdout, and <out_dir>/<mode>-<run>.json (every number and the environment) and <mode>-<run>.png,
+under a name of this run's own (its start time and process).
 Settings left at None are sized for the device (SIZES). Ratios within one run are what count: every timed
 iteration visits all rows in turn, so drift and noisy neighbours hit them alike.
 """

@@ -273,8 +273,9 @@ class GPTConfig:
 
     @classmethod
     def build(cls, shape: dict, run: dict) -> "GPTConfig":
-        """The one way a config is made (scratch, a checkpoint, Hugging Face's or nanoGPT's files): `shape`, what the
-        weights determine (keys that are not fields are ignored), then `run`, what this run chooses (RUN_FIELDS)."""
+        """A config from two parts, as train.py, sample.py, from_pretrained and nanoGPT's files make one: `shape`, what
+        the weights determine (keys that are not fields are ignored), then `run`, what this run chooses (RUN_FIELDS).
+        GPTConfig(...) itself, as in nanoGPT, takes every field at once."""
         names = {f.name for f in dataclasses.fields(cls)} - {"chunked_loss"}  # the caller's, never the weights'
         return cls(**{**{k: v for k, v in shape.items() if k in names},
                       **{k: v for k, v in run.items() if k in RUN_FIELDS}})
@@ -430,7 +431,7 @@ class GPT(nn.Module):
             for block in self.transformer.h:
                 x = block(x, mask, cache, input_pos, keys)
         except (RuntimeError, NotImplementedError) as e:  # a kernel refusing what the check could not foresee
-            if "No available kernel" in str(e):
+            if "No available kernel" in str(e):  # SDPA's text (docs/torch_versions.md)
                 shape = (B, self.config.n_head, T, self.config.head_size)  # q's
                 self.config.check_attention(idx.device.type, self.compute_dtype(),
                                             self.training and torch.is_grad_enabled(), T,
@@ -475,7 +476,7 @@ class GPT(nn.Module):
             return mask, keys
         if not cfg.masked:
             return None, slice(None)
-        needs_repository("doc_mask and window")
+        needs_repository("a doc_mask or window mask")
         from attention.masks import doc_window_mask  # documents and windows: only a run that asks for them
         return doc_window_mask(cfg, IMPLEMENTATIONS[cfg.attn].mask, idx), slice(None)
 

@@ -44,7 +44,7 @@ eval_train = True                 # evaluate train batches too (the overfitting 
 eval_only = False                 # evaluate once (a resumed model at its step), write nothing, exit
 always_save_checkpoint = True     # save at every eval, not only when val loss improves
 init_from = "scratch"             # 'scratch', 'resume' (from out_dir), 'gpt2*', or a local Hugging Face directory
-overwrite = False                 # a new run (init_from not 'resume') may replace out_dir's ckpt.pt and metrics.jsonl
+overwrite = False                 # a new run (init_from not 'resume') may replace another run's checkpoint in out_dir
 max_seconds = 0.0                 # stop after this much training time (eval excluded), then evaluate and save; 0: off
 checkpoint_format = "single"      # 'single': ckpt.pt, gathered on rank 0; 'sharded': each rank writes its own shards
                                   # into out_dir/step-N/ (torch.distributed.checkpoint), resumable on any world size
@@ -78,8 +78,8 @@ chunked_loss = True               # the loss over row chunks: the (B*T, V) logit
 optimizer = "adamw"               # 'adamw' or 'muon'
 muon_lr = None                    # Muon's peak learning rate (None: learning_rate; its update is scaled to AdamW's RMS)
 muon_momentum = 0.95              # Muon's Nesterov momentum
-muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where bf16 matmuls run in hardware: CUDA from
-                                  # Ampere, a CPU with AMX or AVX512-BF16; else fp32), float32, bfloat16
+muon_dtype = "auto"               # Newton-Schulz dtype: auto (bf16 where a bf16 step is faster: CUDA from Ampere,
+                                  # a CPU with AMX from 256 wide; else fp32), float32, bfloat16
 learning_rate = 6e-4              # AdamW's peak learning rate
 max_iters = 600000                # optimizer steps in all (a resumed run stops here too)
 weight_decay = 1e-1               # AdamW's, on 2-D weights only (and Muon's)

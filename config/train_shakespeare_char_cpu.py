@@ -1,6 +1,6 @@
-# The CPU quickstart: a small character-level GPT on the packaged Shakespeare plays, 3000 steps in ~4 minutes on
-# 2 cores where bf16 is native (AVX512-BF16/AMX: only Muon's Newton-Schulz runs in bf16, the model trains in fp32),
-# ~8 on an AVX2-only CPU; val 1.89 after ~20-40 s (docs/quickstart.md).
+# The CPU quickstart: a small character-level GPT on the packaged Shakespeare plays, 3000 steps in ~2-5 minutes on
+# 2 cores with AMX, AVX512-BF16 or AVX512, ~8 on an AVX2-only CPU (all in fp32 at this width, Muon's Newton-Schulz
+# too); val 1.89 after ~15-45 s (docs/quickstart.md).
 #   python train.py config/train_shakespeare_char_cpu.py
 #   python sample.py --out_dir=out-shakespeare-char-cpu
 # The data is prepared automatically the first time (data/shakespeare_char/prepare.py, offline).

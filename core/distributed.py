@@ -150,7 +150,7 @@ def on_rank_0(work: Callable, device: str):
 
 def lost_a_rank(error: BaseException) -> bool:
     """Whether a collective failed because another rank's process is gone (killed, or out of memory): gloo's broken
-    connection, or torch's distributed error."""
+    connection, or torch's distributed error (the texts: docs/torch_versions.md)."""
     dist_error = getattr(dist, "DistError", ())
     return isinstance(error, dist_error) or any(text in str(error) for text in (
         "Connection reset by peer", "Connection closed by peer", "Broken pipe"))

@@ -49,7 +49,7 @@ def pick_device(device: str = "auto") -> str:
 def cpu_capability() -> str:
     """What this CPU has for matmuls, as every published figure names it: 'AMX', 'AVX512_BF16', else torch's own
     ('AVX512', 'AVX2', ...)."""
-    if torch.cpu._is_amx_tile_supported():
+    if torch.cpu._is_amx_tile_supported():  # private API (docs/torch_versions.md)
         return "AMX"
     if torch.cpu._is_avx512_bf16_supported():
         return "AVX512_BF16"

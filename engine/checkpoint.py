@@ -25,6 +25,7 @@ from core.runtime import Runtime
 POINTER = "latest"  # the file in out_dir naming its newest whole sharded step (tools/sharded.py)
 TRAIN = "train"  # a sharded step's key for everything but the tensors of the model and optimizer
 # DCP says so at every save and load of a process without a process group, which is how one process works here
+# (its text: docs/torch_versions.md)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # private (docs/torch_versions.md)
 
 from core import runtime
 from attention.masks import decode_keys

@@ -87,11 +87,13 @@ class MetricsLog:
 
 def banner(cfg: Settings, rt: Runtime, model: GPT, tokens_per_iter: int) -> str:
     """The run's first line: the model, attention, precision, device, and how the ranks split the work."""
-    why = {"float32": "bf16 is not native here" if not runtime.bf16_native(rt.device_type, training=True) else
-           f"bf16 pays on a CPU from {runtime.MUON_BF16_WIDTH} wide", "bfloat16": "bf16 is native here"}
+    step_faster = runtime.bf16_native(rt.device_type, training=True)  # a bf16 step is faster than fp32 here
+    why = {"float32": f"a bf16 step is faster on a CPU only from {runtime.MUON_BF16_WIDTH} wide" if step_faster else
+           "a bf16 step is not faster than fp32 here" if runtime.bf16_native(rt.device_type) else
+           "bf16 matmuls are not in this device's hardware", "bfloat16": "a bf16 step is faster here"}
     muon = f", Muon's Newton-Schulz in {rt.muon_dtype}" + (f" (auto: {why[rt.muon_dtype]})" if cfg.muon_dtype == "auto"
                                                           else "") if cfg.optimizer == "muon" else ""
-    dtype = f"{rt.dtype}" + (f" (auto: {'bf16 is native here' if rt.dtype == 'bfloat16' else 'bf16 does not pay here'})"
+    dtype = f"{rt.dtype}" + (f" (auto: {'a bf16 step is faster here' if rt.dtype == 'bfloat16' else why['float32']})"
                              if cfg.dtype == "auto" and rt.device_type == "cpu" else "")
     ranks = f"{rt.world_size} ranks under {'DDP' if cfg.parallel == 'ddp' else 'FSDP2'}" if rt.is_distributed else \
         "world size 1"

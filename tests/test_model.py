@@ -604,7 +604,7 @@ def test_model_py_copied_by_itself_trains_and_generates_and_its_extras_say_they_
     assert [line.split()[:2] for line in lines[:4]] == [[a, "ok"] for a in ("manual", "sdpa_mask", "sdpa", "flash")]
     assert lines[4:] == [f"refused: {what} needs the rest of the nanoGPT-attn repository (attention/, core/), which "
                          f"model.py copied by itself does not have; copy the whole repository, or do without {what}."
-                         for what in ("doc_mask and window", "attn='flex'")]
+                         for what in ("a doc_mask or window mask", "attn='flex'")]
 
 
 FROM_PRETRAINED = '''

@@ -63,6 +63,7 @@ def _compiled_step(step: Step, freeze: bool = False) -> Step:
         if isinstance(input_pos, int):  # the decode loop's position: a (1,) tensor to the graph, the same graph at each
             input_pos = torch.full((1,), input_pos, device=idx.device)  # a fill, not a copy from the host
         with torch._inductor.config.patch(freezing=freeze), warnings.catch_warnings():
+            # inductor's texts (docs/torch_versions.md)
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching")
             return step(model, idx, input_pos)
@@ -75,7 +76,7 @@ def _compiled_step(step: Step, freeze: bool = False) -> Step:
 @contextlib.contextmanager
 def quiet_imports():
     """Around importing torchao (directly or through transformers): its notes about CUDA extensions and torch's pytree
-    deprecations are nothing a user can act on. Errors still raise."""
+    deprecations are nothing a user can act on. Errors still raise. (Their logger names: docs/torch_versions.md.)"""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

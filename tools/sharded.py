@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+# private API, read again at each release (docs/torch_versions.md)
 from torch.distributed.checkpoint._traverse import set_element  # what DCP's own planner sets an entry with
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
@@ -52,7 +53,8 @@ def is_whole(folder: Path) -> bool:
 
 
 def os_cause(error: BaseException) -> str:
-    """The OSError under a failed write (a full disk, a file size limit), not PyTorch's text on top of it."""
+    """The OSError under a failed write (a full disk, a file size limit), not PyTorch's text on top of it (DCP's
+    texts: docs/torch_versions.md)."""
     seen = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
