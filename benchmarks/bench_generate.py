@@ -273,7 +273,7 @@ def best_read_rate(rt: Runtime, size: int, repeats: int) -> Optional[float]:
         def read(one=one):
             for _ in range(passes):
                 one()
-        read()  # the first call pays for setup
+        read()  # the first call includes setup
         for _ in range(repeats):
             cpu = time.process_time()
             _, seconds = runtime.time_call(read, rt)

@@ -83,7 +83,7 @@ def numerics_ids(tok: Tokenizer, prompt: list[int], block_size: int) -> list[int
 
 
 def reduced_dtype(rt: Runtime) -> str:
-    """The reduced precision reported next to fp32: the run's, else bf16 (fp16 on GPUs without native bf16)."""
+    """The reduced precision reported next to fp32: the run's, else bf16 (fp16 on GPUs without bf16 in hardware)."""
     if rt.dtype != "float32":
         return rt.dtype
     return "float16" if rt.is_cuda and not runtime.bf16_native("cuda") else "bfloat16"

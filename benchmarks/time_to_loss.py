@@ -58,7 +58,7 @@ SCENES = ["--dataset=shakespeare", "--device=cpu", "--compile=False", "--dtype=f
           "--dropout=0.0", "--max_iters=200", "--lr_decay_iters=200", "--warmup_iters=20", "--learning_rate=2e-3",
           "--min_lr=2e-4", "--eval_interval=50", "--eval_iters=20", "--log_interval=10"]
 # The quickstart through each implementation a CPU trains with, and through attn=auto: measuring in the run
-# (--attn_auto_refresh=True, what a first run pays), then with the decision that run cached (every later run).
+# (--attn_auto_refresh=True, what a first run spends), then with the decision that run cached (every later run).
 CPU_TRAINABLE = [a for a, impl in IMPLEMENTATIONS.items()
                  if "cpu" in impl.devices.split() and "cpu" in impl.grad.split()]
 ATTN = {**{a: ["config/train_shakespeare_char_cpu.py", f"--attn={a}"] for a in CPU_TRAINABLE},

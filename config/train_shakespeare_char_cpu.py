@@ -26,7 +26,7 @@ dropout = 0.0
 gelu = "none"           # the exact GELU (nanoGPT's): half the cost of the tanh one on a CPU
 
 optimizer = "muon"      # the blocks' matrices; AdamW (learning_rate) for embeddings, biases and norms. Its
-                        # Newton-Schulz runs in bf16 only where bf16 is native (muon_dtype=auto), else in fp32
+                        # Newton-Schulz runs in bf16 only where a bf16 step is faster (muon_dtype=auto), else in fp32
 muon_lr = 2e-2
 learning_rate = 3e-3
 max_iters = 3000
@@ -38,5 +38,5 @@ early_decay_to = 0.25
 beta2 = 0.99
 
 device = "cpu"
-dtype = "float32"   # bf16 autocast pays only on CPUs with AMX, and this size is overhead-bound even there
+dtype = "float32"   # bf16 autocast is faster only on CPUs with AMX, and this size is overhead-bound even there
 compile = False     # compiling costs ~20 s and saves ~5% per step: not worth it for a run of minutes

@@ -88,7 +88,7 @@ def scan_max_token_id(path: Path, chunk: int = 1 << 26) -> int:
 def check_token_files(data_dir: Path, vocab_size: int, block_size: int, remember: bool = True) -> None:
     """When the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them, and only
     ids the model has embeddings for (each file read through once, max_token_id); the problems of both, together.
-    `remember`: the ids read go to the cache folder where both files pass (a refused command writes nothing)."""
+    `remember`: the ids read go to the cache folder where both files pass (a command that stops with an error writes nothing)."""
     cache = cache_folder() / "token_ids.json"
     known = read_cache(cache, lambda v: isinstance(v, int) and not isinstance(v, bool), "token ids")
     remembered = dict(known)

@@ -1,7 +1,7 @@
 """
 A launch of several ranks (runtime.init_distributed imports it where RANK is set): torchrun's variables checked, the
 process group joined on a store of this restart's own, the model wrapped for it (DDP or FSDP2), the ranks' start-up
-agreement, rank 0's work while the others wait, and a rank lost mid-run.
+agreement, work rank 0 does while the other ranks wait at a barrier, and a rank lost mid-run.
 """
 
 import inspect
@@ -107,7 +107,7 @@ def wrap_ddp(model: torch.nn.Module, rt) -> torch.nn.Module:
 # -- the ranks agree before they train ------------------------------------------------------------------------
 
 def agree(settings: dict, problems: list[UserError]) -> list[UserError]:
-    """Every rank's start-up problems, the same list on each (rank 0 prints them), in one exchange with their settings:
+    """Every rank's start-up problems, the same list on each (rank 0 prints them), compared with their settings in the first collective:
     a rank given other settings (a config file that differs on one node) is named with each rank's value, and a
     problem of one node only (its data_dir missing) stops every rank now, named with its rank, not at a later
     collective. Collective."""
@@ -132,7 +132,7 @@ def agree(settings: dict, problems: list[UserError]) -> list[UserError]:
 # -- rank 0's work, and a rank lost ------------------------------------------------------------------------
 
 def on_rank_0(work: Callable, device: str):
-    """What `work` returns, run on rank 0 while the others wait (None there); a UserError on rank 0 is raised on every
+    """What `work` returns, run on rank 0 while the other ranks wait at a barrier (None there); a UserError on rank 0 is raised on every
     rank, so none waits at a later collective until the timeout."""
     problem, result = None, None
     if dist.get_rank() == 0:

@@ -81,7 +81,7 @@ def eot_token_of(meta: dict | None) -> int:
 
 def written_as(path: Path) -> tuple[Path, bool]:
     """Where a write of `path` lands, and whether it is a stream: a symlink is written through (its target, which the
-    write replaces), and an existing device, FIFO or socket (/dev/stdout, a named pipe) is written to as it is,
+    write replaces), and an existing device, FIFO or socket (/dev/stdout, a named pipe) is written to directly,
     never renamed over."""
     try:
         mode = os.stat(path).st_mode  # through any links
@@ -273,7 +273,7 @@ def write_cache(path: Path, entries: dict) -> None:
 
 
 def write_json(path: Path, contents: dict, setting: str) -> None:
-    """A report written completely or not at all (sample's --json, time_to_loss's), or to a device or FIFO as it is;
+    """A report written completely or not at all (sample's --json, time_to_loss's), or to a device or FIFO directly;
     a failure names the setting to change."""
     path = Path(path)
     with staged_outputs(path.parent, [path.name], what=str(path), advice=f"pass --{setting}= a writable path") as tmp:

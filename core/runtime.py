@@ -88,7 +88,7 @@ def bf16_native(device_type: str, training: bool = False) -> bool:
     return device_type == "cpu" and cpu_capability() in (("AMX",) if training else ("AMX", "AVX512_BF16"))
 
 
-# On a CPU, Muon's Newton-Schulz pays in bf16 only from this width on (AMX, 2 threads: 1.2x slower than fp32 at
+# On a CPU, Muon's Newton-Schulz is faster in bf16 only from this width on (AMX, 2 threads: 1.2x slower than fp32 at
 # 128 x 128, 0.86x at 128 x 512, 0.55x at 256 x 256, ~0.3x from 384; docs/training.md "Precision on CPU")
 MUON_BF16_WIDTH = 256
 
@@ -109,7 +109,7 @@ class Runtime:
     resolve_runtime, asked by every script."""
     device: str  # "cpu", "cuda:N" or "mps"
     dtype: str   # a key of DTYPES: the autocast dtype, or float32 for none
-    muon_dtype: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 where it pays: resolve_runtime)
+    muon_dtype: str = "float32"  # a key of DTYPES: Muon's Newton-Schulz dtype (bf16 where it is faster: resolve_runtime)
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1

@@ -77,7 +77,7 @@ def draw_samples(decoder: Decoder, prompt: list[int], rt: runtime.Runtime, sampl
 def decode_warmups(model: GPT, prompt_len: int, new_tokens: int) -> list[int]:
     """Prompt lengths whose first decode step meets each number of cache positions (attention/masks.py's
     decode_keys) that a generation of new_tokens after prompt_len tokens will read, and block_size if it refills past
-    it: on a GPU each length can be a kernel plan built on first use (cuDNN's), which the timed run must not pay for."""
+    it: on a GPU each length can be a kernel plan built on first use (cuDNN's), which the timed run must not include."""
     block_size, window = model.config.block_size, model.config.window
     firsts = {}  # positions read -> the first position that reads that many
     for written in range(min(prompt_len, block_size), min(prompt_len + new_tokens - 1, block_size)):

@@ -1,6 +1,6 @@
 """
 Muon for the blocks' weight matrices, with the orthogonalization's dtype a parameter: torch.optim.Muon always casts
-to bf16, which a CPU without native bf16 emulates at ~20x fp32's cost. Otherwise torch's algorithm and state, so a
+to bf16, which a CPU without bf16 instructions emulates at ~20x fp32's cost. Otherwise torch's algorithm and state, so a
 checkpoint of either resumes in the other.
 
     muon, adamw = muon_optimizers(model, 0.1, 6e-4, 2e-2, 0.95, (0.9, 0.95), "cpu", torch.float32)

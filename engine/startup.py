@@ -20,7 +20,7 @@ RUNTIME_SETTINGS = ("device", "dtype", "muon_dtype", "threads", "backend")
 CPU_COMMAND = ("torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py "
                "--gradient_accumulation_steps=2 --batch_size=16 --out_dir=out-ddp-cpu")
 
-# The rules between settings: (error, note, or hint: a note said with the errors too; the settings it reads; whether
+# The rules between settings: (error, note, or hint: a note printed with the errors too; the settings it reads; whether
 # it applies; what it says). A rule that reads a setting already out of range is skipped (its own problem is named).
 RULES = [
     ("error", "optimizer parallel", lambda c, rt: c.optimizer == "muon" and rt.is_distributed and
@@ -91,7 +91,7 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
     problems += [UserError(text) for kind, text in said if kind == "error"]
     for check in environment(cfg, rt, out_of_range):
         problems += problems_of(check)
-    # every rank's settings and problems in one exchange, the first collective: ranks given other settings would
+    # every rank's settings and problems compared in the first collective: ranks given other settings would
     # otherwise call different ones; a node's own problem stops every rank here
     if rt.is_distributed:
         from core.distributed import agree
@@ -102,7 +102,7 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
             if kind == "note":
                 errors.note(f"{text}.")
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
-        # rank 0 prepares an embedded dataset while the others wait; then the data's own problems, all at once
+        # rank 0 prepares an embedded dataset (the other ranks wait at a barrier); then the data's own problems
         runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
         meta = check_data(cfg, rt, data_dir, checkpoint)
         if cfg.init_from != "resume" and not cfg.eval_only:  # a new run's out_dir, made and locked only now
@@ -222,6 +222,6 @@ def check_vocab(source: str, vocab_size: int, cfg: Settings, meta: Optional[dict
                         f"trained on{trained_on}.")
 
 
-def describe_run(ckpt: Path) -> str:  # a few words on the checkpoint a refused out_dir holds
+def describe_run(ckpt: Path) -> str:  # a few words on the checkpoint in an out_dir a new run may not use
     from engine.reader import describe_checkpoint
     return describe_checkpoint(ckpt)

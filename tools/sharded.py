@@ -271,7 +271,7 @@ def read_step(folder: Path, parts: set[str]) -> dict:
     state: dict = {}
     try:
         reader = SafeReader(folder)
-        reader.read_metadata()  # a refused .metadata in its own words (DCP would wrap them)
+        reader.read_metadata()  # a .metadata the reader does not admit, in its own words (DCP would wrap them)
         _load_state_dict(state, storage_reader=reader,
                          planner=weights_only_bytes(_EmptyStateDictLoadPlanner)(keys=parts | {TRAIN}), no_dist=True)
     except (CheckpointException, Exception) as e:  # DCP's is a BaseException: each rank's error with its traceback
@@ -280,7 +280,7 @@ def read_step(folder: Path, parts: set[str]) -> dict:
 
 
 def load_into(model: torch.nn.Module, optimizers: list, folder: Path) -> dict:
-    """A sharded step read into the model as it is placed (each rank reads what it holds), and its optimizer state
+    """A sharded step read into the model where it is placed (each rank reads what it holds), and its optimizer state
     shaped for set_optimizer_state_dict. Collective under torchrun."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     try:
