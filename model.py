@@ -386,6 +386,7 @@ class GPT(nn.Module):
         self.register_buffer("vocab_bias", torch.zeros(is_padding.shape).masked_fill(is_padding, float("-inf")),
                              persistent=False)
         self.cache: Optional[KVCache] = None  # decode state, made by setup_cache
+        self.attention_checked: Optional[tuple] = None  # what forward last checked its attention for
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections, GPT-2 paper
@@ -418,9 +419,12 @@ class GPT(nn.Module):
         if input_pos is not None and self.cache is None:
             raise ValueError("input_pos needs a KV cache: call model.setup_cache(batch_size) first")
         cache = None if input_pos is None else self.cache
-        if not torch.compiler.is_compiling():  # a trace cannot run the probe: set_attention checked what it traces
-            self.config.check_attention(idx.device.type, self.compute_dtype(),
-                                        self.training and torch.is_grad_enabled(), T, decoding=input_pos is not None)
+        training = self.training and torch.is_grad_enabled()
+        asked = (self.config.attn, self.config.block_size, idx.device.type, self.compute_dtype(), training,
+                 T if training else None, input_pos is not None)  # what the check depends on
+        if asked != self.attention_checked and not torch.compiler.is_compiling():  # a trace cannot run the probe:
+            self.config.check_attention(*asked[2:5], T, decoding=asked[6])         # set_attention checked it
+            self.attention_checked = asked
         position = input_pos if isinstance(input_pos, int) else None  # an eager decode step's, on the host
         if position is not None:
             input_pos = torch.full((1,), position, device=idx.device)  # (1,): a fill, not a copy from the host

@@ -109,7 +109,7 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
     refuse_unless_runs("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True),
                     IMPLEMENTATIONS)
     err = capsys.readouterr().err.strip()
-    assert err.startswith("warning: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err
+    assert err.startswith("note: attn='sdpa' may run cuDNN here: ") and "block_size that is a multiple of 128" in err
     assert err.count("\n") == 0
 
 
