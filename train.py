@@ -156,7 +156,7 @@ def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
 @torch.no_grad()
 def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool = False) -> dict:
     """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), over all ranks:
-    {"train/eval_loss": ..., "val/loss": ...}, or val alone when eval_train is off. eval_iters=0: val alone, every
+    {"train/loss": ..., "val/loss": ...}, or val alone when eval_train is off. eval_iters=0: val alone, every
     token of val.bin once (Batches.whole_split), the split's own loss that the sampled one estimates. The `first`
     evaluation says what it does before it starts, and any says how long it takes when that is long (a CPU's first
     can take half an hour)."""
@@ -182,7 +182,7 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
             tokens += counted
             progress.tick(total)
         total, tokens = runtime.sum_across_ranks_(torch.stack([total, torch.full_like(total, tokens)])).tolist()
-        out["val/loss" if split == "val" else "train/eval_loss"] = total / tokens  # one read per split
+        out["val/loss" if split == "val" else "train/loss"] = total / tokens  # one read per split
         if whole:
             out["val/tokens"] = int(tokens)
     model.train()
@@ -239,13 +239,13 @@ class TrainingRun:
         """A logged step's line: its loss, and the speed over the steps since the clock's last reading `since`
         ((iter, time); None: the clock did not run, the step compiled)."""
         self.stop_if_diverged("training", loss, it)
-        metrics = {"iter": it, "train/loss": loss, "lr": lr}
+        metrics = {"iter": it, "train/step_loss": loss, "lr": lr}
         if since is not None and it > since[0]:
             steps, seconds = it - since[0], now - since[1]
             tokens_per_s = tokens_per_iter(self.cfg) * steps / seconds
             metrics.update(ms_per_iter=1000 * seconds / steps, tokens_per_s=tokens_per_s)
             if peak_flops is not None:
-                metrics["mfu"] = self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size,
+                metrics["mfu"] = 100 * self.trainer.model.model_flops_utilization(tokens_per_s / self.rt.world_size,
                                                                            peak_flops, self.cfg.block_size)
         self.log.log({**metrics, **self.rt.memory_metrics()})
 

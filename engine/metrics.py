@@ -57,10 +57,11 @@ class MetricsLog:
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return
-        text = "  ".join(f"{k} {100 * v:.2f}%" if k == "mfu" else f"{k} {v:,.0f}" if k == "tokens_per_s"
+        text = "  ".join(f"{k} {v:.2f}%" if k == "mfu" else f"{k} {v:,.0f}" if k == "tokens_per_s"
+                         else f"{k} {v:.4f}" if k.endswith("loss") and isinstance(v, float)  # 2.6100, as nanoGPT
                          else f"{k} {v:.0f}" if isinstance(v, float) and abs(v) >= 1e4  # 11680, not 1.168e+04
                          else f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in metrics.items())  # mfu: a percent, as bench's (JSON: a fraction)
+                         for k, v in metrics.items())  # mfu: a percent, as nanoGPT's (bench's JSON: a fraction)
         print(text, flush=True)
         if self.path is not None and self.replace:  # nothing of an old log goes before this run has a line
             with staged_outputs(self.path.parent, [self.path.name], what=str(self.path),
@@ -76,7 +77,7 @@ class MetricsLog:
                                 f"checkpoint (if one was saved) kept - free disk space or pass --out_dir= another "
                                 f"folder.") from None
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if k != "iter"}, step=metrics["iter"])
+            self.wandb.log(metrics, step=metrics["iter"])  # nanoGPT's `iter` key too
 
     def close(self) -> None:
         if self.wandb is not None:

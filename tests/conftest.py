@@ -135,7 +135,7 @@ class TwoRankRuns:
     report: dict          # tests/rank_probe.py's: per run, digests and elements per rank; rank_0_fails
 
     def losses(self, name: str) -> dict[int, float]:
-        return metrics(self.out / name, "train/loss")
+        return metrics(self.out / name, "train/step_loss")
 
 
 @pytest.fixture(scope="session")

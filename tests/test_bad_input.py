@@ -81,13 +81,13 @@ def test_a_new_run_into_another_runs_out_dir_is_refused_and_its_files_survive(tr
     (trained / "ckpt.pt").unlink()  # a run that stopped before its first checkpoint: nothing to resume, reused
     assert (trained / ".lock").exists()
     train_tiny(f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3", f"--out_dir={trained}")
-    assert sorted(metrics(trained, "train/loss")) == [1, 2, 3]  # the new run's log, the old one replaced
+    assert sorted(metrics(trained, "train/step_loss")) == [1, 2, 3]  # the new run's log, the old one replaced
 
 
 def test_overwrite_starts_the_out_dir_afresh(trained, char_data):
     train_tiny(f"--data_dir={char_data}", "--max_iters=3", "--eval_interval=3", "--overwrite=True",
                f"--out_dir={trained}")
-    assert sorted(metrics(trained, "train/loss")) == [1, 2, 3]  # this run's lines only
+    assert sorted(metrics(trained, "train/step_loss")) == [1, 2, 3]  # this run's lines only
     assert load_checkpoint(trained / "ckpt.pt").iter_num == 3
 
 

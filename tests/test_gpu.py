@@ -54,7 +54,7 @@ def test_every_attention_trains_in_reduced_precision_or_says_why_not(char_data, 
             train.main(args)
         return
     assert train.main(args) == 0
-    losses = metrics(tmp_path, "train/loss")
+    losses = metrics(tmp_path, "train/step_loss")
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
     assert 0 < metrics(tmp_path, "mem/peak_gb")[4]  # torch.cuda.max_memory_allocated, recorded per log line
 
@@ -118,7 +118,7 @@ def test_compile_and_flex_train_together(char_data, tmp_path):
     # for every attn above, NaNs under fp16 loss scaling or no memory logged)
     assert train.main(GPU + [f"--data_dir={char_data}", "--attn=flex", "--compile=True", "--dtype=float16",
                              "--max_iters=20", "--eval_interval=20", f"--out_dir={tmp_path}"]) == 0
-    val, losses = metrics(tmp_path, "val/loss"), metrics(tmp_path, "train/loss")
+    val, losses = metrics(tmp_path, "val/loss"), metrics(tmp_path, "train/step_loss")
     assert val[20] < val[0]
     assert sorted(losses) == list(range(1, 21)) and all(math.isfinite(v) for v in losses.values())
     assert 0 < metrics(tmp_path, "mem/peak_gb")[20]
@@ -128,7 +128,7 @@ def test_resume_continues_the_same_losses_in_fp32(char_data, tmp_path):
     # catches: CUDA RNG state or optimizer state not restored on resume
     straight, stopped = straight_and_resumed(
         GPU + [f"--data_dir={char_data}", "--attn=manual", "--dtype=float32", "--eval_interval=3"], tmp_path)
-    straight, resumed = metrics(straight, "train/loss"), metrics(stopped, "train/loss")
+    straight, resumed = metrics(straight, "train/step_loss"), metrics(stopped, "train/step_loss")
     for i in (4, 5, 6):  # CUDA's embedding backward adds with atomics, so allow its last-bit wobble
         assert resumed[i] == pytest.approx(straight[i], abs=1e-5)
 
@@ -267,7 +267,7 @@ def test_two_gpus_match_one_process_with_the_same_global_batch(char_data, tmp_pa
                     "--eval_interval=100", "--gradient_accumulation_steps=2"]
     run_train(common + [f"--out_dir={tmp_path / 'one'}"])
     run_train(common + [f"--parallel={parallel}", f"--out_dir={tmp_path / 'two'}"], nproc=2)
-    one, two = metrics(tmp_path / "one", "train/loss"), metrics(tmp_path / "two", "train/loss")
+    one, two = metrics(tmp_path / "one", "train/step_loss"), metrics(tmp_path / "two", "train/step_loss")
     for it in one:
         assert two[it] == pytest.approx(one[it], abs=1e-4)  # NCCL's reduction order differs from one process
 

@@ -345,7 +345,7 @@ def test_a_nanogpt_out_dir_resumes_with_its_optimizer_state_and_keeps_the_origin
                        by_number[max(by_number)]["exp_avg_sq"])  # the last of the no-decay group
     train.main(TINY + [f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}", "--max_iters=10",
                        "--eval_interval=10", "--always_save_checkpoint=True"])
-    assert sorted(metrics(folder, "train/loss")) == [8, 9, 10]  # continued from nanoGPT's iteration 7
+    assert sorted(metrics(folder, "train/step_loss")) == [8, 9, 10]  # continued from nanoGPT's iteration 7
     assert load_checkpoint(folder / "ckpt.pt", for_training=True).iter_num == 10
     assert (folder / "ckpt.nanogpt.pt").read_bytes() == original
 
@@ -436,7 +436,7 @@ def test_a_nanogpt_run_resumes_from_its_out_dir_and_its_data_folder(char_data, t
     (out / "meta.pkl").unlink()
     train.main(TINY + [f"--data_dir={data}", "--init_from=resume", f"--out_dir={out}", "--max_iters=9",
                        "--eval_interval=9"])
-    assert sorted(metrics(out, "train/loss")) == [8, 9]
+    assert sorted(metrics(out, "train/step_loss")) == [8, 9]
     assert load_checkpoint(out / "ckpt.pt").meta == {"tokenizer": "char", "vocab_size": len(chars_of(char_data)),
                                                      "chars": chars_of(char_data)}
 

@@ -53,7 +53,7 @@ def test_muon_follows_the_schedule_with_its_own_peak():
 def test_resume_with_muon_continues_bit_for_bit(char_data, tmp_path):
     straight, stopped = straight_and_resumed(
         TINY + [f"--data_dir={char_data}", "--eval_interval=3", "--optimizer=muon"], tmp_path)
-    assert [metrics(straight, "train/loss")[i] for i in range(4, 7)] == [metrics(stopped, "train/loss")[i]
+    assert [metrics(straight, "train/step_loss")[i] for i in range(4, 7)] == [metrics(stopped, "train/step_loss")[i]
                                                                           for i in range(4, 7)]
     assert metrics(straight, "val/loss")[6] == metrics(stopped, "val/loss")[6]
     state = torch.load(stopped / "ckpt.pt", weights_only=True)["optimizer"]["state"]
@@ -64,7 +64,7 @@ def test_resume_with_muon_continues_bit_for_bit(char_data, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_with_muon_match_one_rank_with_the_same_global_batch(char_data, tmp_path, two_rank_runs):
     train.main(TWO_RANKS + [f"--data_dir={char_data}", "--optimizer=muon", f"--out_dir={tmp_path}"])
-    one, two = metrics(tmp_path, "train/loss"), two_rank_runs.losses("muon")
+    one, two = metrics(tmp_path, "train/step_loss"), two_rank_runs.losses("muon")
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for it, loss in one.items():  # DDP averages the same gradients in another order
         assert two[it] == pytest.approx(loss, abs=1e-4), it
@@ -192,8 +192,8 @@ for i, loss in enumerate(losses + [float(x) for x in args.get("later", "").split
         time.sleep(float(args["then_sleep"]))
     it = i * int(args["eval_interval"])
     with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"iter": it, "train/loss": loss + 0.1, "lr": 1e-3}) + "\\n")
-        f.write(json.dumps({"iter": it, "train/eval_loss": loss, "val/loss": loss, "lr": 1e-3}) + "\\n")
+        f.write(json.dumps({"iter": it, "train/step_loss": loss + 0.1, "lr": 1e-3}) + "\\n")
+        f.write(json.dumps({"iter": it, "train/loss": loss, "val/loss": loss, "lr": 1e-3}) + "\\n")
     time.sleep(0.02)
 """
 

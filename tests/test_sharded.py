@@ -32,7 +32,7 @@ def steps(out) -> list[str]:
 
 
 def losses(out) -> dict[int, float]:
-    return metrics(out, "train/loss")
+    return metrics(out, "train/step_loss")
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from model import GPT, GPTConfig
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_with_the_same_global_batch_and_stay_identical(char_data, tmp_path, two_rank_runs):
     train.main(TWO_RANKS + [f"--data_dir={char_data}", f"--out_dir={tmp_path}"])
-    one, two = metrics(tmp_path, "train/loss"), two_rank_runs.losses("ddp")
+    one, two = metrics(tmp_path, "train/step_loss"), two_rank_runs.losses("ddp")
     assert sorted(one) == list(range(1, 7))
     for it, loss in one.items():
         assert abs(two[it] - loss) <= 1e-5, (it, loss, two[it])
@@ -167,7 +167,7 @@ def test_ctrl_c_names_the_checkpoint_kept_and_the_command_that_continues(char_da
 def test_resume_continues_bit_for_bit(char_data, tmp_path):
     straight, stopped = straight_and_resumed(
         TINY + [f"--data_dir={char_data}", "--eval_interval=3", "--dropout=0.1", "--attn=manual"], tmp_path)
-    assert [metrics(straight, "train/loss")[i] for i in range(4, 7)] == [metrics(stopped, "train/loss")[i]
+    assert [metrics(straight, "train/step_loss")[i] for i in range(4, 7)] == [metrics(stopped, "train/step_loss")[i]
                                                                           for i in range(4, 7)]
     assert metrics(straight, "val/loss")[6] == metrics(stopped, "val/loss")[6]
 
@@ -319,27 +319,76 @@ def test_an_iterations_train_and_val_lines_show_the_same_learning_rate(char_data
     train.main(TINY + [f"--data_dir={char_data}", "--max_iters=6", "--eval_interval=2", "--warmup_iters=4",
                        f"--out_dir={tmp_path}"])
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train_lr = {r["iter"]: r["lr"] for r in rows if "train/loss" in r}
+    train_lr = {r["iter"]: r["lr"] for r in rows if "train/step_loss" in r}
     val_lr = {r["iter"]: r["lr"] for r in rows if "val/loss" in r}
     assert set(val_lr) == {0, 2, 4, 6} and len(set(train_lr.values())) > 3  # the rate moves: warmup, then decay
     assert all(val_lr[i] == train_lr[i] for i in (2, 4, 6)), (train_lr, val_lr)
 
 
 @pytest.mark.slow  # wandb starts its own service process
-def test_wandb_offline_run_records_ms_per_iter_and_val_loss(char_data, tmp_path, monkeypatch, datasheet_peak):
+def wandb_history(run_file: Path, timeout: float = 120.0) -> dict[int, dict]:
+    """An offline run's history as wandb wrote it, {step: {key: value}}, read with wandb's own record type once its
+    exit record is there: wandb.finish() can return before wandb's process has written the file (docs/training.md).
+    The file is a LevelDB log (32 KiB blocks of chunks, each with a 7-byte header) after a 7-byte header of its own."""
+    import struct
+    from wandb.proto import wandb_internal_pb2 as pb
+    deadline = time.monotonic() + timeout
+    while True:
+        data, pos, chunks, records = run_file.read_bytes(), 7, b"", []
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunks, pos = chunks + data[pos + 7:pos + 7 + n], pos + 7 + n
+            if kind in (1, 4):  # a full record, or a record's last chunk
+                records.append(pb.Record.FromString(chunks))
+                chunks = b""
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    history: dict[int, dict] = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            history.setdefault(row["_step"], {}).update({k: v for k, v in row.items() if not k.startswith("_")})
+    return history
+
+
+def test_wandb_offline_run_holds_nanogpts_keys_with_nanogpts_meanings(char_data, tmp_path, monkeypatch,
+                                                                      datasheet_peak):
+    """A nanoGPT name means what nanoGPT logs: `iter`; `train/loss` and `val/loss` the evaluation's estimates (each
+    recomputed here from the checkpoint); `mfu` in percent. One step's loss, ms/iter and tokens/s have names of
+    their own. wandb holds every value of metrics.jsonl, at the iteration as its step."""
     pytest.importorskip("wandb")
+    from engine.reader import build_model, load_checkpoint
+    from core.dataset import Batches
     for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(key, value)
+    out = tmp_path / "out"
     train.main(TINY + [f"--data_dir={char_data}", "--max_iters=4", "--eval_interval=2", "--wandb_log=True",
-                       f"--out_dir={tmp_path / 'out'}"])
-    assert set(metrics(tmp_path / "out", "ms_per_iter")) == {1, 2, 3, 4}
-    assert set(metrics(tmp_path / "out", "val/loss")) == {0, 2, 4}
-    assert all(v > 0 for v in metrics(tmp_path / "out", "ms_per_iter").values())
+                       f"--out_dir={out}"])
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1
-    record = Path(runs[0]).read_bytes()  # wandb's own offline log: the keys went through wandb.log
-    for key in (b"ms_per_iter", b"val/loss", b"tokens_per_s", b"mfu", b"resolved_attn", b"world_size"):
-        assert key in record, key
+    history = wandb_history(Path(runs[0]))
+    jsonl: dict[int, dict] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        jsonl.setdefault(json.loads(line)["iter"], {}).update(json.loads(line))
+    assert history == jsonl  # every value, at its iteration
+    assert sorted(i for i in history if "train/loss" in history[i]) == [0, 2, 4]  # at evaluations only
+    assert sorted(i for i in history if "val/loss" in history[i]) == [0, 2, 4]
+    assert sorted(i for i in history if "train/step_loss" in history[i]) == [1, 2, 3, 4]
+    assert sorted(i for i in history if "ms_per_iter" in history[i]) == [1, 2, 3, 4]
+    model = build_model(load_checkpoint(out / "ckpt.pt")).eval()  # saved at iter 4
+    with torch.no_grad():
+        for split, key in (("train", "train/loss"), ("val", "val/loss")):  # estimate_loss's batches, again
+            batches = Batches(char_data, 32, 4, seed=1337 + 1000).micro_batches(split, 2)
+            estimate = sum(model(x, y)[1].item() for x, y in batches) / len(batches)
+            assert history[4][key] == pytest.approx(estimate, rel=1e-5), key
+    for i in (1, 2, 3, 4):  # percent of the datasheet peak (1e12 here), as nanoGPT's
+        row = history[i]
+        assert row["mfu"] == pytest.approx(100 * model.flops_per_token() * row["tokens_per_s"] / 1e12)
+        assert row["tokens_per_s"] == pytest.approx(4 * 32 / (row["ms_per_iter"] / 1000))
 
 
 def test_max_seconds_stops_then_evaluates_and_saves(char_data, tmp_path):
@@ -398,7 +447,7 @@ def test_the_device_is_waited_for_only_where_a_line_is_logged_and_an_evaluation_
     assert train.main(TINY + [f"--data_dir={char_data}", "--max_iters=12", "--log_interval=4", "--eval_interval=100",
                               "--gradient_accumulation_steps=2", f"--out_dir={tmp_path}"]) == 0
     assert set(stream.waits) == {0, 1, 4, 8, 12}  # the start, each logged step (the first timed one too), the end
-    assert sorted(metrics(tmp_path, "train/loss")) == [1, 4, 8, 12] and sorted(metrics(tmp_path, "ms_per_iter")) == [
+    assert sorted(metrics(tmp_path, "train/step_loss")) == [1, 4, 8, 12] and sorted(metrics(tmp_path, "ms_per_iter")) == [
         1, 4, 8, 12]  # a first line at once, whatever log_interval says
 
 
@@ -448,7 +497,7 @@ def test_eval_train_off_evaluates_val_alone_on_the_same_batches(char_data, tmp_p
     train.main(common + [f"--out_dir={both}"])
     train.main(common + ["--eval_train=False", f"--out_dir={val_only}"])
     assert metrics(val_only, "val/loss") == metrics(both, "val/loss")  # same weights, same val batches
-    assert sorted(metrics(both, "train/eval_loss")) == [0, 2, 4] and metrics(val_only, "train/eval_loss") == {}
+    assert sorted(metrics(both, "train/loss")) == [0, 2, 4] and metrics(val_only, "train/loss") == {}
 
 
 @pytest.mark.slow
@@ -458,7 +507,7 @@ def test_quickstart_config_loss_falls_and_compile_trains_with_compilation_left_o
     val = metrics(tmp_path, "val/loss")
     assert val[30] < val[0] - 0.5
     # step 1 compiles: it trains (its loss is logged) but has no ms/iter, and the timed steps start after it
-    assert sorted(metrics(tmp_path, "train/loss")) == list(range(1, 31))
+    assert sorted(metrics(tmp_path, "train/step_loss")) == list(range(1, 31))
     assert sorted(metrics(tmp_path, "ms_per_iter")) == list(range(2, 31))
 
 
@@ -633,7 +682,7 @@ def test_the_first_evaluation_says_what_it_does_at_once_and_how_long_it_takes_wh
     first = out.index("evaluating train and val: 100 batches ...")
     assert re.fullmatch(r"evaluating train and val: about \d+ s more at [\d.]+ s a batch \(--eval_iters= sets how "
                         r"many\)", out[first + 1])
-    assert out[first + 2].startswith("iter 0  train/eval_loss")
+    assert out[first + 2].startswith("iter 0  train/loss")
     assert sum(line.endswith("batches ...") for line in out) == 1  # the later evaluation is not announced again
 
 
@@ -665,8 +714,8 @@ def test_the_log_line_writes_tokens_per_s_as_a_plain_number(tmp_path, capsys):
     from types import SimpleNamespace
     from engine.metrics import MetricsLog
     log = MetricsLog(SimpleNamespace(out_dir=str(tmp_path), wandb_log=False, init_from="scratch"), {}, enabled=True)
-    log.log({"iter": 10, "train/loss": 1.5, "ms_per_iter": 114.85, "tokens_per_s": 17834.2, "mfu": 0.0123})
-    assert capsys.readouterr().out == ("iter 10  train/loss 1.5  ms_per_iter 114.8  tokens_per_s 17,834  "
+    log.log({"iter": 10, "train/step_loss": 1.5, "ms_per_iter": 114.85, "tokens_per_s": 17834.2, "mfu": 1.23})
+    assert capsys.readouterr().out == ("iter 10  train/step_loss 1.5000  ms_per_iter 114.8  tokens_per_s 17,834  "
                                        "mfu 1.23%\n")
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["tokens_per_s"] == 17834.2  # the file: exact
     log.log({"iter": 20, "ms_per_iter": 11680.4, "lr": 6e-5})  # a busy CPU's step: a number people read
