@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from core import flops
-from core import files
+from core import writing
 from core import runtime
 from benchmarks.measure import AUDIT, audited_row, free_memory, max_batch_size, measure_calls, paired_speedup, progress
 from core.configurator import PATH, SEED, Settings, as_list, comma_list_of, configure, one_of
@@ -184,7 +184,7 @@ def resolve(cfg: Settings, found: dict | None = None) -> tuple[Settings, Runtime
     if any("doc" in m for m in cfg.mask) and cfg.mode != "generate" and lengths_ok:
         problems += problems_of(lambda: block_documents(  # a bad --doc_data is named before any row runs
             cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens), cfg.seed))
-    problems += problems_of(lambda: files.check_writable_dir(Path(cfg.out_dir)))  # before the sweep, not after it
+    problems += problems_of(lambda: writing.check_writable_dir(Path(cfg.out_dir)))  # before the sweep, not after it
     if cfg.compile:
         problems += problems_of(runtime.check_compile_cache)
     errors.refuse_all(problems)
@@ -374,7 +374,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = out / f"{cfg.mode}-{env['run']}.json"  # this run's own name: runs into one folder each keep theirs
 
     def save(rows: list[dict], complete: bool = False) -> None:  # completely or not at all: an earlier save stays
-        with files.staged_outputs(out, [path.name], what=f"the results to {path}") as tmp:
+        with writing.staged_outputs(out, [path.name], what=f"the results to {path}") as tmp:
             tmp[path.name].write_text(json.dumps(dict(environment=env, config=cfg.as_dict(), complete=complete,
                                                       rows=rows), indent=1))
     print(sweep_plan(cfg, rt), file=sys.stderr)

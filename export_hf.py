@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from safetensors import SafetensorError
 
-from core import errors, files
+from core import errors, writing
 from core import runtime
 from engine.checkpoint import Checkpoint
 from engine.reader import build_model, find_checkpoint, load_checkpoint
@@ -141,7 +141,7 @@ def check_hf_dir(hf_dir: Path, writable: bool = True) -> Path:
         raise UserError(f"{hf_dir} already exists and is not empty; pass --hf_dir= a new folder (nothing there "
                         f"is overwritten).")
     if writable:  # the checkpoint's folder may be read-only: hf_dir's parent is what is written
-        files.check_writable_dir(hf_dir.parent, setting="hf_dir")
+        writing.check_writable_dir(hf_dir.parent, setting="hf_dir")
     return hf_dir
 
 

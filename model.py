@@ -97,13 +97,13 @@ FLASH_KERNELS: dict = {}  # device type -> `flash`'s SDPA backends, first choice
 
 def flash_kernels(device: torch.device) -> tuple:
     """The kernels attn='flash' runs on `device`, first choice first: cuDNN's flash kernel, then FlashAttention-2 for
-    what it refuses, where attention/kernels.py's cudnn_first holds (Hopper, Blackwell); elsewhere FlashAttention-2
+    what it refuses, where attention/cuda.py's cudnn_first holds (Hopper, Blackwell); elsewhere FlashAttention-2
     (on a CPU, its flash kernel). Decided on the host once per device type, before a compiled model traces
     flash_attention (GPTConfig.check_attention asks first)."""
     if device.type not in FLASH_KERNELS:
         first = False
         if device.type == "cuda" and IN_REPOSITORY:
-            from attention.kernels import cuda_facts, cudnn_first
+            from attention.cuda import cuda_facts, cudnn_first
             first = cudnn_first(*cuda_facts(device))
         FLASH_KERNELS[device.type] = ((SDPBackend.CUDNN_ATTENTION,) if first else ()) + (SDPBackend.FLASH_ATTENTION,)
     return FLASH_KERNELS[device.type]

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core import files
 from core import runtime
 from engine.checkpoint import POINTER, sharded_folder
 from engine.reader import build_model, find_checkpoint, load_checkpoint
@@ -35,6 +34,8 @@ from core.tokenizer import Tokenizer, tokenizer_from_meta
 # I/O
 init_from = "resume"              # 'resume' (out_dir/ckpt.pt), or GPT-2 weights: 'gpt2', 'gpt2-xl', ..., a local HF dir
 out_dir = "out"                   # the folder train.py wrote ckpt.pt to
+data_dir = ""                     # the data folder a checkpoint was trained on (--compare's held-out val.bin, and a
+                                  # nanoGPT run's meta.pkl); empty: the one the checkpoint names
 start = "\n"                      # the prompt, or "FILE:path" to read it from a file: the whole file is one prompt,
                                   # several lines included, which every sample continues ("<|endoftext|>" for none)
 # sampling
@@ -63,25 +64,27 @@ LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature"
           "top_k": "[1, inf) int or None",
           "seed": SEED, "attn": one_of("auto", *IMPLEMENTATIONS), "dtype": one_of("auto", *runtime.DTYPES),
           "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)", "threads": "[0, inf) int",
-          "out_dir": PATH, "json": PATH}
+          "out_dir": PATH, "json": PATH, "data_dir": PATH}
 
 
 
 # -----------------------------------------------------------------------------
 # model, tokenizer, prompt
 
-def load_model(init_from: str, out_dir: str, attn: Optional[str] = None) -> tuple[GPT, Tokenizer, str, dict]:
-    """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the settings it was
-    trained with (empty for GPT-2 weights); `attn`: the one typed (None: the checkpoint's)."""
-    settings = {}
+def load_model(init_from: str, out_dir: str, attn: Optional[str] = None,
+               data_dir: str = "") -> tuple[GPT, Tokenizer, str, Optional[Path]]:
+    """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the data folder whose
+    val.bin holds its held-out text (None for GPT-2 weights, or where there is none); `attn`: the one typed (None: the
+    checkpoint's)."""
+    held_out = None
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, data_dir=Path(data_dir) if data_dir else None)
         path = sharded_folder(path) or path  # what was read: ckpt.pt, or the newer sharded step
         model = build_model(checkpoint, **({} if attn is None else {"attn": "sdpa" if attn == "auto" else attn}))
         tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")
         source = f"{path} (iter {checkpoint.iter_num})"
-        settings = checkpoint.settings
+        held_out = held_out_folder(checkpoint.meta or {}, checkpoint.settings, data_dir)
     else:
         given = Path(init_from)
         out = given.parent if given.is_file() and given.suffix == ".pt" else given
@@ -95,17 +98,21 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str] = None) -> tupl
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
                         f"{tok.vocab_size} tokens; sample from a checkpoint trained on this tokenizer's data.")
-    return model.eval(), tok, source, settings
+    return model.eval(), tok, source, held_out
 
 
-def training_data(settings: dict) -> Optional[Path]:
-    """The data folder a training run read, if it still holds val.bin (--compare's held-out text)."""
+def held_out_folder(meta: dict, settings: dict, data_dir: str) -> Optional[Path]:
+    """The data folder the checkpoint was trained on, if it still holds val.bin: --data_dir=, else the folder its
+    vocabulary came from (a nanoGPT run's meta.pkl; None where it was not found), else the data its settings name."""
     from core.dataset import dataset_dir
-    try:
-        folder = dataset_dir(settings.get("data_dir", ""), settings.get("dataset", ""))
-    except UserError:
-        return None
-    return folder if (folder / "val.bin").is_file() else None
+    if data_dir or "data_dir" in meta:
+        folder = data_dir or meta["data_dir"]
+    else:
+        try:
+            folder = dataset_dir(settings.get("data_dir", ""), settings.get("dataset", ""))
+        except UserError:
+            folder = None
+    return Path(folder) if folder and (Path(folder) / "val.bin").is_file() else None
 
 
 def read_prompt(start: str) -> str:
@@ -142,7 +149,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # every problem of the command in one report, before the model is moved or anything is written
     checks = [lambda: read_prompt(cfg.start)]
     if cfg.json and "json" not in found:  # find out now, not after a long comparison
-        checks.append(lambda: files.check_writable_file(Path(cfg.json), "json"))
+        from core.writing import check_writable_file  # only a run that writes a file
+        checks.append(lambda: check_writable_file(Path(cfg.json), "json"))
     if cfg.compile:
         checks.append(runtime.check_compile_cache)
     if cfg.quantize:
@@ -156,11 +164,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         checks.append(lambda: made.update(rt=runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)))
     problems = list(found.values()) + [p for check in checks for p in problems_of(check)]
     if not problems:  # the model is read only where nothing else is wrong; else only whether a checkpoint is there
-        problems += problems_of(lambda: made.update(loaded=load_model(cfg.init_from, cfg.out_dir, cfg.attn)))
+        problems += problems_of(lambda: made.update(loaded=load_model(cfg.init_from, cfg.out_dir, cfg.attn,
+                                                                      cfg.data_dir)))
     elif cfg.init_from == "resume" and "out_dir" not in found:
         problems += problems_of(lambda: find_checkpoint(Path(cfg.out_dir) / "ckpt.pt"))
     errors.refuse_all(problems)
-    rt, (model, tok, source, settings) = made["rt"], made["loaded"]
+    rt, (model, tok, source, held_out) = made["rt"], made["loaded"]
     prompt = encode_prompt(tok, read_prompt(cfg.start), default="start" not in cfg.set_by)
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
@@ -171,11 +180,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["attn_auto"], attn = choose_attention(model, rt, cfg, len(prompt))
     if cfg.compare:
         report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile,
-                                      cfg.quantize, training_data(settings)))
+                                      cfg.quantize, held_out))
     else:
         report.update(sample(model, attn, tok, rt, sampling, prompt, cfg.compile, cfg.quantize))
     if cfg.json:
-        files.write_json(Path(cfg.json), report, "json")
+        from core.writing import write_json
+        write_json(Path(cfg.json), report, "json")
         print(f"wrote {cfg.json}")
     return 0
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from core.errors import UserError
-from core import files
+from core import files, writing
 from core.runtime import Runtime, compile_isolated, time_call
 from attention.kernels import AttnCall, attention_pass, attention_problem, decodes_with_mask
 
@@ -218,7 +218,7 @@ def choose(w: Workload, rt: Runtime, implementations: dict, budget_s: float = 20
         return Decision(hit["pick"], hit["rows"], w, cached=True)
     decision = measure(w, rt, implementations, budget_s)
     known[w.key()] = {"pick": decision.pick, "rows": decision.rows}
-    files.write_cache(path, known)
+    writing.write_cache(path, known)
     return decision
 
 

@@ -26,7 +26,7 @@ from benchmarks.measure import progress as progress_bar
 from attention.masks import decode_keys
 from model import IMPLEMENTATIONS, GPT, GPTConfig
 from core.runtime import Runtime
-from core import files, runtime
+from core import files, runtime, writing
 
 CACHES = {"none": "no cache", "cache": "cache", "compiled": "compiled cache"}
 WEIGHTS = ("float32", "bfloat16", "int8")
@@ -251,7 +251,7 @@ def measured_bandwidth(rt: Runtime, size: int, repeats: int) -> Optional[float]:
     measured = best_read_rate(rt, size, repeats)
     if measured is not None and measured > known.get(key, 0.0):
         known[key] = measured
-        files.write_cache(cache, known)
+        writing.write_cache(cache, known)
     keys = [bandwidth_key(rt, size << i) for i in range(16)]  # this size and larger ones, up to 32,768 times it
     return max((known[k] for k in keys if k in known), default=None)
 

@@ -342,7 +342,7 @@ def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, voc
         raise UserError(f"{data / 'val.bin'} holds token id {int(windows.max())}, beyond the checkpoint's "
                         f"{vocab_size}-token vocabulary: the data was prepared again with another one; prepare it as "
                         f"it was for training, or move it away (--compare then uses built-in text).")
-    return windows.to(x.device), f"{n} windows of {block_size} tokens of {data / 'val.bin'}"
+    return windows.to(x.device), f"{data / 'val.bin'}: {n} windows of {block_size} tokens ({n * block_size:,} tokens)"
 
 
 def held_out_loss(model: GPT, windows: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -378,7 +378,7 @@ def weights_study(model: GPT, comparison: Comparison, quantize: str, data: Optio
 
 
 def print_weights_study(study: dict, comparison: Comparison) -> None:
-    print(f"\n== weights: held-out loss on {study['held_out']} ({study['held_out_tokens']} tokens); agreement = "
+    print(f"\n== weights: held-out loss on {study['held_out']}; agreement = "
           f"greedy token equal to fp32's, teacher-forced; greedy sample of {comparison.sampling.max_new_tokens} tokens")
     rows = [dict(r, weights=label, status="ok") for label, r in study["rows"].items()]
     print(format_table(rows, {

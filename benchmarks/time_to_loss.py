@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from core import files
+from core import writing
 from core import runtime
 from benchmarks.bench_report import format_table
 from core.configurator import PATH, configure, one_of
@@ -156,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise UserError("--compare=gpu trains nanoGPT's GPU recipe (5,000 steps of a 6 x 384 model: hours on a CPU) "
                         "and needs a CUDA GPU; here, pass --extra= a scaled-down CPU run (docs/quickstart.md).")
     out = Path(cfg.out_dir)
-    files.check_writable_dir(out)
+    writing.check_writable_dir(out)
     recipes = {name: args + extra for name, args in RECIPE_SETS[cfg.compare].items()}
     prepare_data(recipes)
     machine = runtime.Runtime("cuda:0" if on_gpu else "cpu", "float32").name  # the GPU, or the CPU and its kind
@@ -188,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               f"x {base}": lambda r: r["ratio"], "iter": lambda r: r["iter"],
                               "final val": lambda r: r["final"], "wall s": lambda r: r["wall"]}))
     path = out / "time_to_loss.json"
-    files.write_json(path, {"config": cfg.as_dict(), "machine": machine, "capability": runtime.cpu_capability(),
+    writing.write_json(path, {"config": cfg.as_dict(), "machine": machine, "capability": runtime.cpu_capability(),
                             "recipes": recipes, "rounds": rounds, "orders": orders}, "out_dir")
     print(f"wrote {path}")
     return 0

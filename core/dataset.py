@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from core.errors import UserError, problems_of, refuse_all
-from core.files import TOKEN_BYTES, TOKEN_DTYPE, cache_folder, read_cache, token_file, write_cache
+from core.files import TOKEN_BYTES, TOKEN_DTYPE, cache_folder, read_cache, token_file
+from core.writing import write_cache
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
@@ -85,10 +86,13 @@ def scan_max_token_id(path: Path, chunk: int = 1 << 26) -> int:
     return max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
 
 
-def check_token_files(data_dir: Path, vocab_size: int, block_size: int, remember: bool = True) -> None:
-    """When the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them, and only
-    ids the model has embeddings for (each file read through once, max_token_id); the problems of both, together.
-    `remember`: the ids read go to the cache folder where both files pass (a command that stops with an error writes nothing)."""
+def check_token_files(data_dir: Path, vocab_size: int, block_size: int, remember: bool = True,
+                      recorded: dict | None = None) -> None:
+    """When the data is opened: both splits exist, hold whole uint16 tokens, more than block_size of them, only ids
+    the model has embeddings for (each file read through once, max_token_id), and the largest id meta.json recorded
+    when it was written with them (`recorded`: a folder whose files come from two preparations is named); the problems
+    of both, together. `remember`: the ids read go to the cache folder where both files pass (a command that stops
+    with an error writes nothing)."""
     cache = cache_folder() / "token_ids.json"
     known = read_cache(cache, lambda v: isinstance(v, int) and not isinstance(v, bool), "token ids")
     remembered = dict(known)
@@ -100,7 +104,11 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int, remember
                             f"(python data/<name>/prepare.py writes both).")
         token_file(path, at_least=block_size + 1, fix=f"block_size={block_size} takes {block_size + 1} a sequence: "
                                                    f"use a smaller block_size or more data")
-        top = max_token_id(path, known)
+        top, written = max_token_id(path, known), (recorded or {}).get(path.name, None)
+        if isinstance(written, int) and top != written:
+            raise UserError(f"{path}'s largest token id is {top}, but the meta.json written with it records {written}: "
+                            f"the folder holds files of two preparations, or the file changed since; prepare the "
+                            f"dataset again.")
         if top >= vocab_size:
             raise UserError(f"{path} holds token id {top} but the model's vocabulary has {vocab_size} ids "
                             f"(0-{vocab_size - 1}); the data was tokenized for another vocabulary - check its "

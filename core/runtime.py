@@ -219,7 +219,7 @@ def check_compile_cache() -> None:
     written is one error line before any work, not inductor's traceback at the first compiled step."""
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if folder:  # unset: inductor's default, in the temporary folder
-        from core.files import check_writable_dir
+        from core.writing import check_writable_dir
         check_writable_dir(Path(folder), "TORCHINDUCTOR_CACHE_DIR", fix="torch.compile writes its code there: set it "
                            "to a writable folder, unset it, or pass --compile=False")
 

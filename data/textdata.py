@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from core import files
+from core import files, writing
 from core.errors import UserError
 
 TRAIN_FRACTION = 0.9  # train is the head of the text, val the tail
@@ -180,23 +180,14 @@ def write_text_dataset(out_dir: Path, text: str, encode: Callable[[str], list[in
 
 def write_splits(out_dir: Path, train, val, meta: dict, source: str, characters: int, overwrite: bool = False) -> dict:
     """train.bin, val.bin and meta.json, staged (a failure keeps earlier files); the report prepare scripts print.
-    meta.json names the text and tokenizer, and data of another text or tokenizer is replaced only with
-    `overwrite` (a checkpoint may have been trained on it)."""
+    meta.json names the text, the tokenizer and each file's largest id (check_replace, and train.py's data check)."""
     text = str(Path(source).resolve()) if Path(source).is_file() else source
     meta = {**meta, "text": text}
-    try:
-        old = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        old = None
-    if isinstance(old, dict) and not overwrite and (old.get("tokenizer"), old.get("text", text), old.get(
-            "chars", meta.get("chars"))) != (meta["tokenizer"], text, meta.get("chars")):
-        raise UserError(f"{out_dir} holds data prepared from {old.get('text', 'another text')} with the "
-                        f"{old.get('tokenizer')} tokenizer, which this prepare ({text}, {meta['tokenizer']}) would "
-                        f"replace; pass another --out_dir=, or --overwrite=True to replace it")
-    with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        n_train = write_tokens(tmp["train.bin"], train)
-        n_val = write_tokens(tmp["val.bin"], val)
-        write_meta(tmp["meta.json"], meta)
+    check_replace(out_dir, meta, overwrite)
+    with writing.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
+        n_train, top_train = write_tokens(tmp["train.bin"], train)
+        n_val, top_val = write_tokens(tmp["val.bin"], val)
+        write_meta(tmp["meta.json"], {**meta, "max_token_ids": {"train.bin": top_train, "val.bin": top_val}})
     return {
         "source": source,
         "characters": characters,
@@ -205,6 +196,27 @@ def write_splits(out_dir: Path, train, val, meta: dict, source: str, characters:
         "val_tokens": n_val,
         "files": [out_dir / name for name in ("train.bin", "val.bin", "meta.json")],
     }
+
+
+def check_replace(out_dir: Path, meta: dict, overwrite: bool) -> None:
+    """A prepare replaces a folder's data only where its meta.json shows the same text and tokenizer (the same data,
+    made again); data of another origin, or of one it cannot tell (no meta.json: nanoGPT's folders; a damaged one; one
+    written before meta.json named its text), only with --overwrite=True: a checkpoint may have been trained on it."""
+    out_dir = Path(out_dir)
+    if overwrite or not any((out_dir / name).exists() for name in ("train.bin", "val.bin", "meta.pkl")):
+        return
+    try:
+        old = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = None
+    fix = "pass another --out_dir=, or --overwrite=True to replace it"
+    if not isinstance(old, dict) or "text" not in old:
+        why = "no meta.json (nanoGPT's data folders have none)" if not (out_dir / "meta.json").exists() else \
+            "a meta.json that does not name its text"
+        raise UserError(f"{out_dir} holds train.bin/val.bin of an origin this prepare cannot tell ({why}); {fix}")
+    if [old.get(k) for k in ("tokenizer", "text", "chars")] != [meta.get(k) for k in ("tokenizer", "text", "chars")]:
+        raise UserError(f"{out_dir} holds data prepared from {old['text']} with the {old.get('tokenizer')} "
+                        f"tokenizer, which this prepare ({meta['text']}, {meta['tokenizer']}) would replace; {fix}")
 
 
 def write_meta(path: Path, meta: dict) -> None:
@@ -218,12 +230,13 @@ def check_vocab_fits(vocab_size: int) -> None:
                         f"use a smaller vocabulary, e.g. GPT-2 BPE (data/shakespeare) instead of characters")
 
 
-def write_tokens(path: Path, ids) -> int:
+def write_tokens(path: Path, ids) -> tuple[int, int]:
     """Write token ids (a sequence, or an array as CharTokenizer.encode_array makes: no copy) as files.TOKEN_DTYPE;
-    returns the number of tokens written."""
+    returns the number of tokens written and the largest (-1 for none)."""
     arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids, dtype=np.int64)
+    top = int(arr.max()) if arr.size else -1
     if arr.size:
         assert arr.min() >= 0, "token ids are never negative"
-        check_vocab_fits(int(arr.max()) + 1)  # rather than let astype wrap ids around silently
+        check_vocab_fits(top + 1)  # rather than let astype wrap ids around silently
     arr.astype(files.TOKEN_DTYPE, copy=False).tofile(path)
-    return int(arr.size)
+    return int(arr.size), top

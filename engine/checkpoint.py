@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from core import files
 from core import runtime
 from core.runtime import Runtime
 
@@ -52,13 +51,14 @@ class Checkpoint:
                                          # whose model and optimizer state each rank reads in place (restore)
 
     def save(self, path: Path) -> None:
-        """Write it completely or not at all (files.staged_outputs): a crash or a full disk keeps the previous one."""
+        """Write it completely or not at all (writing.staged_outputs): a crash or a full disk keeps the previous one."""
         path = Path(path)
         # not asdict (it copies tensors); `shards` says where a loaded one lives, it is not part of the file
         contents = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shards"}
-        with files.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
+        from core import writing  # only what trains writes: sample.py reads checkpoints
+        with writing.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
                                   advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
-            torch.save(contents, tmp[path.name])  # its writer refuses a write cut short (files.CUT_SHORT)
+            torch.save(contents, tmp[path.name])  # its writer refuses a write cut short (writing.CUT_SHORT)
 
 
 def sharded_folder(path: Path) -> Path | None:

@@ -14,7 +14,7 @@ import torch
 from core import runtime
 from core.configurator import Settings
 from core.errors import UserError
-from core.files import staged_outputs
+from core.writing import staged_outputs
 from core.runtime import Runtime
 from model import IMPLEMENTATIONS, GPT
 

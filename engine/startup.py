@@ -9,7 +9,7 @@ once the data is prepared, the data itself. A new start-up rule is a row of RULE
 from pathlib import Path
 from typing import Optional
 
-from core import errors, files, runtime
+from core import errors, files, runtime, writing
 from core.configurator import Settings, configure
 from core.dataset import check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError, problems_of
@@ -63,7 +63,7 @@ RULES = [
 
 
 def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Runtime, Optional[Checkpoint], Path,
-                                                                   Optional[dict], Optional[files.OutDirLock]]:
+                                                                   Optional[dict], Optional[writing.OutDirLock]]:
     """Settings, runtime, the checkpoint a resume continues (None for a new run), the data's folder (prepared if it is
     an embedded dataset) and its meta.json, and rank 0's lock on out_dir. Nothing is written before the command's
     problems are known; a resume locks out_dir before it reads its checkpoint (a run training there may be removing
@@ -106,7 +106,7 @@ def start(namespace: dict, argv: list[str], limits: dict) -> tuple[Settings, Run
         runtime.on_master(lambda: prepare_if_missing(data_dir, cfg.dataset), rt.device)
         meta = check_data(cfg, rt, data_dir, checkpoint)
         if cfg.init_from != "resume" and not cfg.eval_only:  # a new run's out_dir, made and locked only now
-            lock = runtime.on_master(lambda: files.lock_out_dir(cfg.out_dir, cfg.overwrite, describe_run),
+            lock = runtime.on_master(lambda: writing.lock_out_dir(cfg.out_dir, cfg.overwrite, describe_run),
                                      rt.device)
     except BaseException:
         if lock is not None:
@@ -124,7 +124,7 @@ def read_resumed(cfg: Settings, rt: Runtime, limits: dict, problems: list, runti
     lock, out = None, Path(cfg.out_dir)
     try:
         if not cfg.eval_only and ((out / "ckpt.pt").exists() or (out / "latest").is_file()):  # eval: no lock
-            lock = files.OutDirLock(out) if rt.is_master else None  # no collective before the ranks agree
+            lock = writing.OutDirLock(out) if rt.is_master else None  # no collective before the ranks agree
         checkpoint = load_checkpoint(out / "ckpt.pt", for_training=not cfg.eval_only,
                                      data_dir=Path(cfg.data_dir) if cfg.data_dir else None)
         command, cfg = cfg, resumed_settings(checkpoint, cfg, limits, cfg.out_dir)
@@ -151,7 +151,7 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
         checks.append(lambda: prepare_if_missing(dataset_dir(cfg.data_dir, cfg.dataset), cfg.dataset,
                                                  check_only=True))
     if not cfg.eval_only and cfg.init_from != "resume" and "out_dir" not in out_of_range:
-        checks.append(lambda: files.check_out_dir(cfg.out_dir, cfg.overwrite, describe_run))
+        checks.append(lambda: writing.check_out_dir(cfg.out_dir, cfg.overwrite, describe_run))
     if cfg.compile:
         checks.append(runtime.check_compile_cache)
     if cfg.wandb_log:
@@ -207,7 +207,8 @@ def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[
     vocab_size = checkpoint.model_config["vocab_size"] if checkpoint is not None else \
         meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
     problems += problems_of(lambda: runtime.on_master(lambda: check_token_files(
-        data_dir, vocab_size, cfg.block_size, remember=not problems), rt.device))
+        data_dir, vocab_size, cfg.block_size, remember=not problems, recorded=(meta or {}).get("max_token_ids")),
+        rt.device))
     errors.refuse_all(problems)
     return meta
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from data import textdata
-from core import files
+from core import files, writing
 from core import tokenizer
 from core.errors import UserError
 
@@ -236,8 +236,10 @@ def test_openwebtext_pipeline_on_a_local_jsonl_corpus(tmp_path):
         val_fraction=0.1, cache_dir=str(tmp_path / "hf_cache"), block_size=8)
     assert report["val_documents"] == 4
     check_owt_outputs(tmp_path / "out", report, docs)
-    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257,
-                                                                        "eot_token": 50256}
+    ids = {name: int(np.fromfile(tmp_path / "out" / name, dtype=np.uint16).max()) for name in ("train.bin", "val.bin")}
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {
+        "tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256, "text": str((tmp_path / "corpus.jsonl").resolve()),
+        "max_token_ids": ids}
 
 
 @pytest.mark.slow  # multi-second end to end: the whole suite runs it
@@ -363,7 +365,7 @@ def test_staged_writing_that_fails_half_way_removes_its_temporaries_and_keeps_th
     (out_dir / "train.bin").write_bytes(b"old")
     before = snapshot(out_dir)
     with pytest.raises(UserError, match="simulated"):
-        with files.staged_outputs(out_dir, ["train.bin", "val.bin"]) as tmp:
+        with writing.staged_outputs(out_dir, ["train.bin", "val.bin"]) as tmp:
             tmp["train.bin"].write_bytes(b"new, half of the job")
             raise UserError("simulated failure after train.bin.tmp was written")
     assert snapshot(out_dir) == before  # the old train.bin, no .tmp left, no val.bin
@@ -476,3 +478,51 @@ def test_a_prepare_of_another_text_or_tokenizer_into_a_prepared_folder_is_refuse
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert bpe_prep.main([f"--input={corpus}", f"--out_dir={folder}", "--overwrite=True"]) == 0
     assert json.loads((folder / "meta.json").read_text())["tokenizer"] == "gpt2"
+
+
+@pytest.mark.parametrize("folder_kind", ["nanoGPT's (meta.pkl, no meta.json)", "a damaged meta.json",
+                                         "a meta.json that names no text", "another text's"])
+@pytest.mark.parametrize("script", ["shakespeare_char", "shakespeare", "openwebtext"])
+def test_every_prepare_refuses_to_replace_data_it_cannot_tell_is_its_own(tmp_path, capsys, script, folder_kind):
+    """Every prepare script replaces a folder's data only where its meta.json shows the same text and tokenizer; a
+    nanoGPT data folder, a damaged or older meta.json, or another text's data is one error line naming
+    --overwrite=True, and every file stays as it was."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in ("train.bin", "val.bin"):
+        np.arange(300, dtype=np.uint16).tofile(folder / name)
+    meta = {"nanoGPT's (meta.pkl, no meta.json)": None, "a damaged meta.json": "{not json",
+            "a meta.json that names no text": json.dumps({"tokenizer": "char", "vocab_size": 300}),
+            "another text's": json.dumps({"tokenizer": "gpt2", "vocab_size": 50257, "text": "/elsewhere/other.txt"})}
+    if meta[folder_kind] is None:
+        (folder / "meta.pkl").write_bytes(b"nanoGPT's vocabulary")
+    else:
+        (folder / "meta.json").write_text(meta[folder_kind])
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
+    args = [f"--data_files={corpus}", "--block_size=8"] if script == "openwebtext" else [f"--input={corpus}"]
+    capsys.readouterr()
+    assert load_script(script).main([*args, f"--out_dir={folder}"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"error: {folder} holds ") and said[0].endswith(
+        "; pass another --out_dir=, or --overwrite=True to replace it"), said
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_folder_mixing_two_preparations_is_named_at_start(char_prep, tmp_path):
+    """meta.json records each file's largest id when it is written with them: a train.bin from another preparation
+    of the same vocabulary (copied in, or left by an interrupted copy) is named before training."""
+    import train
+    from conftest import TINY
+    a, b = tmp_path / "a", tmp_path / "b"
+    (tmp_path / "a.txt").write_text("abcdefgh " * 300)
+    (tmp_path / "b.txt").write_text("abcd " * 300 + "efgh " * 10)
+    for folder, text in ((a, "a.txt"), (b, "b.txt")):
+        assert char_prep.main([f"--input={tmp_path / text}", f"--out_dir={folder}"]) == 0
+    assert json.loads((a / "meta.json").read_text())["max_token_ids"] == {"train.bin": 8, "val.bin": 8}
+    (a / "train.bin").write_bytes((b / "train.bin").read_bytes())  # same vocabulary, other files
+    assert json.loads((b / "meta.json").read_text())["max_token_ids"]["train.bin"] == 4  # 'd': b's train split
+    with pytest.raises(UserError, match=r"train.bin's largest token id is \d+, but the meta.json written with it "
+                                        r"records 8: the folder holds files of two preparations"):
+        train.main(TINY + [f"--data_dir={a}", "--block_size=8", f"--out_dir={tmp_path / 'out'}"])

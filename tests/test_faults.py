@@ -25,7 +25,7 @@ import sample
 import train
 from model import IMPLEMENTATIONS
 from conftest import REPO, SHARDED, TINY
-from core import files
+from core import writing
 from core.errors import UserError
 from core.runtime import Runtime
 from attention import attn_auto
@@ -478,7 +478,7 @@ def test_a_staged_write_goes_through_a_symlink_and_leaves_the_link(tmp_path):
     target.write_text("old")
     link = tmp_path / "link.json"
     link.symlink_to(target)
-    files.write_json(link, {"a": 1}, "json")
+    writing.write_json(link, {"a": 1}, "json")
     assert link.is_symlink() and os.readlink(link) == str(target) and json.loads(target.read_text()) == {"a": 1}
     assert [p.name for p in target.parent.iterdir()] == ["target.json"]  # staged beside the target, renamed there
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link.json"]
@@ -491,7 +491,7 @@ def test_a_fifo_is_written_as_a_stream_and_stays_a_fifo(tmp_path):
     got = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
     reader.start()
-    files.write_json(fifo, {"a": 1}, "json")
+    writing.write_json(fifo, {"a": 1}, "json")
     reader.join(30)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and json.loads(got[0]) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
@@ -511,7 +511,7 @@ def test_a_stream_that_cannot_take_the_write_is_one_line_and_stays_what_it_was(t
     monkeypatch.setattr(Path, "write_text", full)
     with pytest.raises(UserError, match=rf"^could not write {fifo} \(No space left on device\); what reached it may "
                                         rf"be partial - pass --json= a writable path\.$"):
-        files.write_json(fifo, {"a": 1}, "json")
+        writing.write_json(fifo, {"a": 1}, "json")
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and [p.name for p in tmp_path.iterdir()] == ["full"]
 
 

@@ -20,7 +20,8 @@ from core import runtime
 import sample
 import train
 from conftest import TINY, checkpoint_of, metrics, run_train, straight_and_resumed, bench_file
-from attention.kernels import AttnCall, attention_problem, cuda_facts, cudnn_first, decodes_with_mask
+from attention.cuda import cuda_facts, cudnn_first
+from attention.kernels import AttnCall, attention_problem, decodes_with_mask
 from engine.generate import Decoder, for_inference
 from engine.generate import weight_bytes
 from model import IMPLEMENTATIONS, GPT, GPTConfig

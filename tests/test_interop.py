@@ -441,6 +441,21 @@ def test_a_nanogpt_run_resumes_from_its_out_dir_and_its_data_folder(char_data, t
                                                      "chars": chars_of(char_data)}
 
 
+def test_compare_reads_the_held_out_text_of_the_data_a_nanogpt_checkpoint_was_trained_on(char_data, tmp_path):
+    """A nanoGPT checkout (out-shakespeare-char beside data/shakespeare_char): --compare's held-out loss reads that
+    data folder's val.bin, where the checkpoint's meta.pkl was found, not this project's data/; --data_dir= names
+    another; the table's header says which file and how many tokens."""
+    data = nanogpt_data_dir(tmp_path / "nanoGPT" / "data" / "shakespeare_char", char_data)
+    out, _ = nanogpt_out_dir(tmp_path / "nanoGPT" / "out-shakespeare-char", chars_of(char_data))
+    (out / "meta.pkl").unlink()
+    other = nanogpt_data_dir(tmp_path / "other", char_data)
+    for extra, folder in (([], data), ([f"--data_dir={other}"], other)):
+        sample.main([f"--out_dir={out}", "--compare=manual,sdpa", "--num_samples=1", "--max_new_tokens=4",
+                     "--device=cpu", f"--json={tmp_path / 'c.json'}", *extra])
+        held_out = json.loads((tmp_path / "c.json").read_text())["held_out"]
+        assert held_out.startswith(f"{folder / 'val.bin'}: ") and held_out.endswith(" tokens)"), held_out
+
+
 def test_a_new_run_on_a_nanogpt_data_folder_takes_its_vocabulary_and_samples_with_it(char_data, trained, tmp_path):
     data = nanogpt_data_dir(tmp_path / "data", char_data)
     out = trained(data)

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import flex_attention
 
 import model
-from attention import kernels, masks
+from attention import cuda, kernels, masks
 from attention.kernels import AttnCall, refuse_unless_runs
 from benchmarks import bench_masks, measure
 from benchmarks.bench_report import compile_cell
@@ -90,7 +90,7 @@ def test_kernel_context_records_what_cuda_reports(monkeypatch):
 # -- cuDNN's masked backward -----------------------------------------------------------------------------
 
 def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_may_pick_cudnn(monkeypatch, capsys):
-    hazard = kernels.cudnn_mask_hazard
+    hazard = cuda.cudnn_mask_hazard
     h100, new_cudnn, old_cudnn = (9, 0), 91600, 91000
     cudnn, sdpa_mask, sdpa, flash = (IMPLEMENTATIONS[a] for a in ("cudnn", "sdpa_mask", "sdpa", "flash"))
     assert "NaN gradients" in hazard(cudnn, True, True, 192, h100, old_cudnn)  # 192 = 128 + 64
@@ -104,7 +104,7 @@ def test_cudnn_nan_gradient_case_is_refused_when_forced_and_warned_where_sdpa_ma
     assert hazard(flash, True, True, 192, (8, 0), new_cudnn) is None  # FlashAttention-2 alone on an A100
     assert hazard(IMPLEMENTATIONS["flash2"], True, True, 192, h100, new_cudnn) is None
 
-    monkeypatch.setattr(kernels, "cuda_facts", lambda device=None: (h100, new_cudnn))
+    monkeypatch.setattr(cuda, "cuda_facts", lambda device=None: (h100, new_cudnn))
     monkeypatch.setattr(kernels, "attention_problem", lambda *args, **kw: None)  # the probe: runs
     refuse_unless_runs("sdpa", AttnCall("cuda", torch.bfloat16, 64, needs_grad=True, seq_len=192, masked=True),
                     IMPLEMENTATIONS)
@@ -214,7 +214,7 @@ def test_varlen_packing_gives_every_document_its_own_sequence():
 ])
 def test_flash_runs_cudnns_flash_kernel_first_where_sdpa_ranks_it_first(monkeypatch, capability, cudnn_version, first):
     monkeypatch.setattr(model, "FLASH_KERNELS", {})
-    monkeypatch.setattr(kernels, "cuda_facts", lambda device=None: (capability, cudnn_version))
+    monkeypatch.setattr(cuda, "cuda_facts", lambda device=None: (capability, cudnn_version))
     assert model.flash_kernels(torch.device("cuda")) == first
     assert model.flash_kernels(torch.device("cpu")) == (SDPBackend.FLASH_ATTENTION,)  # a CPU: unchanged
 
@@ -242,7 +242,7 @@ def test_flash_hands_sdpa_its_kernels_in_order_and_flash2_forces_flashattention2
 
 def test_the_banner_names_the_flash_kernels_on_a_gpu_and_nothing_more_on_a_cpu(monkeypatch):
     monkeypatch.setattr(model, "FLASH_KERNELS", {})
-    monkeypatch.setattr(kernels, "cuda_facts", lambda device=None: ((9, 0), 91900))
+    monkeypatch.setattr(cuda, "cuda_facts", lambda device=None: ((9, 0), 91900))
     flash = IMPLEMENTATIONS["flash"]
     assert flash.kernels_on(torch.device("cuda")) == "cuDNN's flash kernel, then FlashAttention-2"
     assert flash.kernels_on(torch.device("cpu")) == ""

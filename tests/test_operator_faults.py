@@ -23,7 +23,7 @@ import sample
 import train
 from engine import metrics as train_metrics
 from conftest import REPO, TINY, ctrl_c_at_step
-from core import errors, files
+from core import errors, writing
 from core.errors import UserError
 from engine.reader import load_checkpoint
 
@@ -112,7 +112,7 @@ def test_removing_a_half_written_file_is_never_cut_short(tmp_path):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(Path, "unlink", unlink)
             with pytest.raises(KeyboardInterrupt):
-                with files.staged_outputs(tmp_path, ["ckpt.pt"]) as tmp:
+                with writing.staged_outputs(tmp_path, ["ckpt.pt"]) as tmp:
                     tmp["ckpt.pt"].write_bytes(b"half")
                     raise KeyboardInterrupt
         assert not list(tmp_path.iterdir())  # removed all the same
@@ -152,10 +152,10 @@ def test_under_torchrun_the_resume_hint_is_a_torchrun_command(monkeypatch):
 def test_the_new_checkpoint_reaches_the_disk_before_it_replaces_the_old(tmp_path, monkeypatch):
     order = []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(files.os, "fsync", lambda fd: order.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    monkeypatch.setattr(writing.os, "fsync", lambda fd: order.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
                         or real_fsync(fd))
-    monkeypatch.setattr(files.os, "replace", lambda a, b: order.append(("replace", str(a))) or real_replace(a, b))
-    with files.staged_outputs(tmp_path, ["ckpt.pt"]) as tmp:
+    monkeypatch.setattr(writing.os, "replace", lambda a, b: order.append(("replace", str(a))) or real_replace(a, b))
+    with writing.staged_outputs(tmp_path, ["ckpt.pt"]) as tmp:
         tmp["ckpt.pt"].write_bytes(b"weights")
     staged = str(tmp_path / f"ckpt.pt.{os.getpid()}.tmp")  # this process's own: two writers never share one
     assert order == [("fsync", staged), ("replace", staged),
@@ -607,12 +607,13 @@ def test_under_torchrun_ctrl_c_is_said_once_by_rank_0(monkeypatch, capsys, rank,
 
 PREPARE_INTERRUPTED = textwrap.dedent("""
     import os, runpy, signal, sys
-    n, sig = int(sys.argv.pop(1)), int(sys.argv.pop(1))
+    n, sig, times = int(sys.argv.pop(1)), int(sys.argv.pop(1)), int(sys.argv.pop(1))
     replace, calls = os.replace, []
-    def interrupted(src, dst):  # the signal lands just before the n-th of the three renames
+    def interrupted(src, dst):  # the signal (sent `times` times) lands just before the n-th of the three renames
         calls.append(dst)
         if len(calls) == n:
-            os.kill(os.getpid(), sig)
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
         return replace(src, dst)
     os.replace = interrupted
     sys.argv = sys.argv[1:]
@@ -623,8 +624,11 @@ PREPARE_INTERRUPTED = textwrap.dedent("""
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"),
                                              (signal.SIGTERM, 143, "stopped by SIGTERM")], ids=["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("times", [1, 2])
 def test_a_signal_while_prepare_replaces_another_texts_data_leaves_one_whole_set_and_one_line(tmp_path, sig, code,
-                                                                                               said, n):
+                                                                                               said, n, times):
+    """One signal, or two at once (a second Ctrl-C ends a process at once elsewhere), before any of the three
+    renames: train.bin, val.bin and meta.json are all the new text's, and one line says why the run stopped."""
     out = tmp_path / "data"
     (tmp_path / "old.txt").write_text("an old text, other letters: xyz\n" * 200)
     (tmp_path / "new.txt").write_text("To be, or not to be, that is the question.\n" * 200)
@@ -632,7 +636,7 @@ def test_a_signal_while_prepare_replaces_another_texts_data_leaves_one_whole_set
     subprocess.run([sys.executable, script, f"--input={tmp_path / 'old.txt'}", f"--out_dir={out}"], check=True,
                    capture_output=True)
     (tmp_path / "wrap.py").write_text(PREPARE_INTERRUPTED)
-    done = subprocess.run([sys.executable, str(tmp_path / "wrap.py"), str(n), str(int(sig)), script,
+    done = subprocess.run([sys.executable, str(tmp_path / "wrap.py"), str(n), str(int(sig)), str(times), script,
                            f"--input={tmp_path / 'new.txt'}", f"--out_dir={out}", "--overwrite=True"],
                           capture_output=True, text=True,
                           cwd=REPO, timeout=120)

@@ -31,8 +31,8 @@ def tiny(char_data, out, *args) -> list[str]:
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from core import files
-    lock = files.OutDirLock(__import__("pathlib").Path(sys.argv[1]))
+    from core import writing
+    lock = writing.OutDirLock(__import__("pathlib").Path(sys.argv[1]))
     print("held", flush=True)
     time.sleep(60)
 """)
@@ -109,10 +109,10 @@ def signalled_during(monkeypatch, target, name: str, sig: int) -> None:
 
 LONG_C_CALL = """
 import sys, torch
-from core import errors, files
+from core import errors, files, writing
 from pathlib import Path
 def main():
-    with files.staged_outputs(Path(sys.argv[1]), ["ckpt.pt"]) as tmp:  # a save, whole before the long call
+    with writing.staged_outputs(Path(sys.argv[1]), ["ckpt.pt"]) as tmp:  # a save, whole before the long call
         tmp["ckpt.pt"].write_bytes(b"weights")
     a = torch.randn(6000, 6000, dtype=torch.float64)
     print("in the call", flush=True)
@@ -223,16 +223,16 @@ def test_a_whole_number_setting_sized_by_the_script_refuses_a_fraction():
 
 def test_export_into_an_unwritable_folder_advises_hf_dir_not_out_dir(char_data, tmp_path, monkeypatch):
     import export_hf
-    from core import files
+    from core import writing
     out = tmp_path / "run"
     assert train.main(tiny(char_data, out, "--max_iters=2")) == 0
-    real = files.tempfile.TemporaryFile
+    real = writing.tempfile.TemporaryFile
 
     def read_only(*args, dir=None, **kwargs):  # out_dir read-only, as a shared checkpoint folder is (root writes all)
         if dir is not None and str(dir).startswith(str(out)):
             raise PermissionError(13, "Permission denied")
         return real(*args, dir=dir, **kwargs)
-    monkeypatch.setattr(files.tempfile, "TemporaryFile", read_only)
+    monkeypatch.setattr(writing.tempfile, "TemporaryFile", read_only)
     with pytest.raises(UserError, match=r"cannot be written to \(Permission denied\); pass --hf_dir= a writable"):
         export_hf.main([f"--out_dir={out}"])
     assert not (out / "hf").exists()

@@ -10,7 +10,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-from core import files
+from core import writing
 from core.files import GPT2_VOCAB_SIZE
 from core.errors import UserError
 from model import GPTConfig
@@ -47,7 +47,7 @@ def keep_original(path: Path) -> None:
     kept = path.with_name("ckpt.nanogpt.pt")
     if kept.exists():
         return
-    with files.staged_outputs(path.parent, [kept.name], what=str(kept)) as tmp:
+    with writing.staged_outputs(path.parent, [kept.name], what=str(kept)) as tmp:
         shutil.copy2(path, tmp[kept.name])
     print(f"nanoGPT's original checkpoint is kept as {kept}")
 
@@ -96,10 +96,10 @@ def nanogpt_meta(folder: Path, config: dict, vocab_size: int, path: Path, data_d
     if dataset:
         candidates += [Path("data") / dataset / "meta.pkl", folder.parent / "data" / dataset / "meta.pkl"]
     found = next((p for p in candidates if p.is_file()), None)
-    if found is not None:
-        return read_nanogpt_meta(found)
-    if vocab_size in (GPT2_VOCAB_SIZE, NANOGPT_PADDED_VOCAB):
-        return {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
+    if found is not None:  # data_dir: the folder the run trained on, whose val.bin sample.py --compare reads
+        return {**read_nanogpt_meta(found), "data_dir": str(found.parent)}
+    if vocab_size in (GPT2_VOCAB_SIZE, NANOGPT_PADDED_VOCAB):  # its data folder unknown
+        return {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "data_dir": str(data_dir) if data_dir else None}
     raise UserError(f"{path} is a nanoGPT model with a {vocab_size}-token vocabulary and no meta.pkl was found "
                     f"({', '.join(str(p) for p in candidates)}); copy its data folder's meta.pkl next to ckpt.pt "
                     f"(train.py also reads it from --data_dir).")

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from core import files
+from core import writing
 from core import runtime
 from engine.checkpoint import POINTER, TRAIN, sharded_folder
 from core import errors
@@ -61,7 +61,7 @@ def os_cause(error: BaseException) -> str:
             return seen.strerror
         seen = seen.__cause__ or seen.__context__
     text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    if any(cut in text for cut in files.CUT_SHORT):  # torch.save's writer inside DCP's, as in a single-file save
+    if any(cut in text for cut in writing.CUT_SHORT):  # torch.save's writer inside DCP's, as in a single-file save
         return "a shard was cut short: the disk is full or the file size limit (ulimit -f) was reached"
     return text
 
@@ -149,7 +149,7 @@ class ShardedSaver:
         """Rank 0, once a save is complete: point `latest` at it, then keep the newest `keep` complete steps up to it (later
         steps and unfinished folders go)."""
         folder = step_folder(self.out, step)
-        with files.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
+        with writing.staged_outputs(self.out, [POINTER], what=f"the pointer to {folder}",
                                   advice="free disk space, then resume") as tmp:
             tmp[POINTER].write_text(folder.name)
         print(f"saved {folder} (iter {step}; {self.out / POINTER} names it)", flush=True)

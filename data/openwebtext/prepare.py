@@ -38,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # so `from core import ...` works however this script is started
 
 from core import errors  # noqa: E402
-from core import files  # noqa: E402
+from core import files, writing  # noqa: E402
 from data import textdata  # noqa: E402
 from core import tokenizer  # noqa: E402
 from core.configurator import as_list, check_limits, configure  # noqa: E402
@@ -61,6 +61,8 @@ data_files = None                 # a local corpus instead: PATH[,PATH...] (.jso
 text_column = "text"              # the column (json: the field) that holds each document's text
 out_dir = ""                      # where to write train.bin, val.bin and meta.json; empty: this script's folder
 cache_dir = None                  # datasets' cache; None: ~/.cache/huggingface/datasets
+overwrite = False                 # replace data out_dir holds that was prepared from another text, or of an origin
+                                  # this script cannot tell (a nanoGPT data folder)
 # splits
 val_fraction = 0.0005             # the share of documents held out for val (at least one document)
 block_size = DEFAULT_BLOCK_SIZE   # the block you will train with: each split must hold more tokens than this
@@ -201,21 +203,21 @@ def tokenize(ds: datasets.Dataset, text_column: str, num_proc: int, name: str) -
     )
 
 
-def write_split(tokenized: datasets.Dataset, path: Path, name: str) -> int:
-    """Write all ids of one split to path as uint16, shard by shard; returns the number of tokens."""
+def write_split(tokenized: datasets.Dataset, path: Path, name: str) -> tuple[int, int]:
+    """Write all ids of one split to path as uint16, shard by shard; returns the number of tokens and the largest."""
     total = int(np.sum(tokenized.with_format("numpy")["len"], dtype=np.uint64))
     arr = np.memmap(path, dtype=files.TOKEN_DTYPE, mode="w+", shape=(total,))
     n_shards = min(MAX_WRITE_SHARDS, tokenized.num_rows)
-    idx = 0
+    idx, top = 0, -1
     for i in tqdm(range(n_shards), desc=f"writing {name}", disable=None):
         shard = tokenized.shard(num_shards=n_shards, index=i, contiguous=True).with_format("numpy")
         chunk = np.concatenate(list(shard["ids"]))
         arr[idx : idx + len(chunk)] = chunk
-        idx += len(chunk)
+        idx, top = idx + len(chunk), max(top, int(chunk.max(initial=-1)))
     assert idx == total, f"wrote {idx} tokens, expected {total}"
     arr.flush()
     del arr  # close the memmap before the file is renamed into place
-    return total
+    return total, top
 
 
 def check_split_sizes(splits: dict[str, datasets.Dataset], block_size: int) -> None:
@@ -230,7 +232,7 @@ def check_split_sizes(splits: dict[str, datasets.Dataset], block_size: int) -> N
 
 def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[str] | None = None,
             text_column: str = "text", num_proc: int | None = None, val_fraction: float = 0.0005,
-            cache_dir: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
+            cache_dir: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE, overwrite: bool = False) -> dict:
     """Write train.bin, val.bin and meta.json into out_dir; returns what was written.
     Reads `data_files` when given, else the Hugging Face dataset `dataset` (default "openwebtext")."""
     if dataset and data_files is not None:
@@ -240,14 +242,18 @@ def prepare(out_dir: Path = HERE, dataset: str | None = None, data_files: list[s
     if num_proc is not None and type(num_proc) is not int:
         raise UserError(f"num_proc must be a whole number, got {num_proc!r}; pass --num_proc= a count of processes.")
     num_proc = default_num_proc() if num_proc is None else num_proc
+    text = ", ".join(str(Path(f).resolve()) for f in data_files) if data_files else dataset or DEFAULT_DATASET
+    textdata.check_replace(out_dir, {"tokenizer": "gpt2", "text": text}, overwrite)  # before hours of work
     tokenizer.gpt2_encoding()  # fail on bad vocabulary files here, with a clear message, not inside a worker
     ds, source, skipped = load_corpus(dataset, data_files, text_column, num_proc, cache_dir)
     splits = {name: tokenize(part, text_column, num_proc, name) for name, part in split_corpus(ds, val_fraction).items()}
     check_split_sizes(splits, block_size)
-    with files.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
-        tokens = {name: write_split(part, tmp[f"{name}.bin"], name) for name, part in splits.items()}
+    with writing.staged_outputs(out_dir, ["train.bin", "val.bin", "meta.json"]) as tmp:
+        written = {name: write_split(part, tmp[f"{name}.bin"], name) for name, part in splits.items()}
         textdata.write_meta(tmp["meta.json"], {"tokenizer": "gpt2", "vocab_size": files.GPT2_VOCAB_SIZE,
-                                            "eot_token": files.GPT2_EOT_TOKEN})
+                                               "eot_token": files.GPT2_EOT_TOKEN, "text": text, "max_token_ids": {
+                                                   f"{name}.bin": top for name, (_, top) in written.items()}})
+    tokens = {name: n for name, (n, _) in written.items()}
     return {
         "source": source,
         "skipped_records": skipped,  # records with no text (no such field, or null)
@@ -265,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
         data_files = as_list(cfg.data_files) if cfg.data_files is not None else None
         tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.dataset, data_files, cfg.text_column,
-                                       cfg.num_proc, cfg.val_fraction, cfg.cache_dir, cfg.block_size))
+                                       cfg.num_proc, cfg.val_fraction, cfg.cache_dir, cfg.block_size,
+                                       cfg.overwrite))
     return errors.exit_code(run)
 
 
