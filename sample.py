@@ -72,11 +72,10 @@ LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature"
 # model, tokenizer, prompt
 
 def load_model(init_from: str, out_dir: str, attn: Optional[str] = None,
-               data_dir: str = "") -> tuple[GPT, Tokenizer, str, Optional[Path]]:
-    """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the data folder whose
-    val.bin holds its held-out text (None for GPT-2 weights, or where there is none); `attn`: the one typed (None: the
-    checkpoint's)."""
-    held_out = None
+               data_dir: str = "") -> tuple[GPT, Tokenizer, str, dict]:
+    """The model (fp32, eval mode, on CPU), the tokenizer of its data, where both came from, and the checkpoint's meta
+    and settings (held_out_folder's; empty for GPT-2 weights); `attn`: the one typed (None: the checkpoint's)."""
+    trained_on = {}
     if init_from == "resume":
         path = Path(out_dir) / "ckpt.pt"
         checkpoint = load_checkpoint(path, data_dir=Path(data_dir) if data_dir else None)
@@ -84,7 +83,7 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str] = None,
         model = build_model(checkpoint, **({} if attn is None else {"attn": "sdpa" if attn == "auto" else attn}))
         tok = tokenizer_from_meta(checkpoint.meta, source=f"the meta of {path}")
         source = f"{path} (iter {checkpoint.iter_num})"
-        held_out = held_out_folder(checkpoint.meta or {}, checkpoint.settings, data_dir)
+        trained_on = dict(meta=checkpoint.meta or {}, settings=checkpoint.settings)
     else:
         given = Path(init_from)
         out = given.parent if given.is_file() and given.suffix == ".pt" else given
@@ -98,15 +97,18 @@ def load_model(init_from: str, out_dir: str, attn: Optional[str] = None,
     if model.config.vocab_size > tok.vocab_size:
         raise UserError(f"the model has vocab_size={model.config.vocab_size} but its tokenizer only "
                         f"{tok.vocab_size} tokens; sample from a checkpoint trained on this tokenizer's data.")
-    return model.eval(), tok, source, held_out
+    return model.eval(), tok, source, trained_on
 
 
-def held_out_folder(meta: dict, settings: dict, data_dir: str) -> Optional[Path]:
+def held_out_folder(data_dir: str, meta: Optional[dict] = None, settings: Optional[dict] = None) -> Optional[Path]:
     """The data folder the checkpoint was trained on, if it still holds val.bin: --data_dir=, else the folder its
     vocabulary came from (a nanoGPT run's meta.pkl; None where it was not found), else the data its settings name."""
     from core.dataset import dataset_dir
+    meta, settings = meta or {}, settings or {}
     if data_dir or "data_dir" in meta:
         folder = data_dir or meta["data_dir"]
+    elif not settings:  # GPT-2 weights
+        folder = None
     else:
         try:
             folder = dataset_dir(settings.get("data_dir", ""), settings.get("dataset", ""))
@@ -169,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif cfg.init_from == "resume" and "out_dir" not in found:
         problems += problems_of(lambda: find_checkpoint(Path(cfg.out_dir) / "ckpt.pt"))
     errors.refuse_all(problems)
-    rt, (model, tok, source, held_out) = made["rt"], made["loaded"]
+    rt, (model, tok, source, trained_on) = made["rt"], made["loaded"]
     prompt = encode_prompt(tok, read_prompt(cfg.start), default="start" not in cfg.set_by)
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
@@ -180,7 +182,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["attn_auto"], attn = choose_attention(model, rt, cfg, len(prompt))
     if cfg.compare:
         report.update(compare.compare(cfg.compare, model.to(rt.device), tok, rt, sampling, prompt, cfg.compile,
-                                      cfg.quantize, held_out))
+                                      cfg.quantize, held_out_folder(cfg.data_dir, **trained_on)))
     else:
         report.update(sample(model, attn, tok, rt, sampling, prompt, cfg.compile, cfg.quantize))
     if cfg.json:

@@ -17,7 +17,6 @@ import torch
 
 from core.errors import UserError, problems_of, refuse_all
 from core.files import TOKEN_BYTES, TOKEN_DTYPE, cache_folder, read_cache, token_file
-from core.writing import write_cache
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
@@ -116,6 +115,7 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int, remember
     problems = [p for split in ("train", "val") for p in problems_of(lambda: check(data_dir / f"{split}.bin"))]
     refuse_all(problems)
     if remember and known != remembered:
+        from core.writing import write_cache  # only a file read for the first time is remembered
         write_cache(cache, known)
 
 

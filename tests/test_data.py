@@ -183,7 +183,9 @@ def test_shakespeare_gpt2_bins_decode_to_the_text_split_90_10(tmp_path):
     assert isinstance(tok, tokenizer.GPT2Tokenizer)
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"tokenizer": "gpt2", "vocab_size": 50257,
                                                                         "eot_token": 50256,
-                                                                        "text": str(tmp_path / "input.txt")}
+                                                                        "text": str(tmp_path / "input.txt"),
+                                                                        "max_token_ids": {
+        name: max(read_bin(tmp_path / "out" / name)) for name in ("train.bin", "val.bin")}}
     assert tok.decode(read_bin(tmp_path / "out" / "train.bin")) == text[:n]
     assert tok.decode(read_bin(tmp_path / "out" / "val.bin")) == text[n:]
     assert report["train_tokens"] + report["val_tokens"] > 0
