@@ -388,7 +388,9 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     if rt.is_master:
         print(banner(cfg, rt, raw_model, tokens_per_iter(cfg)))
         if resumed_at is not None:
-            print(f"resumed from iter {resumed_at} of {cfg.out_dir} ({run.time_before:.0f} s of training behind it)")
+            behind = "nanoGPT's checkpoint does not record its training time: train_time_s counts from 0" if \
+                run.nanogpt_original else f"{run.time_before:.0f} s of training behind it"
+            print(f"resumed from iter {resumed_at} of {cfg.out_dir} ({behind})")
         if resumed_at is not None and resumed_at >= cfg.max_iters:
             print(f"nothing to train: the checkpoint is already at iter {resumed_at} >= max_iters={cfg.max_iters}; "
                   f"to train further pass a larger --max_iters= (and --lr_decay_iters= to match).")

@@ -23,6 +23,11 @@ from model import RUN_FIELDS, GPT, GPTConfig
 SHAPE_SETTINGS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_FIELDS, "vocab_size"))
 TOKENS = ("tokenizer", "chars")  # what a meta.json says its ids mean
 RESUME_KEEPS = ("init_from", "out_dir", "overwrite", "eval_only")  # a resume's own: never the saved run's
+# what a nanoGPT checkpoint's `config` holds that means here what it meant there: the batch and the schedule (its
+# dtype, device and compile describe nanoGPT's process, not this one's)
+NANOGPT_RUN = ("batch_size", "gradient_accumulation_steps", "learning_rate", "max_iters", "lr_decay_iters", "min_lr",
+               "warmup_iters", "decay_lr", "beta1", "beta2", "grad_clip", "weight_decay", "eval_interval",
+               "eval_iters", "log_interval", "always_save_checkpoint")
 
 
 def with_saved(cfg: Settings, saved: dict, limits: dict) -> tuple[Settings, list[str]]:
@@ -51,11 +56,15 @@ def resumed_settings(checkpoint: Checkpoint, cfg: Settings, limits: dict, where:
     """The settings a resume runs, decided once: the run's own (saved in the checkpoint) for every setting the command
     leaves at its default, the command's where it sets one (named in one note), and the weights' shape, vocab_size
     included. A shape setting given on the command line that differs, or another optimizer, is one error line; one
-    from a config file gives way to the checkpoint, with a note (nanoGPT's habit). nanoGPT's checkpoints keep only
-    their shape: their settings are nanoGPT's, not this project's."""
-    changed = []
-    if checkpoint.rng is not None:  # this project's checkpoint
-        cfg, changed = with_saved(cfg, checkpoint.settings, limits)
+    from a config file gives way to the checkpoint, with a note (nanoGPT's habit). From a nanoGPT checkpoint only its
+    batch and schedule are taken (NANOGPT_RUN), named in a note."""
+    nanogpt = checkpoint.rng is None
+    saved = {k: v for k, v in checkpoint.settings.items() if k in NANOGPT_RUN} if nanogpt else checkpoint.settings
+    cfg, changed = with_saved(cfg, saved, limits)
+    taken = [f"{k}={getattr(cfg, k)!r}" for k in saved if k not in cfg.set_by and getattr(cfg, k) == saved[k]]
+    if nanogpt and taken:
+        note(f"resuming nanoGPT's run with the batch and schedule it saved: {', '.join(taken)} (its other settings "
+             f"are nanoGPT's; this run's are train.py's)")
     settings, set_by = cfg.as_dict(), cfg.set_by
     optimizer = checkpoint.settings.get("optimizer", "adamw")  # nanoGPT's: AdamW
     if optimizer != settings["optimizer"]:

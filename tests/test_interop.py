@@ -350,6 +350,29 @@ def test_a_nanogpt_out_dir_resumes_with_its_optimizer_state_and_keeps_the_origin
     assert (folder / "ckpt.nanogpt.pt").read_bytes() == original
 
 
+def test_a_nanogpt_resume_takes_the_batch_and_schedule_nanogpt_saved_and_says_so(char_data, tmp_path, capsys):
+    """nanoGPT saves its run's settings in the checkpoint (`config`): a resume takes its batch and schedule, as a
+    resume of this project's own checkpoint takes its own, names them, and says the training time is unknown; a flag
+    typed still wins; nanoGPT's dtype and compile (its process's, not this one's) are not taken."""
+    folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
+    contents = torch.load(folder / "ckpt.pt", weights_only=True)
+    contents["config"].update(gradient_accumulation_steps=1, max_iters=9, lr_decay_iters=9, warmup_iters=0,
+                              eval_interval=9, eval_iters=2, dtype="float16", device="cuda")
+    torch.save(contents, folder / "ckpt.pt")
+    train.main([f"--data_dir={char_data}", "--init_from=resume", f"--out_dir={folder}", "--device=cpu",
+                "--compile=False", "--learning_rate=2e-3"])
+    out, err = capsys.readouterr()
+    note = next(line for line in err.splitlines() if line.startswith("note: resuming nanoGPT's run"))
+    for taken in ("batch_size=12", "gradient_accumulation_steps=1", "max_iters=9", "eval_iters=2"):
+        assert taken in note, note
+    assert "learning_rate" not in note and "dtype" not in note and "compile" not in note
+    banner = out.splitlines()[0]
+    assert "384 tokens per iteration" in banner and "float32" in banner and "float16" not in banner  # 1 x 12 x 32
+    assert "nanoGPT's checkpoint does not record its training time" in out
+    assert sorted(metrics(folder, "train/step_loss")) == [8, 9]
+    assert max(r["lr"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())) <= 2e-3
+
+
 def test_a_refused_nanogpt_resume_writes_nothing(char_data, tmp_path):
     """Checked before anything is written: a block_size beyond the model's once first left a copy of the file."""
     folder, _ = nanogpt_out_dir(tmp_path / "nano", chars_of(char_data))
