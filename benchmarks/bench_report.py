@@ -94,7 +94,7 @@ def computed_cell(row: dict) -> str:
 
 def attn_cell(row: dict) -> str:
     if row.get("auto_pick"):  # attn=auto's row: what it picked, and how that compares with the fastest row
-        verdict = "" if row.get("within_noise", True) else f", {row['pick_vs_fastest']:.2f}x {row['fastest']}'s time"
+        verdict = "" if row.get("within_noise", True) else f", {row['pick_vs_fastest']:.2f}x {row['fastest']}'s time, paired by round"
         timing = " (its row's timing)" if row.get("same_as") else ""
         return f"auto -> {row['auto_pick']}{timing}{verdict}"
     return row["attn"] + (" (eager reference)" if row.get("eager_reference") else "")

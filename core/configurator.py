@@ -40,10 +40,14 @@ def coerce(key: str, value, default, current):
                     f"got {value!r} ({type(value).__name__}).")
 
 
+SAME_MEANING = (("block_size", "seq_len"),)  # one quantity under two scripts' names: train's and bench's
+
+
 def _check_key(key: str, known: dict) -> None:
     if key not in known:
-        close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6) or [  # or its initials: lr, wd
-            name for name in known if "".join(word[0] for word in name.split("_")) == key and len(key) > 1]
+        close = [name for pair in SAME_MEANING if key in pair for name in pair if name != key and name in known] or \
+            difflib.get_close_matches(key, list(known), n=3, cutoff=0.6) or [  # or its initials: lr, wd
+                name for name in known if "".join(word[0] for word in name.split("_")) == key and len(key) > 1]
         hint = f"; did you mean {' or '.join(close)}?" if close else "; --help lists the settings."
         raise UserError(f"unknown setting '{key}'{hint}")
 
@@ -234,8 +238,9 @@ def configure(namespace: dict, argv: list[str], limits: dict | None = None,
             _check_key(key, defaults)
             namespace[key] = coerce(key, value, defaults[key], namespace[key])
             set_by[key] = where
-        except UserError as e:  # a config file's line names the file
-            found.setdefault(key, e if where == "the command line" else UserError(f"{where}: {e}"))
+        except UserError as e:  # a config file's line names the file, and how to keep a helper variable
+            helper = " (a helper variable? start its name with _)" if key not in defaults else ""
+            found.setdefault(key, e if where == "the command line" else UserError(f"{where}: {e}{helper}"))
     for arg in argv:
         try:
             scope = read_argument(arg, defaults)

@@ -45,8 +45,8 @@ RULES = [
      not c.eval_only and c.early_decay_iters and not c.warmup_iters < c.early_decay_iters < c.lr_decay_iters,
      lambda c, rt: f"early_decay_iters={c.early_decay_iters} is not between warmup_iters={c.warmup_iters} and "
                    f"lr_decay_iters={c.lr_decay_iters}, so there is no early decay"),
-    ("note", "n_layer n_embd gradient_accumulation_steps batch_size block_size", lambda c, rt: 12 * c.n_layer *
-     c.n_embd ** 2 < 10e6 and c.gradient_accumulation_steps >= 8, lambda c, rt: f"a model of about "
+    ("note", "n_layer n_embd gradient_accumulation_steps batch_size block_size eval_only", lambda c, rt: not
+     c.eval_only and 12 * c.n_layer * c.n_embd ** 2 < 10e6 and c.gradient_accumulation_steps >= 8, lambda c, rt: f"a model of about "
      f"{12 * c.n_layer * c.n_embd ** 2:,} block parameters takes {c.gradient_accumulation_steps} micro-steps "
      f"({c.gradient_accumulation_steps * c.batch_size * c.block_size:,} tokens) an iteration, GPT-2's batch; a model "
      f"this small usually learns faster per second with --gradient_accumulation_steps=1"),
@@ -56,7 +56,8 @@ RULES = [
      f"1024)"),
     ("note", "dtype device", lambda c, rt: rt.device_type == "cpu" and rt.dtype == "float16", lambda c, rt: "float16 on a "
      "CPU is emulated, several times slower than float32; --dtype=float32 (or bfloat16 where the CPU has it)"),
-    ("hint", "n_layer n_embd device", lambda c, rt: rt.device_type == "cpu" and 12 * c.n_layer * c.n_embd ** 2 > 50e6,
+    ("hint", "n_layer n_embd device eval_only", lambda c, rt: rt.device_type == "cpu" and not c.eval_only and
+     12 * c.n_layer * c.n_embd ** 2 > 50e6,
      lambda c, rt: f"this is a GPU-sized model: on this CPU its first evaluation alone takes hours; the CPU recipe "
                    f"is {CPU_COMMAND}"),
 ]

