@@ -322,6 +322,23 @@ def test_a_nanogpt_checkpoint_computes_nanogpts_logits(char_data, tmp_path):
     assert (tanh - exact).abs().max() > 1e-4  # the GELU matters at this tolerance: a tanh reading would fail
 
 
+def test_a_nanogpt_checkpoint_samples_nanogpts_greedy_text(char_data, tmp_path):
+    """nanoGPT's sample.py with top_k=1 draws the greedy text (its one allowed token each step): sample.py here gives
+    the text an independent greedy loop gives over nanoGPT's forward pass (transformers' GPT-2, nanoGPT's exact
+    GELU), token for token, in fp32."""
+    chars = chars_of(char_data)
+    folder, raw = nanogpt_out_dir(tmp_path / "nano", chars)
+    prompt = "To be"
+    sample.main([f"--out_dir={folder}", f"--start={prompt}", "--max_new_tokens=24", "--num_samples=1", "--top_k=1",
+                 "--temperature=1.0", "--device=cpu", "--dtype=float32", f"--json={tmp_path / 's.json'}"])
+    reference = hf_reference(raw["model"], len(chars), "gelu")
+    ids = torch.tensor([[chars.index(c) for c in prompt]])
+    with torch.no_grad():
+        for _ in range(24):
+            ids = torch.cat([ids, reference(ids[:, -32:]).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert json.loads((tmp_path / "s.json").read_text())["texts"][0] == "".join(chars[i] for i in ids[0])
+
+
 def test_nanogpts_padded_gpt2_vocabulary_reads_as_the_real_one_padded(tmp_path):
     folder, raw = nanogpt_out_dir(tmp_path / "nano", None, vocab_size=50304)  # nanoGPT's GPT-2 default
     checkpoint = load_checkpoint(folder / "ckpt.pt")

@@ -247,3 +247,42 @@ def test_generate_refuses_what_it_cannot_sample_from_in_one_sentence(call, sente
     model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)).eval()
     with pytest.raises(ValueError, match=sentence):
         call(model)
+
+
+def nanogpt_initial_weights(seed: int, vocab_size: int, block_size: int, n_layer: int, n_embd: int) -> dict:
+    """The weights nanoGPT's GPT(config) starts from under torch.manual_seed(seed) with bias=False, rebuilt here from
+    the order its model.py draws them: the modules made in order (wte, wpe, each block's c_attn, attn.c_proj, c_fc,
+    mlp.c_proj, then lm_head, whose weight wte then shares); every Embedding and Linear drawn again from N(0, 0.02)
+    in module order (the shared weight first as wte, last as lm_head); then each c_proj weight from
+    N(0, 0.02 / sqrt(2 n_layer)), in parameter order."""
+    from torch import nn
+    torch.manual_seed(seed)
+    C = n_embd
+    wte, wpe = nn.Embedding(vocab_size, C), nn.Embedding(block_size, C)
+    blocks = [[nn.Linear(C, 3 * C, bias=False), nn.Linear(C, C, bias=False), nn.Linear(C, 4 * C, bias=False),
+               nn.Linear(4 * C, C, bias=False)] for _ in range(n_layer)]
+    lm_head = nn.Linear(C, vocab_size, bias=False)
+    with torch.no_grad():
+        for weight in [lm_head.weight, wpe.weight, *(m.weight for block in blocks for m in block), lm_head.weight]:
+            nn.init.normal_(weight, mean=0.0, std=0.02)
+        for block in blocks:
+            for projection in (block[1], block[3]):
+                nn.init.normal_(projection.weight, mean=0.0, std=0.02 / n_layer ** 0.5 / 2 ** 0.5)
+    state = {"transformer.wte.weight": lm_head.weight, "transformer.wpe.weight": wpe.weight,
+             "lm_head.weight": lm_head.weight}
+    for i, block in enumerate(blocks):
+        for name, m in zip(("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), block):
+            state[f"transformer.h.{i}.{name}.weight"] = m.weight
+    return state
+
+
+def test_the_initial_weights_are_nanogpts_bit_for_bit_under_one_seed():
+    """--bias=False --gelu=none is nanoGPT's model: under the same seed GPT(config) starts from exactly the weights
+    nanoGPT's does (the LayerNorms at ones), so a run of each from one seed starts at the same point."""
+    model = nanogpt_model(seed=1337)
+    reference = nanogpt_initial_weights(1337, MODEL_ARGS["vocab_size"], MODEL_ARGS["block_size"],
+                                        MODEL_ARGS["n_layer"], MODEL_ARGS["n_embd"])
+    ours = model.state_dict()
+    for key, weight in reference.items():
+        assert torch.equal(ours[key], weight), key
+    assert all(torch.equal(ours[k], torch.ones_like(ours[k])) for k in ours if ".ln_" in k)
