@@ -119,7 +119,7 @@ LIMITS = {
     "beta2": "[0, 1)", "grad_clip": "[0, inf)", "warmup_iters": "[0, inf)", "lr_decay_iters": "[0, inf)",
     "min_lr": "[0, inf)", "seed": SEED, "muon_lr": "(0, inf)", "muon_momentum": "[0, 1)",
     "early_decay_iters": "[0, inf)", "early_decay_to": "(0, 1]", "attn_auto_budget": "(0, inf)",
-    "threads": "[0, inf) int", "out_dir": PATH, "data_dir": PATH,
+    "threads": "[0, inf) int", "out_dir": PATH, "data_dir": PATH, "init_from": PATH, "dataset": PATH,
 }
 
 
@@ -163,12 +163,13 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
     model.eval()
     whole = cfg.eval_iters == 0
     out, splits = {}, ("train", "val") if cfg.eval_train and not whole else ("val",)
-    pairs = {}  # each split's batches: this rank's own, seeded by rank, the same at every evaluation
-    for split in splits:
+    pairs, count = {}, 0  # each split's batches, read one at a time: this rank's own, seeded by rank, the same at
+    for split in splits:  # every evaluation
         batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank)
-        pairs[split] = list(batches.whole_split(split, rt.rank, rt.world_size)) if whole else \
-            batches.micro_batches(split, cfg.eval_iters)
-    count = sum(len(p) for p in pairs.values())  # announced where it may be long: compiling, or many batches
+        pairs[split] = batches.whole_split(split, rt.rank, rt.world_size) if whole else \
+            batches.micro_batches(split, cfg.eval_iters, lazy=True)
+        count += batches.whole_split_batches(split, rt.rank, rt.world_size) if whole else cfg.eval_iters
+    # announced where it may be long: compiling, or many batches
     progress = Progress(f"evaluating {'all of val.bin' if whole else ' and '.join(splits)}", count, rt.is_master,
                         announce=first and (cfg.compile or count >= 100))
     wide = torch.float32 if rt.device_type == "mps" else torch.float64  # the sum over a whole split: no drift

@@ -26,9 +26,19 @@ def settings(namespace: dict) -> dict:
             if not k.startswith("_") and not k.isupper() and isinstance(v, PLAIN_TYPES)}
 
 
+def assigned(scope: dict) -> dict:
+    """What a config file assigns: every public lower-case name but modules, functions and classes, a Path as its
+    text (what a user means by out_dir = Path("runs") / "a"); any other value is kept for coerce to name."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in scope.items() if not k.startswith("_")
+            and not k.isupper() and not callable(v) and not isinstance(v, type(ast))}
+
+
 def coerce(key: str, value, default, current):
     """`value` as the type of `default`: an int is a fine float, anything goes for a None default. `current`: the
     value so far (a config file's, else the default), what an error line shows."""
+    if value is not None and not isinstance(value, PLAIN_TYPES[:-1]):  # a dict, a set, an object
+        raise UserError(f"{key} takes a plain value (a number, a word, a list), got {value!r} "
+                        f"({type(value).__name__}).")
     if default is None or value is None or type(value) is type(default):
         return value
     if isinstance(default, float) and type(value) is int:
@@ -171,6 +181,9 @@ def check_one(key: str, value, spec) -> None:
         raise UserError(f"{key} must be a number, got {value!r}.")
     match = _INTERVAL.match(spec)
     left, lo, hi, right, whole, _ = match.groups()
+    if not math.isfinite(value):  # inf passes a bound of inf's side: it is named as what it is
+        raise UserError(f"{key} must be a finite number, got {value!r}; pass --{key}= a value in "
+                        f"{spec[:match.end(4)]}.")
     if whole and type(value) is not int:
         raise UserError(f"{key} must be a whole number, got {value!r}; pass --{key}= an integer in "
                         f"{spec[:match.end(4)]}.")
@@ -276,6 +289,9 @@ def read_argument(arg: str, defaults: dict) -> dict:
         raise UserError(f"'{arg}' is not a config file; a setting takes two dashes: pass --{meant[0]}={text}.")
     if not path.is_file():
         raise UserError(f"config file '{arg}' not found; {closest_config(path)}")
+    if path.suffix != ".py":
+        raise UserError(f"config file '{arg}' is not a Python file: a config file is Python assignments, as "
+                        f"nanoGPT's (batch_size = 32), in a .py file; write it as one, or pass --key=value.")
     scope: dict = {}
     try:
         exec(compile(path.read_text(), str(path), "exec"), scope)
@@ -284,7 +300,7 @@ def read_argument(arg: str, defaults: dict) -> dict:
                         f"settings - remove the exit.") from None
     except Exception as e:
         raise UserError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}.") from None
-    return settings(scope)
+    return assigned(scope)
 
 
 def as_list(value, cast=str) -> list:

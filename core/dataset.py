@@ -138,14 +138,23 @@ class Batches:
         windows = read_windows(self.data_dir / f"{split}.bin", offsets.tolist(), self.block_size)  # (B, T + 1)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
 
-    def micro_batches(self, split: str, micro_steps: int, rank: int = 0,
-                      world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's share of one optimizer step's global batch: micro_steps pairs (x, y), each (B, T)."""
+    def micro_batches(self, split: str, micro_steps: int, rank: int = 0, world_size: int = 1,
+                      lazy: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of one optimizer step's global batch: micro_steps pairs (x, y), each (B, T); `lazy`:
+        each read when it is reached (an evaluation's many batches)."""
         tokens = os.path.getsize(self.data_dir / f"{split}.bin") // TOKEN_BYTES
         high = tokens - self.block_size  # >= 1: check_token_files made sure
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
-        return [self._windows(split, row) for row in mine]
+        pairs = (self._windows(split, row) for row in mine)
+        return pairs if lazy else list(pairs)
+
+    def whole_split_batches(self, split: str, rank: int = 0, world_size: int = 1) -> int:
+        """How many batches whole_split yields on this rank."""
+        tokens = os.path.getsize(self.data_dir / f"{split}.bin") // TOKEN_BYTES
+        starts = range(0, tokens - 1, self.block_size)[rank::world_size]
+        full = sum(s + self.block_size < tokens for s in starts)  # the rest: one short window each, at the end
+        return -(-full // self.batch_size) + len(starts) - full
 
     def whole_split(self, split: str, rank: int = 0, world_size: int = 1):
         """Every token of a split after the first predicted once, as lm-eval's rolling loss reads a text: consecutive

@@ -214,6 +214,24 @@ def resolve_runtime(device: str = "auto", dtype: str = "auto", muon_dtype: str =
     return Runtime(device, pick_dtype(dtype, device), muon_dtype, rank, local_rank, world_size)
 
 
+def check_memory_need(parts: dict[str, tuple[float, str]], rt: Runtime) -> None:
+    """A run's memory need (`parts`: what holds it -> (bytes, a lower bound from the settings; the settings that
+    drive it)) against the device's memory (the GPU's, else the machine's), before anything is built: one line naming
+    the settings of the largest part."""
+    if rt.is_cuda:
+        have, where = torch.cuda.get_device_properties(rt.device).total_memory, f"the {rt.name}'s"
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
+    else:
+        return  # no figure to compare with
+    need = sum(size for size, _ in parts.values())
+    if need > have:
+        held = ", ".join(f"{what} {size / 2**30:,.1f}" for what, (size, _) in parts.items() if size >= 0.01 * need)
+        largest = max(parts.values())[1]
+        raise UserError(f"this run needs at least {need / 2**30:,.1f} GiB ({held}) and {where} memory is "
+                        f"{have / 2**30:,.1f} GiB; lower {largest}.")
+
+
 def check_compile_cache() -> None:
     """torch.compile writes the code it generates under TORCHINDUCTOR_CACHE_DIR: a folder set there that cannot be
     written is one error line before any work, not inductor's traceback at the first compiled step."""

@@ -118,13 +118,18 @@ def check_writable_file(path: Path, setting: str) -> None:
         check_writable_dir(target.parent, setting)
 
 
-def check_writable_dir(path: Path, setting: str = "out_dir", fix: str = "") -> None:
-    """Create the folder if needed and make sure a file can be written in it, before any work is done. `fix`: what
-    to do instead of passing --setting= another folder (a setting from the environment)."""
+def check_writable_dir(path: Path, setting: str = "out_dir", fix: str = "", make: bool = False) -> None:
+    """That a file can be written in the folder, or, where it is not there yet, in the folder it would be made in,
+    before any work is done; `make`: made now (a run that starts). `fix`: what to do instead of passing --setting=
+    another folder (a setting from the environment)."""
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        if make:
+            path.mkdir(parents=True, exist_ok=True)
+        there = next(p for p in (path, *path.absolute().parents) if p.exists())
+        if there != path and not there.is_dir():
+            raise NotADirectoryError(20, f"{there} is a file")
+        with tempfile.TemporaryFile(dir=there):  # made and gone at once
             pass
     except OSError as e:
         what = "is a file, not a folder" if path.is_file() else f"cannot be written to ({e.strerror or e})"
@@ -179,7 +184,7 @@ def lock_out_dir(out_dir: str, overwrite: bool, describe: Callable[[Path], str])
     """A new run's out_dir, made and locked once every check has passed; checked again under the lock, for a run
     that took it meanwhile (the old log is replaced at the new run's first line, an old checkpoint at its first save:
     a run stopped before then leaves both as they were)."""
-    check_writable_dir(Path(out_dir))
+    check_writable_dir(Path(out_dir), make=True)
     lock = OutDirLock(Path(out_dir))
     try:
         check_out_dir(out_dir, overwrite, describe)

@@ -147,7 +147,8 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
     possible, not done yet), torch.compile's cache folder, wandb."""
     checks = []
     if not out_of_range.keys() & {*MODEL_SETTINGS, "init_from", "attn", "dropout", "window"}:
-        checks.append(lambda: check_model(cfg, None if "device" in out_of_range else rt, meta=False))
+        sizes_ok = not out_of_range.keys() & {"batch_size", "gradient_accumulation_steps", "eval_iters", "device"}
+        checks.append(lambda: check_model(cfg, rt if sizes_ok else None, meta=False))
     if not out_of_range.keys() & {"data_dir", "dataset"}:
         checks.append(lambda: prepare_if_missing(dataset_dir(cfg.data_dir, cfg.dataset), cfg.dataset,
                                                  check_only=True))
@@ -169,6 +170,8 @@ def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = Non
     None: no device to check against); the data's vocabulary and end-of-text token once it is prepared (`meta`, False
     before: doc_mask needs it). GPT-2's weights (init_from) are checked by their config: a typo, a block_size past theirs, a
     vocabulary other than the data's; they are read later."""
+    if meta is False and rt is not None:  # no probe, no model built, where the run cannot fit
+        check_memory(cfg, rt)
     if cfg.init_from not in ("scratch", "resume"):
         from core.hf import gpt2_shape
         shape = gpt2_shape(cfg.init_from)
@@ -185,6 +188,25 @@ def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = Non
                                   eot_token=files.eot_token_of(meta or None)))
     if rt is not None:
         config.check_attention(rt.device_type, rt.torch_dtype, not cfg.eval_only, cfg.block_size, decoding=False)
+
+
+def check_memory(cfg: Settings, rt: Runtime) -> None:
+    """What the run needs at least, from its settings (weights, their gradients and AdamW's two moments in fp32; one
+    micro-step's activations, 16 numbers a position a layer; the offsets of a step's and an evaluation's batches),
+    against the device's memory, before anything is built."""
+    L, C, B, T = cfg.n_layer, cfg.n_embd, cfg.batch_size, cfg.block_size
+    weights = 4 * (12 * L * C * C + (files.GPT2_VOCAB_SIZE + T) * C)
+    if cfg.init_from not in ("scratch", "resume"):  # GPT-2's: its shape is read later, gpt2-xl's at most
+        weights = max(weights, 4 * 1.56e9)
+    element = 2 if rt.dtype in ("bfloat16", "float16") else 4
+    micro_steps = cfg.gradient_accumulation_steps // max(rt.world_size, 1)
+    training = not cfg.eval_only
+    runtime.check_memory_need({
+        "weights": (weights, "n_layer or n_embd"),
+        "gradients and optimizer state": (3 * weights * training, "n_layer or n_embd"),
+        "activations": (16 * L * B * T * C * element * training, "batch_size, block_size, n_layer or n_embd"),
+        "batch offsets": (8 * B * max(micro_steps, cfg.eval_iters), "gradient_accumulation_steps, eval_iters or "
+                                                                     "batch_size")}, rt)
 
 
 def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[Checkpoint]) -> Optional[dict]:

@@ -79,6 +79,7 @@ def test_eval_iters_0_is_the_loss_of_every_val_token_once_as_lm_eval_reads_the_t
     for rank_of_2 in (0, 1):
         pairs = list(batches.whole_split("val", rank_of_2, 2))
         assert all(torch.equal(x[:, 1:], y[:, :-1]) | (y[:, :-1] == -1).any() for x, y in pairs)  # the next tokens
+        assert batches.whole_split_batches("val", rank_of_2, 2) == len(pairs)  # what the progress line counts
     pairs = list(batches.whole_split("val"))
     scored = torch.cat([y.flatten() for _, y in pairs])
     assert torch.equal(scored[scored != -1], torch.from_numpy(val[1:].astype(np.int64)))  # every target once

@@ -41,13 +41,14 @@ from core import errors  # noqa: E402
 from core import files, writing  # noqa: E402
 from data import textdata  # noqa: E402
 from core import tokenizer  # noqa: E402
-from core.configurator import as_list, check_limits, configure  # noqa: E402
+from core.configurator import PATH, as_list, check_limits, configure  # noqa: E402
 from core.errors import UserError  # noqa: E402
 
 DEFAULT_DATASET = "openwebtext"
 SEED = 2357  # the validation split nanoGPT holds out
 MAX_WRITE_SHARDS = 1024  # a split is written in this many contiguous shards (fewer for small corpora)
-LIMITS = {"num_proc": "[1, inf)", "val_fraction": "(0, 1)", "block_size": "[1, inf)"}  # each numeric option's range
+LIMITS = {"num_proc": "[1, inf)", "val_fraction": "(0, 1)", "block_size": "[1, inf)",  # each numeric option's range
+          "out_dir": PATH, "cache_dir": PATH, "dataset": PATH}
 DEFAULT_BLOCK_SIZE = 1024  # train.py's default (and GPT-2's): a split must hold more tokens than one block
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 # token ids are stored as uint16 in datasets' cache too: a quarter of the disk of the default int64

