@@ -184,7 +184,9 @@ def resolve(cfg: Settings, found: dict | None = None) -> tuple[Settings, Runtime
     if any("doc" in m for m in cfg.mask) and cfg.mode != "generate" and lengths_ok:
         problems += problems_of(lambda: block_documents(  # a bad --doc_data is named before any row runs
             cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens), cfg.seed))
-    if not cfg.out_dir.strip():  # Path("") is the working folder
+    if "out_dir" in (found or {}):
+        pass  # named already
+    elif not cfg.out_dir.strip():  # Path("") is the working folder
         problems.append(UserError("out_dir is empty (an unset shell variable?); pass --out_dir= a folder name."))
     else:
         problems += problems_of(lambda: writing.check_writable_dir(Path(cfg.out_dir)))  # before the sweep

@@ -64,7 +64,7 @@ LIMITS = {"num_samples": "[1, inf)", "max_new_tokens": "[1, inf)", "temperature"
           "top_k": "[1, inf) int or None",
           "seed": SEED, "attn": one_of("auto", *IMPLEMENTATIONS), "dtype": one_of("auto", *runtime.DTYPES),
           "quantize": one_of(*QUANTIZE), "attn_auto_budget": "(0, inf)", "threads": "[0, inf) int",
-          "out_dir": PATH, "json": PATH, "data_dir": PATH}
+          "out_dir": PATH, "json": PATH, "data_dir": PATH, "init_from": PATH}
 
 
 
@@ -172,6 +172,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         problems += problems_of(lambda: find_checkpoint(Path(cfg.out_dir) / "ckpt.pt"))
     errors.refuse_all(problems)
     rt, (model, tok, source, trained_on) = made["rt"], made["loaded"]
+    c = model.config  # the KV cache of num_samples sequences, and a step's logits, before any is made
+    runtime.check_memory_need({"the KV cache": (2 * c.n_layer * cfg.num_samples * c.block_size * c.n_embd *
+                                                rt.torch_dtype.itemsize, "num_samples"),
+                               "logits": (4 * cfg.num_samples * c.padded_vocab_size, "num_samples")}, rt)
     prompt = encode_prompt(tok, read_prompt(cfg.start), default="start" not in cfg.set_by)
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,

@@ -20,6 +20,7 @@ from core.files import TOKEN_BYTES, TOKEN_DTYPE, cache_folder, read_cache, token
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 EMBEDDED_DATASETS = {"shakespeare_char", "shakespeare"}  # prepared offline from packaged text, automatically
+NO_END_OF_TEXT = {"shakespeare_char"}  # datasets whose vocabulary has no end-of-text token (characters only)
 
 
 def dataset_dir(data_dir: str, name: str) -> Path:

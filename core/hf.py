@@ -60,19 +60,21 @@ def check_init_from(name_or_path: str) -> Path:
     return path
 
 
-GPT2_SHAPE = {"block_size": 1024, "vocab_size": 50257}  # every GPT-2 size on the hub (INIT_WORDS)
+GPT2_SIZES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
 
 
 def gpt2_shape(name_or_path: str) -> dict:
-    """The block_size and vocab_size of the weights init_from names, before they are read: GPT-2's for its names,
-    a local folder's config.json (a hub id is known only once downloaded: {})."""
+    """The block_size, vocab_size, n_layer and n_embd of the weights init_from names, before they are read: GPT-2's
+    for its names (each 1024 positions of its 50257 tokens), a local folder's config.json (a hub id is known only
+    once downloaded: {})."""
     path = check_init_from(name_or_path)
-    if name_or_path in INIT_WORDS:
-        return dict(GPT2_SHAPE)
+    if name_or_path in GPT2_SIZES:
+        return dict(block_size=1024, vocab_size=50257, n_layer=GPT2_SIZES[name_or_path][0],
+                    n_embd=GPT2_SIZES[name_or_path][1])
     if not path.is_dir():
         return {}
-    hf_config = read_config(path)
-    return {"block_size": hf_config["n_positions"], "vocab_size": hf_config["vocab_size"]}
+    c = read_config(path)
+    return dict(block_size=c["n_positions"], vocab_size=c["vocab_size"], n_layer=c["n_layer"], n_embd=c["n_embd"])
 
 
 def read_config(path: Path) -> dict:

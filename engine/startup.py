@@ -11,7 +11,7 @@ from typing import Optional
 
 from core import errors, files, runtime, writing
 from core.configurator import Settings, configure
-from core.dataset import check_token_files, dataset_dir, prepare_if_missing
+from core.dataset import NO_END_OF_TEXT, check_token_files, dataset_dir, prepare_if_missing
 from core.errors import UserError, problems_of
 from core.runtime import Runtime
 from engine.checkpoint import Checkpoint, describe_tokens
@@ -31,6 +31,10 @@ RULES = [
     ("error", "gradient_accumulation_steps", lambda c, rt: c.gradient_accumulation_steps % rt.world_size,
      lambda c, rt: f"gradient_accumulation_steps={c.gradient_accumulation_steps} is not divisible by the "
                    f"{rt.world_size} ranks; make it a multiple of the world size."),
+    ("error", "doc_mask dataset data_dir", lambda c, rt: c.doc_mask and not c.data_dir and c.dataset in
+     NO_END_OF_TEXT, lambda c, rt: f"doc_mask needs the end-of-text token that separates documents, and "
+     f"{c.dataset}'s characters have none; use --dataset=shakespeare (GPT-2 BPE, one document a scene) or "
+     f"doc_mask=False."),
     ("note", "window block_size", lambda c, rt: c.window >= c.block_size, lambda c, rt:
      f"window={c.window} is not shorter than block_size={c.block_size}, so every token sees its whole block: no "
      f"sliding window (pass --window= below {c.block_size}, or 0)"),
@@ -166,38 +170,45 @@ MODEL_SETTINGS = ("n_layer", "n_head", "n_embd", "block_size")
 
 
 def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = None) -> None:
-    """The model the settings describe, as GPTConfig checks it, and its attention on this device in this dtype (rt
-    None: no device to check against); the data's vocabulary and end-of-text token once it is prepared (`meta`, False
-    before: doc_mask needs it). GPT-2's weights (init_from) are checked by their config: a typo, a block_size past theirs, a
-    vocabulary other than the data's; they are read later."""
-    if meta is False and rt is not None:  # no probe, no model built, where the run cannot fit
-        check_memory(cfg, rt)
-    if cfg.init_from not in ("scratch", "resume"):
+    """The model the settings describe, as GPTConfig checks it, whether it fits in memory and its attention runs on
+    this device in this dtype (rt None: no device to check against); the data's vocabulary and end-of-text token once
+    it is prepared (`meta`, False before: doc_mask needs it). GPT-2's weights (init_from) are checked by their config:
+    a typo, a block_size past theirs, a vocabulary other than the data's; they are read later."""
+    gpt2 = cfg.init_from not in ("scratch", "resume")
+    if gpt2:
         from core.hf import gpt2_shape
         shape = gpt2_shape(cfg.init_from)
+    problems = problems_of(lambda: check_memory(cfg, rt, shape if gpt2 else {})) if meta is False and rt else []
+    if gpt2:
         if cfg.block_size > shape.get("block_size", cfg.block_size):
-            raise UserError(f"block_size={cfg.block_size} is longer than the {shape['block_size']} positions of "
-                            f"init_from={cfg.init_from!r}; pass --block_size={shape['block_size']} or less.")
+            problems.append(UserError(f"block_size={cfg.block_size} is longer than the {shape['block_size']} "
+                                      f"positions of init_from={cfg.init_from!r}; pass --block_size="
+                                      f"{shape['block_size']} or less."))
         if meta is not False and "vocab_size" in shape:
-            check_vocab(f"init_from={cfg.init_from!r}", shape["vocab_size"], cfg, meta, " (GPT-2 BPE)")
-        return
+            problems += problems_of(lambda: check_vocab(f"init_from={cfg.init_from!r}", shape["vocab_size"], cfg,
+                                                        meta, " (GPT-2 BPE)"))
+        return errors.refuse_all(problems)
     from model import GPTConfig
-    config = GPTConfig.build({**cfg.as_dict(), "vocab_size": meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE},
-                             dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn, dropout=cfg.dropout,
-                                  window=cfg.window, doc_mask=cfg.doc_mask and bool(meta),
-                                  eot_token=files.eot_token_of(meta or None)))
-    if rt is not None:
-        config.check_attention(rt.device_type, rt.torch_dtype, not cfg.eval_only, cfg.block_size, decoding=False)
+    try:
+        config = GPTConfig.build({**cfg.as_dict(), "vocab_size": meta["vocab_size"] if meta else
+                                  files.GPT2_VOCAB_SIZE}, dict(attn="sdpa" if cfg.attn == "auto" else cfg.attn,
+                                                               dropout=cfg.dropout, window=cfg.window,
+                                                               doc_mask=cfg.doc_mask and bool(meta),
+                                                               eot_token=files.eot_token_of(meta or None)))
+        if rt is not None and not problems:  # the probe runs a layer's attention: only where the run fits
+            config.check_attention(rt.device_type, rt.torch_dtype, not cfg.eval_only, cfg.block_size,
+                                   decoding=False)
+    except UserError as e:
+        problems.append(e)
+    errors.refuse_all(problems)
 
 
-def check_memory(cfg: Settings, rt: Runtime) -> None:
+def check_memory(cfg: Settings, rt: Runtime, shape: dict) -> None:
     """What the run needs at least, from its settings (weights, their gradients and AdamW's two moments in fp32; one
     micro-step's activations, 16 numbers a position a layer; the offsets of a step's and an evaluation's batches),
-    against the device's memory, before anything is built."""
-    L, C, B, T = cfg.n_layer, cfg.n_embd, cfg.batch_size, cfg.block_size
+    against the device's memory, before anything is built. `shape`: GPT-2 weights' n_layer and n_embd, where known."""
+    L, C, B, T = shape.get("n_layer", cfg.n_layer), shape.get("n_embd", cfg.n_embd), cfg.batch_size, cfg.block_size
     weights = 4 * (12 * L * C * C + (files.GPT2_VOCAB_SIZE + T) * C)
-    if cfg.init_from not in ("scratch", "resume"):  # GPT-2's: its shape is read later, gpt2-xl's at most
-        weights = max(weights, 4 * 1.56e9)
     element = 2 if rt.dtype in ("bfloat16", "float16") else 4
     micro_steps = cfg.gradient_accumulation_steps // max(rt.world_size, 1)
     training = not cfg.eval_only

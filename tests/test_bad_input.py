@@ -550,3 +550,23 @@ def test_help_prints_the_seeds_range_as_a_whole_number(capsys):
         train.main(["--help"])
     text = capsys.readouterr().out
     assert "less than 2**63]" in text.replace("\xa0", " ") and "e+18" not in text
+
+
+@pytest.mark.parametrize("setting, named", [("--n_layer=1000000000000", "lower batch_size, block_size, n_layer"),
+                                            ("--batch_size=1000000000000", "lower batch_size, block_size"),
+                                            ("--eval_iters=1000000000000", "lower gradient_accumulation_steps, "
+                                                                          "eval_iters or batch_size")])
+def test_a_run_that_cannot_fit_in_memory_is_one_line_naming_what_drives_it_before_anything_is_built(
+        char_data, tmp_path, setting, named):
+    """A value in range that no machine holds is named against the machine's memory at start, not an allocator's
+    traceback minutes in (and no layer is built, no probe run)."""
+    with pytest.raises(UserError, match=rf"^this run needs at least [\d,.]+ GiB \(.*\) and this machine's memory is "
+                                        rf"[\d,.]+ GiB; {named}"):
+        train_tiny(f"--data_dir={char_data}", setting, f"--out_dir={tmp_path / 'out'}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_sample_names_a_kv_cache_no_machine_holds(trained, capsys):
+    assert errors.exit_code(lambda: sample.main([f"--out_dir={trained}", "--num_samples=1000000000000"])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this run needs at least ") and "(the KV cache " in err and "lower num_samples." in err
