@@ -9,6 +9,7 @@ import numpy as np
 
 from benchmarks.bench_generate import CACHES, generate_chart
 from core.configurator import Settings
+from core.writing import staged_outputs
 
 
 def format_table(rows: list[dict], columns: dict[str, Callable[[dict], str]]) -> str:
@@ -163,7 +164,8 @@ def chart(path: Path, rows: list[dict], cfg: Settings, env: dict) -> None:
     handles, labels = ax.get_legend_handles_labels()
     legend = fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=3, frameon=False)  # never over a bar
     fig.tight_layout(rect=(0, legend.get_window_extent(fig.canvas.get_renderer()).height / fig.bbox.height, 1, 1))
-    fig.savefig(path, dpi=120)
+    with staged_outputs(path.parent, [path.name], what=f"the chart to {path}") as tmp:  # complete or not at all
+        fig.savefig(tmp[path.name], dpi=120, format="png")
     plt.close(fig)
 
 

@@ -18,6 +18,9 @@ def join(device: str, backend: str = "auto") -> tuple[int, int, int, str]:
     """(rank, local_rank, world_size, device), the process group joined (`backend`; auto: NCCL on CUDA, gloo
     elsewhere), one GPU per local rank."""
     rank, local_rank, world_size = launch_variables(os.environ)
+    if backend == "nccl" and not device.startswith("cuda"):  # NCCL runs between GPUs only
+        raise UserError(f"--backend=nccl needs CUDA GPUs and this run's device is {device}; pass --backend=gloo (or "
+                        f"auto).")
     if device.startswith("cuda") and local_rank >= torch.cuda.device_count():
         raise UserError(f"LOCAL_RANK={local_rank} has no GPU of its own: this node shows "
                         f"{torch.cuda.device_count()}; pass torchrun --nproc_per_node= at most that many.",
@@ -115,7 +118,14 @@ def agree(settings: dict, problems: list[UserError]) -> list[UserError]:
         return problems
     mine = [str(p) for p in problems if not isinstance(p, StoppedWithRank0)]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (settings, mine))
+    try:
+        dist.all_gather_object(gathered, (settings, mine))
+    except RuntimeError as e:  # a rank that died at start (killed, out of memory): this rank's own line
+        if not lost_a_rank(e):
+            raise
+        raise UserError(f"another rank stopped before the ranks compared their settings "
+                        f"({str(e).split('] ', 1)[-1].split('. ')[0]}); see its own lines, then launch again.",
+                        own_rank=True) from None
     found = list(gathered[0][1])
     for rank, (_, theirs) in enumerate(gathered[1:], 1):
         found += [f"rank {rank}: {text}" for text in theirs if text not in gathered[0][1]]

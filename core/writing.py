@@ -145,7 +145,14 @@ class OutDirLock:
     def __init__(self, out_dir: Path):
         import fcntl
         self.out, self.path = Path(out_dir), Path(out_dir) / ".lock"
-        self.file = open(self.path, "a")
+        try:
+            self.file = open(self.path, "a")
+        except OSError as e:  # a read-only filesystem or folder; a .lock that is a folder, or a link to nothing
+            what = "is a folder" if self.path.is_dir() else "is a link to a path that cannot be made" if \
+                self.path.is_symlink() else None
+            raise UserError(f"{self.path} {what}, not the run's lock file; remove it, or pass another --out_dir=." if
+                            what else f"out_dir {self.out} cannot be written to ({e.strerror or e}): a run writes its "
+                            f"lock, log and checkpoints there; pass --out_dir= a writable folder.") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

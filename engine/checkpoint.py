@@ -58,7 +58,8 @@ class Checkpoint:
         from core import writing  # only what trains writes: sample.py reads checkpoints
         with writing.staged_outputs(path.parent, [path.name], what=f"the checkpoint to {path}",
                                   advice="free disk space or pass --out_dir= another folder, then resume") as tmp:
-            torch.save(contents, tmp[path.name])  # its writer refuses a write cut short (writing.CUT_SHORT)
+            with open(tmp[path.name], "wb") as f:  # opened here: a folder made read-only is Python's OSError
+                torch.save(contents, f)  # its writer refuses a write cut short (writing.CUT_SHORT)
 
 
 def sharded_folder(path: Path) -> Path | None:

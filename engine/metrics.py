@@ -3,9 +3,11 @@ The training log (console, out_dir/metrics.jsonl, wandb) and the run's other lin
 progress, and where an interrupted run stands. train.py's train_loop times the steps.
 """
 
+import errno
 import json
 import os
 import shlex
+import stat
 import time
 from pathlib import Path
 
@@ -49,7 +51,8 @@ class MetricsLog:
     def __init__(self, cfg: Settings, run_config: dict, enabled: bool, to_file: bool = True):
         self.enabled, self.wandb = enabled, None
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if to_file else None
-        self.replace = cfg.init_from != "resume"  # a new run's first line replaces an old log at once (--overwrite)
+        self.replace = True if cfg.init_from != "resume" else None  # a new run's first line replaces an old log at
+        # once (--overwrite); a resume's first (None) drops a cut last record before it appends
         if enabled and cfg.wandb_log:
             from tools.wandb_check import start_wandb
             self.wandb = start_wandb(cfg.wandb_project, cfg.wandb_run_name, run_config)
@@ -69,9 +72,22 @@ class MetricsLog:
                 tmp[self.path.name].write_text(json.dumps(metrics) + "\n")
             self.replace = False
         elif self.path is not None:
-            try:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
+            try:  # a record is complete or absent: one cut short (a full disk) is taken back, and a resume drops
+                with open(self.path, "ab", buffering=0) as f:  # the cut record a crash left before it appends (a
+                    regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)  # file, not a device or FIFO: streams)
+                    whole = f.tell() if regular else 0
+                    if whole and self.replace is None:
+                        whole = self.path.read_bytes().rfind(b"\n") + 1
+                        f.truncate(whole)
+                    self.replace = False
+                    record = (json.dumps(metrics) + "\n").encode()
+                    try:
+                        if f.write(record) != len(record):  # unbuffered: a short write is the disk's refusal
+                            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    except OSError:
+                        if regular:
+                            f.truncate(whole)
+                        raise
             except OSError as e:  # a full disk: the line above was printed; the run stops with one error line
                 raise UserError(f"could not append to {self.path} ({e.strerror or e}); the run stops, its "
                                 f"checkpoint (if one was saved) kept - free disk space or pass --out_dir= another "

@@ -150,8 +150,8 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
                                                                                               monkeypatch):
     before = (trained / "ckpt.pt").read_bytes()
     # every write of the checkpoint fails as on a full disk ("No space left on device")
-    def full_disk(contents, path):  # what torch.save's writer raises once the disk takes no more
-        Path(path).write_bytes(b"PK")
+    def full_disk(contents, f):  # what torch.save's writer raises once the disk takes no more
+        f.write(b"PK")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(UserError, match=r"could not write the checkpoint .*the write was cut short: the disk is full"
@@ -161,6 +161,45 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_leaves_no_te
     assert (trained / "ckpt.pt").read_bytes() == before
     assert load_checkpoint(trained / "ckpt.pt", for_training=True).iter_num == 2
     assert not os.path.lexists(trained / f"ckpt.pt.{os.getpid()}.tmp")
+
+
+def test_an_out_dir_made_read_only_after_a_save_is_one_line_and_keeps_the_checkpoint(trained, char_data,
+                                                                                     monkeypatch):
+    """A folder made read-only (or a filesystem remounted so) after the first save: the next save is one error line,
+    and the checkpoint already there is kept. (Root writes through permissions: the open is refused here as the
+    kernel refuses it.)"""
+    from engine import checkpoint
+    before = (trained / "ckpt.pt").read_bytes()
+
+    def read_only(path, mode="r", *args, **kwargs):
+        raise OSError(30, "Read-only file system", str(path))
+    monkeypatch.setattr(checkpoint, "open", read_only, raising=False)
+    with pytest.raises(UserError, match=r"^could not write the checkpoint to .*ckpt.pt \(Read-only file system\); "
+                                        r"the previous ckpt.pt is kept"):
+        train_tiny(f"--data_dir={char_data}", "--init_from=resume", "--max_iters=4", "--eval_interval=2",
+                   f"--out_dir={trained}")
+    assert (trained / "ckpt.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["read-only filesystem", "a folder", "a link to nothing"])
+def test_an_out_dir_whose_lock_cannot_be_taken_is_one_line(char_data, tmp_path, monkeypatch, kind):
+    from core import writing
+    out = tmp_path / "out"
+    out.mkdir()
+    if kind == "a folder":
+        (out / ".lock").mkdir()
+    elif kind == "a link to nothing":
+        (out / ".lock").symlink_to(tmp_path / "gone" / "lock")
+    else:
+        def read_only(path, mode="r", *args, **kwargs):
+            raise OSError(30, "Read-only file system", str(path))
+        monkeypatch.setattr(writing, "open", read_only, raising=False)
+        monkeypatch.setattr(writing, "check_writable_dir", lambda *a, **k: None)  # passes, as on a lying mount
+    said = {"a folder": r"\.lock is a folder, not the run's lock file; remove it",
+            "a link to nothing": r"\.lock is a link to a path that cannot be made, not the run's lock file",
+            "read-only filesystem": r"cannot be written to \(Read-only file system\): a run writes its lock"}[kind]
+    with pytest.raises(UserError, match=said):
+        train_tiny(f"--data_dir={char_data}", f"--out_dir={out}")
 
 
 # -- settings out of range --------------------------------------------------------------------------------

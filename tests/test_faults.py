@@ -272,6 +272,35 @@ def test_a_full_disk_at_metrics_jsonl_is_one_sentence(char_data, tmp_path, monke
     assert not list(out.glob("*.tmp"))
 
 
+def test_metrics_jsonl_holds_whole_records_after_a_cut_write_and_a_resume_starts_on_a_fresh_line(char_data, tmp_path,
+                                                                                                 capsys):
+    """A full disk cuts an append mid-record: the cut part is taken back, so the file stays JSON lines. A crash that
+    left a cut last record behind: the resume drops it before its own first line."""
+    import resource
+    from engine.metrics import MetricsLog
+    from types import SimpleNamespace
+    out = tmp_path / "run"
+    assert train.main([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=2", *TINY]) == 0
+    log_file = out / "metrics.jsonl"
+    whole = log_file.read_bytes()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    log = MetricsLog(SimpleNamespace(out_dir=str(out), wandb_log=False, init_from="resume"), {}, enabled=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(whole) + 20, hard))  # room for 20 bytes of the record
+    try:
+        with pytest.raises(UserError, match=r"could not append to"):
+            log.log({"iter": 3, "train/step_loss": 1.0, "lr": 0.001, "ms_per_iter": 12.5, "tokens_per_s": 1000.0})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    assert log_file.read_bytes() == whole  # not a byte of the cut record
+    log_file.write_bytes(whole + b'{"iter": 3, "train/st')  # what a crash mid-append leaves
+    assert train.main([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=4", "--init_from=resume",
+                       *TINY]) == 0
+    records = [json.loads(line) for line in log_file.read_text().splitlines()]  # every line JSON
+    assert log_file.read_bytes().startswith(whole) and {r["iter"] for r in records} >= {3, 4}
+
+
 @pytest.mark.parametrize("fails", ["safetensors", "tokenizer"])
 def test_an_export_that_meets_a_full_disk_is_one_sentence_and_leaves_nothing(char_data, tmp_path, monkeypatch, fails):
     """The weights are written by safetensors (Rust: its own error type, not OSError), the tokenizer by Python."""
