@@ -154,7 +154,7 @@ def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool = False) -> dict:
+def estimate_loss(model, cfg: Settings, data: Batches, rt: Runtime, first: bool = False) -> dict:
     """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), over all ranks:
     {"train/loss": ..., "val/loss": ...}, or val alone when eval_train is off. eval_iters=0: val alone, every
     token of val.bin once (Batches.whole_split), the split's own loss that the sampled one estimates. The `first`
@@ -165,7 +165,8 @@ def estimate_loss(model, cfg: Settings, data_dir: Path, rt: Runtime, first: bool
     out, splits = {}, ("train", "val") if cfg.eval_train and not whole else ("val",)
     pairs, count = {}, 0  # each split's batches, read one at a time: this rank's own, seeded by rank, the same at
     for split in splits:  # every evaluation
-        batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank)
+        batches = Batches(data.data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank,
+                          opened=data.opened)  # the training's own open files
         pairs[split] = batches.whole_split(split, rt.rank, rt.world_size) if whole else \
             batches.micro_batches(split, cfg.eval_iters, lazy=True)
         count += batches.whole_split_batches(split, rt.rank, rt.world_size) if whole else cfg.eval_iters
@@ -198,8 +199,7 @@ class TrainingRun:
     cfg: Settings
     rt: Runtime
     trainer: Trainer
-    batches: Batches
-    data_dir: Path
+    batches: Batches                     # the token files, open for the run's life (evaluations read them too)
     meta: dict | None
     saver: object                        # checkpoint.SingleFileSaver or sharded.ShardedSaver
     log: MetricsLog | None = None        # made once attention is chosen (its first line names it)
@@ -213,7 +213,7 @@ class TrainingRun:
     def evaluate_and_save(self, lr: float, train_time_s: float) -> None:
         """Log the evaluation's loss (val, and train unless eval_train=False); stop on a NaN/inf; save when val
         improved (or always_save_checkpoint), never at iter 0."""
-        losses = estimate_loss(self.trainer.wrapped, self.cfg, self.data_dir, self.rt, first=self.saved_at is None
+        losses = estimate_loss(self.trainer.wrapped, self.cfg, self.batches, self.rt, first=self.saved_at is None
                                and self.iter_num == 0)
         train_time_s += self.time_before  # this run's, continuing the resumed one's
         self.log.log({"iter": self.iter_num, **losses, "lr": lr, "train_time_s": train_time_s})
@@ -364,7 +364,7 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
     optimizers = [] if cfg.eval_only else make_optimizers(raw_model, cfg, rt)
     batches = Batches(data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed)
     trainer = Trainer(raw_model, optimizers, rt.grad_scaler(), rt, cfg.grad_clip, wrapped=model)
-    run = TrainingRun(cfg, rt, trainer, batches, data_dir, meta, saver)
+    run = TrainingRun(cfg, rt, trainer, batches, meta, saver)
     resumed_at = None
     if checkpoint is not None:
         from engine.resume import restore
@@ -377,7 +377,7 @@ def train(cfg: Settings, rt: Runtime, checkpoint: Optional[Checkpoint], data_dir
                   "attn_decision": run.attn_decision}
     run.log = MetricsLog(cfg, run_config, enabled=rt.is_master, to_file=not cfg.eval_only)
     if cfg.eval_only:  # the loss of the weights as they are, at their step; nothing is written
-        losses = estimate_loss(model, cfg, data_dir, rt, first=True)
+        losses = estimate_loss(model, cfg, batches, rt, first=True)
         run.log.log({"iter": run.iter_num, **losses})
         if "val/tokens" in losses and rt.is_master:  # the whole split: the digits to hold lm-eval's figure against
             print(f"val/loss {losses['val/loss']:.10f} nats a token over {losses['val/tokens']:,} tokens of "

@@ -120,8 +120,9 @@ def check_token_files(data_dir: Path, vocab_size: int, block_size: int, remember
         write_cache(cache, known)
 
 
-def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tensor:
-    """(len(offsets), block_size + 1) token ids starting at each offset: inputs and targets in one read."""
+def read_windows(path, offsets: list[int], block_size: int) -> torch.Tensor:
+    """(len(offsets), block_size + 1) token ids starting at each offset: inputs and targets in one read (`path`: a
+    file's path, or the file itself, open)."""
     # a fresh memmap per read: a long-lived one grows resident memory (numpy keeps pages)
     data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     return torch.stack([torch.from_numpy(data[i:i + 1 + block_size].astype(np.int64)) for i in offsets])
@@ -129,22 +130,27 @@ def read_windows(path: Path, offsets: list[int], block_size: int) -> torch.Tenso
 
 class Batches:
     """Random windows of a token file. One generator, seeded alike on every rank, draws the whole global batch and each
-    rank takes its share: N ranks see what one process with N times the accumulation sees."""
+    rank takes its share: N ranks see what one process with N times the accumulation sees. The two token files are
+    opened once (`opened`: another Batches' own, an evaluation's) and read through the open files for the run's life:
+    a prepare that replaces them meanwhile renames new files over the names, and this run reads what it checked."""
 
-    def __init__(self, data_dir: Path, block_size: int, batch_size: int, seed: int):
+    def __init__(self, data_dir: Path, block_size: int, batch_size: int, seed: int, opened: dict | None = None):
         self.data_dir, self.block_size, self.batch_size = data_dir, block_size, batch_size
         self.generator = torch.Generator().manual_seed(seed)
+        self.opened = opened or {split: open(Path(data_dir) / f"{split}.bin", "rb") for split in ("train", "val")}
+
+    def tokens(self, split: str) -> int:
+        return os.fstat(self.opened[split].fileno()).st_size // TOKEN_BYTES
 
     def _windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = read_windows(self.data_dir / f"{split}.bin", offsets.tolist(), self.block_size)  # (B, T + 1)
+        windows = read_windows(self.opened[split], offsets.tolist(), self.block_size)  # (B, T + 1)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
 
     def micro_batches(self, split: str, micro_steps: int, rank: int = 0, world_size: int = 1,
                       lazy: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of one optimizer step's global batch: micro_steps pairs (x, y), each (B, T); `lazy`:
         each read when it is reached (an evaluation's many batches)."""
-        tokens = os.path.getsize(self.data_dir / f"{split}.bin") // TOKEN_BYTES
-        high = tokens - self.block_size  # >= 1: check_token_files made sure
+        high = self.tokens(split) - self.block_size  # >= 1: check_token_files made sure
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
         pairs = (self._windows(split, row) for row in mine)
@@ -152,7 +158,7 @@ class Batches:
 
     def whole_split_batches(self, split: str, rank: int = 0, world_size: int = 1) -> int:
         """How many batches whole_split yields on this rank."""
-        tokens = os.path.getsize(self.data_dir / f"{split}.bin") // TOKEN_BYTES
+        tokens = self.tokens(split)
         starts = range(0, tokens - 1, self.block_size)[rank::world_size]
         full = sum(s + self.block_size < tokens for s in starts)  # the rest: one short window each, at the end
         return -(-full // self.batch_size) + len(starts) - full
@@ -161,8 +167,8 @@ class Batches:
         """Every token of a split after the first predicted once, as lm-eval's rolling loss reads a text: consecutive
         windows of block_size targets, batch_size at a time, this rank's share: (x, y). The last targets, fewer than
         block_size, are read as lm-eval reads them: the last full window, its targets already scored set to -1."""
-        path, T = self.data_dir / f"{split}.bin", self.block_size
-        tokens = os.path.getsize(path) // TOKEN_BYTES
+        path, T = self.opened[split], self.block_size
+        tokens = self.tokens(split)
         starts = list(range(0, tokens - 1, T))[rank::world_size]
         full = [s for s in starts if s + T < tokens]
         for i in range(0, len(full), self.batch_size):

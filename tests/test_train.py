@@ -795,3 +795,30 @@ def test_every_line_reaches_a_log_file_at_once(tmp_path):
     finally:
         run.kill()
         run.wait()
+
+
+def test_a_prepare_into_a_running_trainings_data_folder_does_not_change_what_it_reads(char_data, tmp_path,
+                                                                                      monkeypatch):
+    """A prepare renames new train.bin and val.bin over the names while a run trains on them: the run reads the files
+    it opened and checked, so its losses and evaluations are those of a run on the old files throughout."""
+    import shutil
+    from core.writing import staged_outputs
+    folders = [shutil.copytree(char_data, tmp_path / name) for name in ("straight", "replaced")]
+    args = TINY + ["--max_iters=4", "--eval_interval=2"]
+    train.main(args + [f"--data_dir={folders[0]}", f"--out_dir={tmp_path / 'a'}"])
+    real, steps = trainer.Trainer.step, []
+
+    def step(self, micro_batches):
+        if len(steps) == 1:  # a prepare's renames, between steps 1 and 2
+            with staged_outputs(folders[1], ["train.bin", "val.bin"]) as tmp:
+                for name in ("train.bin", "val.bin"):
+                    ids = np.fromfile(folders[1] / name, dtype=np.uint16)
+                    ids[::-1].tofile(tmp[name])  # the same ids, in another order: another text
+        steps.append(1)
+        return real(self, micro_batches)
+    monkeypatch.setattr(trainer.Trainer, "step", step)
+    train.main(args + [f"--data_dir={folders[1]}", f"--out_dir={tmp_path / 'b'}"])
+    assert len(steps) == 4 and not np.array_equal(np.fromfile(folders[1] / "val.bin", dtype=np.uint16),
+                                                   np.fromfile(folders[0] / "val.bin", dtype=np.uint16))
+    for key in ("train/step_loss", "val/loss", "train/loss"):
+        assert metrics(tmp_path / "b", key) == metrics(tmp_path / "a", key), key
