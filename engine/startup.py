@@ -209,6 +209,7 @@ def check_memory(cfg: Settings, rt: Runtime, shape: dict) -> None:
     against the device's memory, before anything is built. `shape`: GPT-2 weights' n_layer and n_embd, where known."""
     L, C, B, T = shape.get("n_layer", cfg.n_layer), shape.get("n_embd", cfg.n_embd), cfg.batch_size, cfg.block_size
     weights = 4 * (12 * L * C * C + (files.GPT2_VOCAB_SIZE + T) * C)
+    weights /= rt.world_size if cfg.parallel == "fsdp" else 1  # FSDP2: each rank holds its shard
     element = 2 if rt.dtype in ("bfloat16", "float16") else 4
     micro_steps = cfg.gradient_accumulation_steps // max(rt.world_size, 1)
     training = not cfg.eval_only
