@@ -61,8 +61,9 @@ def resumed_settings(checkpoint: Checkpoint, cfg: Settings, limits: dict, where:
     nanogpt = checkpoint.rng is None
     saved = {k: v for k, v in checkpoint.settings.items() if k in NANOGPT_RUN} if nanogpt else checkpoint.settings
     cfg, changed = with_saved(cfg, saved, limits)
-    taken = [f"{k}={getattr(cfg, k)!r}" for k in saved if k not in cfg.set_by and getattr(cfg, k) == saved[k]]
-    if nanogpt and taken:
+    taken = [f"{k}={saved[k]!r}" for k in saved if k not in cfg.set_by and getattr(cfg, k) == saved[k]] if nanogpt \
+        else []
+    if taken:
         note(f"resuming nanoGPT's run with the batch and schedule it saved: {', '.join(taken)} (its other settings "
              f"are nanoGPT's; this run's are train.py's)")
     settings, set_by = cfg.as_dict(), cfg.set_by

@@ -223,7 +223,8 @@ def check_memory(cfg: Settings, rt: Runtime, shape: dict) -> None:
 
 def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[Checkpoint]) -> Optional[dict]:
     """The prepared data's own problems, all at once: its meta.json, a resume's tokenizer, and token files that hold
-    more than block_size tokens and only ids the model has (rank 0 reads each file once). Returns the meta."""
+    more than block_size tokens and only ids the model has (each node's local rank 0 reads its own copy once, and
+    under torchrun every node's problems reach every rank). Returns the meta."""
     meta, problems = None, []
     try:
         meta = files.read_meta(data_dir)
@@ -241,9 +242,14 @@ def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[
         problems += problems_of(lambda: check_model(cfg, rt, meta))
     vocab_size = checkpoint.model_config["vocab_size"] if checkpoint is not None else \
         meta["vocab_size"] if meta else files.GPT2_VOCAB_SIZE
-    problems += problems_of(lambda: runtime.on_master(lambda: check_token_files(
-        data_dir, vocab_size, cfg.block_size, remember=not problems, recorded=(meta or {}).get("max_token_ids")),
-        rt.device))
+    def check_files() -> None:  # each node's own copy, read by its local rank 0 (the ranks of a node share it)
+        if rt.local_rank == 0:
+            check_token_files(data_dir, vocab_size, cfg.block_size, remember=not problems,
+                              recorded=(meta or {}).get("max_token_ids"))
+    problems += problems_of(check_files)
+    if rt.is_distributed:  # every node's problems, named with their rank, on every rank
+        from core.distributed import agree
+        problems = agree({}, problems)
     errors.refuse_all(problems)
     return meta
 
