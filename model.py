@@ -471,12 +471,10 @@ class GPT(nn.Module):
             if not IN_REPOSITORY:  # model.py copied by itself: no documents, no window: every key written so far
                 row = (torch.arange(cfg.block_size, device=idx.device) <= input_pos)[None, None, None, :]
                 return (row, slice(None)) if whole else (None, slice(0, position + 1))
-            from attention.kernels import decodes_with_mask
             from attention.masks import decode_step
-            impl, dtype = IMPLEMENTATIONS[cfg.attn], cache.dtype
-            takes_mask = whole or decodes_with_mask(cfg.attn, impl, idx.device.type, dtype, cfg.head_size)
-            keys, mask = decode_step(impl.mask, input_pos + 1 if whole else position + 1, cfg.window, cfg.block_size,
-                                     takes_mask, idx.device, None if whole else dtype, cache.doc_start)
+            keys, mask = decode_step(IMPLEMENTATIONS[cfg.attn].mask, input_pos + 1 if whole else position + 1,
+                                     cfg.window, cfg.block_size, whole or cache.takes_mask, idx.device,
+                                     None if whole else cache.dtype, cache.doc_start)
             return mask, keys
         if not cfg.masked:
             return None, slice(None)
@@ -487,6 +485,16 @@ class GPT(nn.Module):
     def setup_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> None:  # the one KV cache
         weight = self.transformer.wpe.weight
         self.cache = KVCache(self.config, batch_size, weight.device, dtype or weight.dtype)
+        self._decide_decode_mask()
+
+    def _decide_decode_mask(self) -> None:
+        """Whether an eager decode step reads its keys behind a mask row (attention/masks.py's decode_step): decided
+        once a generation (and again when the attention changes), not at every token."""
+        if self.cache is not None and IN_REPOSITORY:
+            from attention.kernels import decodes_with_mask
+            cfg = self.config
+            self.cache.takes_mask = decodes_with_mask(cfg.attn, IMPLEMENTATIONS[cfg.attn], self.cache.device_type,
+                                                      self.cache.dtype, cfg.head_size)
 
     def clear_cache(self) -> None:  # and its buffers with it
         self.cache = None
@@ -518,6 +526,7 @@ class GPT(nn.Module):
             raise
         for block in self.transformer.h:
             block.attn.attend = IMPLEMENTATIONS[attn].fn
+        self._decide_decode_mask()
         return self
 
     def crop_block_size(self, block_size: int) -> None:  # e.g. to fine-tune GPT-2 (1024) at a shorter block_size
@@ -701,6 +710,7 @@ class KVCache(nn.Module):
     def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
         super().__init__()
         self.eot_token, self.batch_size, self.dtype = config.eot_token, batch_size, dtype
+        self.device_type, self.takes_mask = torch.device(device).type, False  # takes_mask: GPT decides it
         shape = (batch_size, config.n_head, config.block_size, config.head_size)
         for layer in range(config.n_layer):  # buffers of their own: CPU flex refuses a key tensor inside another's
             self.register_buffer(f"k{layer}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
