@@ -157,19 +157,21 @@ def parallelize(model: GPT, cfg: Settings, rt: Runtime) -> torch.nn.Module:
 def estimate_loss(model, cfg: Settings, data: Batches, rt: Runtime, first: bool = False) -> dict:
     """Mean loss over eval_iters batches per split (the same at every evaluation, different per rank), over all ranks:
     {"train/loss": ..., "val/loss": ...}, or val alone when eval_train is off. eval_iters=0: val alone, every
-    token of val.bin once (Batches.whole_split), the split's own loss that the sampled one estimates. The `first`
+    token of val.bin once (tools/whole_split.py), the split's own loss that the sampled one estimates. The `first`
     evaluation says what it does before it starts, and any says how long it takes when that is long (a CPU's first
     can take half an hour)."""
     model.eval()
     whole = cfg.eval_iters == 0
     out, splits = {}, ("train", "val") if cfg.eval_train and not whole else ("val",)
     pairs, count = {}, 0  # each split's batches, read one at a time: this rank's own, seeded by rank, the same at
+    if whole:
+        from tools.whole_split import whole_split, whole_split_batches  # only --eval_iters=0 reads every token
     for split in splits:  # every evaluation
         batches = Batches(data.data_dir, cfg.block_size, cfg.batch_size, seed=cfg.seed + 1000 + rt.rank,
                           opened=data.opened)  # the training's own open files
-        pairs[split] = batches.whole_split(split, rt.rank, rt.world_size) if whole else \
+        pairs[split] = whole_split(batches, split, rt.rank, rt.world_size) if whole else \
             batches.micro_batches(split, cfg.eval_iters, lazy=True)
-        count += batches.whole_split_batches(split, rt.rank, rt.world_size) if whole else cfg.eval_iters
+        count += whole_split_batches(batches, split, rt.rank, rt.world_size) if whole else cfg.eval_iters
     # announced where it may be long: compiling, or many batches
     progress = Progress(f"evaluating {'all of val.bin' if whole else ' and '.join(splits)}", count, rt.is_master,
                         announce=first and (cfg.compile or count >= 100))

@@ -142,7 +142,7 @@ class Batches:
     def tokens(self, split: str) -> int:
         return os.fstat(self.opened[split].fileno()).st_size // TOKEN_BYTES
 
-    def _windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         windows = read_windows(self.opened[split], offsets.tolist(), self.block_size)  # (B, T + 1)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
 
@@ -153,29 +153,5 @@ class Batches:
         high = self.tokens(split) - self.block_size  # >= 1: check_token_files made sure
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
-        pairs = (self._windows(split, row) for row in mine)
+        pairs = (self.windows(split, row) for row in mine)
         return pairs if lazy else list(pairs)
-
-    def whole_split_batches(self, split: str, rank: int = 0, world_size: int = 1) -> int:
-        """How many batches whole_split yields on this rank."""
-        tokens = self.tokens(split)
-        starts = range(0, tokens - 1, self.block_size)[rank::world_size]
-        full = sum(s + self.block_size < tokens for s in starts)  # the rest: one short window each, at the end
-        return -(-full // self.batch_size) + len(starts) - full
-
-    def whole_split(self, split: str, rank: int = 0, world_size: int = 1):
-        """Every token of a split after the first predicted once, as lm-eval's rolling loss reads a text: consecutive
-        windows of block_size targets, batch_size at a time, this rank's share: (x, y). The last targets, fewer than
-        block_size, are read as lm-eval reads them: the last full window, its targets already scored set to -1."""
-        path, T = self.opened[split], self.block_size
-        tokens = self.tokens(split)
-        starts = list(range(0, tokens - 1, T))[rank::world_size]
-        full = [s for s in starts if s + T < tokens]
-        for i in range(0, len(full), self.batch_size):
-            yield self._windows(split, torch.tensor(full[i:i + self.batch_size]))
-        for s in starts[len(full):]:  # the end of the file: n < T targets left
-            n = tokens - 1 - s
-            window = read_windows(path, [max(0, tokens - 1 - T)], min(T, tokens - 1))  # (1, <= T + 1)
-            x, y = window[:, :-1].clone(), window[:, 1:].clone()  # (1, T) each, apart: y is written next
-            y[:, :y.size(1) - n] = -1  # scored in the window before: context now, not targets
-            yield x, y

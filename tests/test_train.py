@@ -73,14 +73,15 @@ def test_eval_iters_0_is_the_loss_of_every_val_token_once_as_lm_eval_reads_the_t
     in the last full window (the context a fresh short window would lack), summed in float64 and printed with the
     digits and the token count to hold the two against each other."""
     from core.dataset import Batches
+    from tools.whole_split import whole_split, whole_split_batches
     val = np.fromfile(char_data / "val.bin", dtype=np.uint16)
     assert (len(val) - 1) % 32  # a last partial window to read
     batches = Batches(char_data, block_size=32, batch_size=3, seed=0)
     for rank_of_2 in (0, 1):
-        pairs = list(batches.whole_split("val", rank_of_2, 2))
+        pairs = list(whole_split(batches, "val", rank_of_2, 2))
         assert all(torch.equal(x[:, 1:], y[:, :-1]) | (y[:, :-1] == -1).any() for x, y in pairs)  # the next tokens
-        assert batches.whole_split_batches("val", rank_of_2, 2) == len(pairs)  # what the progress line counts
-    pairs = list(batches.whole_split("val"))
+        assert whole_split_batches(batches, "val", rank_of_2, 2) == len(pairs)  # what the progress line counts
+    pairs = list(whole_split(batches, "val"))
     scored = torch.cat([y.flatten() for _, y in pairs])
     assert torch.equal(scored[scored != -1], torch.from_numpy(val[1:].astype(np.int64)))  # every target once
     assert pairs[-1][0].size(1) == 32  # the last targets with a full window of context
