@@ -66,7 +66,7 @@ def newline_id(meta: dict) -> int:
     """A character vocabulary's newline (sample.py's default prompt: its text starts after one), else its first
     character: the id lm-eval's rolling loss starts from (prefix_token_id). It cannot be the tokenizer's bos, eos or
     pad: transformers would then drop every newline from decoded text, as it drops special tokens."""
-    chars = meta.get("chars") or []  # another tokenizer is refused by hf_tokenizer
+    chars = meta.get("chars") or []  # another tokenizer stops with an error in hf_tokenizer
     return chars.index("\n") if "\n" in chars else 0
 
 
@@ -216,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {target}: GPT2LMHeadModel.from_pretrained({str(target)!r}) or "
           f"pipeline('text-generation', model={str(target)!r}) loads it; its context is "
           f"{checkpoint.model_config['block_size']} tokens, prompt and new tokens together")
-    if checkpoint.model_config.get("doc_mask"):  # GPT-2 in transformers attends across documents (a window: refused)
+    if checkpoint.model_config.get("doc_mask"):  # GPT-2 in transformers attends across documents (a window: an error)
         errors.note("this model was trained with doc_mask, which GPT-2 in transformers, ONNX Runtime and llama.cpp "
                     "cannot express: their logits match this project's on windows without an end-of-text token and "
                     "differ on windows holding one (docs/interop.md)")

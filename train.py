@@ -225,7 +225,7 @@ class TrainingRun:
             return
         self.best_val_loss = min(self.best_val_loss, val_loss)
         rng = rng_state(self.batches.generator, self.rt)  # collective: each rank gathers every rank's RNG state
-        if self.nanogpt_original:  # kept now, when it is replaced: a run refused before this has written nothing
+        if self.nanogpt_original:  # kept now, when it is replaced: a run stopped by an error before this wrote nothing
             from tools.nanogpt import keep_original
             runtime.on_master(lambda: keep_original(Path(self.cfg.out_dir) / "ckpt.pt"), self.rt.device)
             self.nanogpt_original = False

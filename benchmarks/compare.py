@@ -331,7 +331,7 @@ def tokens_cell(name: str, gens: dict, first: str) -> str:
 def held_out_windows(data: Optional[Path], x: torch.Tensor, block_size: int, vocab_size: int,
                      max_tokens: int = 4096) -> tuple:
     """Windows (N, T + 1) of held-out text, from the training data's val.bin or else the numerics text, and where
-    they came from; ids beyond the model's vocabulary are refused, as train.py refuses them."""
+    they came from; ids beyond the model's vocabulary are an error line, as in train.py."""
     if data is None:
         return x, "the built-in text (no val.bin: GPT-2 weights, or the training data is gone)"
     tokens = len(token_file(data / "val.bin", at_least=block_size + 1))

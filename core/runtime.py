@@ -56,12 +56,12 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-MAX_THREADS_PER_CPU = 4  # more threads than this per CPU is refused: OpenMP starts them all, or crashes
+MAX_THREADS_PER_CPU = 4  # more threads than this per CPU stops with an error: OpenMP starts them all, or crashes
 
 
 def set_threads(requested: int) -> None:
     """A CPU run's thread count, set once at its start: --threads=N, else OMP_NUM_THREADS, else torch's default (one
-    per physical core). A count no machine runs (OMP_NUM_THREADS=10000 would start 10,000 threads) is refused."""
+    per physical core). A count no machine runs (OMP_NUM_THREADS=10000 would start 10,000 threads) stops with an error."""
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     setting = f"--threads={requested}"
     if requested == 0 and omp.isdigit() and int(omp) > 0:

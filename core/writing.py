@@ -172,7 +172,7 @@ class OutDirLock:
 def check_out_dir(out_dir: str, overwrite: bool, describe: Callable[[Path], str]) -> None:
     """A new run's out_dir, before anything is written: a folder (or one to make) that can be written, and, unless
     --overwrite=True, holding no other run's checkpoint (a log and a .lock alone, a run stopped before its first save,
-    are no reason to refuse). `describe(ckpt)`: a few words on the checkpoint the error line names."""
+    do not stop a new run). `describe(ckpt)`: a few words on the checkpoint the error line names."""
     if not str(out_dir):
         raise UserError("out_dir is empty (an unset shell variable?); pass --out_dir= a folder name.")
     out = Path(out_dir)

@@ -32,7 +32,7 @@ NANOGPT_RUN = ("batch_size", "gradient_accumulation_steps", "learning_rate", "ma
 
 def with_saved(cfg: Settings, saved: dict, limits: dict) -> tuple[Settings, list[str]]:
     """`saved` (the run's own settings) for every setting this command left at its default, this command's where it
-    set one (a flag or a config file), and RESUME_KEEPS always this command's. A saved value this version refuses is
+    set one (a flag or a config file), and RESUME_KEEPS always this command's. A saved value this version does not accept is
     left at the default. Returns them and the settings this command changed, in words."""
     values, set_by, changed = cfg.as_dict(), cfg.set_by, []
     for key, value in saved.items():
