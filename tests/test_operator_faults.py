@@ -534,6 +534,11 @@ APART = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGKILL)
             return step(self, batches)
         Trainer.step = dying
+    if case == "rank-1-killed-at-start" and rank == "1":  # killed (out of memory, say) before the ranks compare
+        from core import distributed
+        def dying(settings, problems):
+            os.kill(os.getpid(), signal.SIGKILL)
+        distributed.agree = dying
     sys.argv = ["train.py", *sys.argv[1:]]
     runpy.run_path("train.py", run_name="__main__")
 """)
@@ -546,6 +551,8 @@ APART = textwrap.dedent("""
     ("data-missing-on-rank-1", "error: rank 1: data_dir {data} does not exist; pass --data_dir= the folder that "
                                "holds train.bin and val.bin."),
     ("rank-0-killed", "error: rank 1: another rank stopped mid-run ("),
+    ("rank-1-killed-at-start", "error: another rank stopped before the ranks compared their settings ("),
+    ("nccl-on-a-cpu", "error: --backend=nccl needs CUDA GPUs and this run's device is cpu; pass --backend=gloo"),
 ])
 def test_ranks_that_fail_apart_are_one_error_line_and_no_gloo_traceback(char_data, tmp_path, case, said):
     """A config file that differs on one node, a folder one node lacks, a rank killed mid-run: one `error:` line,
@@ -557,6 +564,7 @@ def test_ranks_that_fail_apart_are_one_error_line_and_no_gloo_traceback(char_dat
     args = [case, *TINY, f"--data_dir={char_data}", f"--out_dir={out}", "--gradient_accumulation_steps=2",
             "--eval_interval=2", "--checkpoint_format=sharded"]
     args = args[:1] + [str(config)] + args[1:] if case == "max-iters-per-rank" else args + ["--max_iters=40"]
+    args += ["--backend=nccl"] if case == "nccl-on-a-cpu" else []
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
