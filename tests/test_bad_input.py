@@ -1,6 +1,7 @@
 """Bad input and faults: nothing a user types costs them data (checkpoints, prepared datasets), and every mistake
 is one error line that says what was wrong and what to do. Run in process through each script's main(argv)."""
 
+import itertools
 import json
 import os
 import shutil
@@ -380,6 +381,46 @@ def test_a_mix_of_bad_settings_is_one_report_naming_each_with_exit_2_and_nothing
     assert [line.startswith("error: ") for line in err.splitlines()][-1:] == [True] and err.count("error: ") == 1, err
     assert all(text in err for text in named), err
     assert len(named) == 1 or f"{len(named)} problems: (1) " in err, err
+    assert tree(tmp_path, cache_folder()) == before
+
+
+# one problem of each kind the start-up report gathers -> (its arguments, what names it)
+KINDS = {"unknown": (["--n_layr=3"], "unknown setting 'n_layr'"),
+         "type": (["--weight_decay=abc"], "weight_decay expects a float"),
+         "range": (["--learning_rate=-1"], "learning_rate must be greater than 0"),
+         "rule": (["--async_save=True"], "async_save=True writes sharded checkpoints only"),
+         "config file": (["{tmp}/raises.py"], "raises.py' failed to run"),
+         "device": (["--device=cuda:99"], "device 'cuda:99'"),
+         "model": (["--n_embd=130"], "n_embd=130 is not divisible"),
+         "memory": (["--gradient_accumulation_steps=1000000000000"], "this run needs at least"),
+         "gpt2 weights": (["--init_from={tmp}/gpt2-local", "--block_size=128"], "block_size=128 is longer than"),
+         "data": (["--dataset=nope"], "unknown dataset 'nope'"),
+         "out_dir": (["--out_dir={tmp}/a_file"], "is a file, not a folder")}
+APART = {("device", "memory"),  # the memory check needs the device it would run on
+         ("model", "gpt2 weights")}  # GPT-2's weights decide the shape: n_embd is not read
+
+
+@pytest.mark.parametrize("first, second", [pair for pair in itertools.combinations(KINDS, 2) if pair not in APART])
+def test_each_kind_of_start_up_problem_is_named_beside_each_other_kind(first, second, tmp_path, monkeypatch, capsys):
+    from core.files import cache_folder
+    monkeypatch.setattr(dataset, "DATA", tmp_path / "data")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "raises.py").write_text("batch_size = 1 / 0\n")
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "gpt2-local").mkdir()
+    (tmp_path / "gpt2-local" / "config.json").write_text(json.dumps(dict(
+        model_type="gpt2", n_positions=64, vocab_size=50257, n_layer=1, n_head=1, n_embd=8)))
+    args = [a.replace("{tmp}", str(tmp_path)) for kind in (first, second) for a in KINDS[kind][0]]
+    args += [f"--out_dir={tmp_path / 'out'}"] if "out_dir" not in (first, second) else []
+    args += ["--dataset=plays"] if "data" not in (first, second) else []
+    (tmp_path / "data" / "plays").mkdir()
+    (tmp_path / "data" / "plays" / "prepare.py").write_text("open(__file__ + '.ran', 'w')")
+    monkeypatch.setattr(dataset, "EMBEDDED_DATASETS", {"plays"})
+    before = tree(tmp_path, cache_folder())
+    assert errors.exit_code(lambda: train.main(["--compile=False", *args])) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and KINDS[first][1] in said[0] and KINDS[second][1] in said[0], err
     assert tree(tmp_path, cache_folder()) == before
 
 
