@@ -146,11 +146,16 @@ GENERATE_SIZES = {
 def resolve(cfg: Settings, found: dict | None = None) -> tuple[Settings, Runtime]:
     """Settings left at None sized for the device, device/dtype picked, comma lists split and checked; every problem
     (`found`: those of the settings already) in one report."""
-    problems = list((found or {}).values())
-    try:
-        rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
-    except UserError as e:  # the rest is checked as on a CPU
-        rt, problems = Runtime("cpu", "float32"), problems + [e]
+    problems, named = list((found or {}).values()), set(found or {})
+
+    def readable(*keys: str) -> bool:  # a check that reads a setting already named is left out
+        return not named & set(keys)
+    rt = Runtime("cpu", "float32")  # without a device to check against, the rest is checked as on a CPU
+    if readable("device", "dtype", "threads"):
+        try:
+            rt = runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)
+        except UserError as e:
+            problems.append(e)
     cfg.device, cfg.dtype = rt.device, rt.dtype
     generating = cfg.mode == "generate"
     sizes = (GENERATE_SIZES if generating else SIZES)["cuda" if rt.is_cuda else "cpu"]
@@ -159,33 +164,34 @@ def resolve(cfg: Settings, found: dict | None = None) -> tuple[Settings, Runtime
     for key, value in {**SIZES["cuda" if rt.is_cuda else "cpu"], **sizes}.items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
-    if "attn" not in (found or {}):
+    if readable("attn"):
         problems += problems_of(lambda: setattr(cfg, "attn", attention_names(cfg.attn or "all")))
     for baseline in ("manual", "sdpa") if generating else ("manual",):  # what speedups are measured against
         if isinstance(cfg.attn, list) and baseline not in cfg.attn:
             cfg.attn.insert(0, baseline)
     if generating:
         cfg.weights, cfg.cache = as_list(cfg.weights), as_list(cfg.cache)  # checked against LIMITS' words
-        if cfg.prompt_len + 1 > cfg.seq_len:
+        if readable("prompt_len", "seq_len") and cfg.prompt_len + 1 > cfg.seq_len:
             problems.append(UserError(f"prompt_len={cfg.prompt_len} leaves no room in block_size (seq_len) "
                                       f"{cfg.seq_len}; use a shorter prompt."))
     cfg.mask = list(dict.fromkeys(as_list(cfg.mask)))  # checked against LIMITS' words
     words = as_list(cfg.padding or ("off" if generating else "off,on"))  # checked against LIMITS' words
     cfg.padding = [w == "on" for w in dict.fromkeys(words)]
     cfg.loss = list(dict.fromkeys(as_list(cfg.loss)))  # checked against LIMITS' words
-    lengths_ok = True
-    for key in ("attn_seq_lens", "attn_head_sizes"):
+    lengths_ok = readable("attn_seq_lens", "attn_head_sizes")
+    for key in [k for k in ("attn_seq_lens", "attn_head_sizes") if readable(k)]:
         try:
             setattr(cfg, key, as_list(getattr(cfg, key), int))
             if not getattr(cfg, key) or min(getattr(cfg, key)) < 1:
                 raise UserError(f"{key} must be positive whole numbers, comma-separated; got {getattr(cfg, key)!r}.")
         except UserError as e:
             problems, lengths_ok = problems + [e], False
-    if any("doc" in m for m in cfg.mask) and cfg.mode != "generate" and lengths_ok:
+    if any("doc" in m for m in cfg.mask) and cfg.mode != "generate" and lengths_ok and readable(
+            "doc_data", "doc_len", "seq_len", "seed"):
         problems += problems_of(lambda: block_documents(  # a bad --doc_data is named before any row runs
             cfg.doc_data, cfg.doc_len, 1, cfg.seq_len if cfg.mode == "train" else max(cfg.attn_seq_lens), cfg.seed))
-    if "out_dir" in (found or {}):
-        pass  # named already
+    if not readable("out_dir"):
+        pass
     elif not cfg.out_dir.strip():  # Path("") is the working folder
         problems.append(UserError("out_dir is empty (an unset shell variable?); pass --out_dir= a folder name."))
     else:

@@ -149,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     found: dict = {}
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS, found)
     # every problem of the command in one report, before the model is moved or anything is written
-    checks = [lambda: read_prompt(cfg.start)]
+    checks = [lambda: read_prompt(cfg.start)] if "start" not in found else []
     if cfg.json and "json" not in found:  # find out now, not after a long comparison
         from core.writing import check_writable_file  # only a run that writes a file
         checks.append(lambda: check_writable_file(Path(cfg.json), "json"))

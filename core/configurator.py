@@ -158,8 +158,9 @@ def check_limits(values: dict, limits: dict, defaults: dict) -> dict[str, UserEr
     problems = {}
     for key, value in values.items():  # None means "pick for me" only where the default is None or LIMITS says so
         if value is None and defaults.get(key) is not None and not none_allowed(limits.get(key)):
-            problems[key] = UserError(f"{key} cannot be None; pass --{key}= a {type(defaults[key]).__name__} like "
-                                      f"its default, {defaults[key]!r}, or leave it out.")
+            kind = type(defaults[key]).__name__
+            problems[key] = UserError(f"{key} cannot be None; pass --{key}= {'an' if kind[0] in 'aeiou' else 'a'} "
+                                      f"{kind} like its default, {defaults[key]!r}, or leave it out.")
     for key, spec in limits.items():
         value = values.get(key)
         if value is None or key in problems:

@@ -66,7 +66,8 @@ def staged_outputs(out_dir: Path, names: Sequence[str], what: str = "",
             for path in staged.values():
                 with contextlib.suppress(OSError):  # keep the original error, not one from the cleanup
                     path.unlink(missing_ok=True)
-            if isinstance(e, RuntimeError) and any(text in str(e) for text in CUT_SHORT):
+            if isinstance(e, RuntimeError) and any(text in str(e) for text in CUT_SHORT) or \
+                    isinstance(e, OSError) and e.errno == errno.EFBIG:  # torch's writer's words, or Python's
                 e = OSError(errno.EIO, "the write was cut short: the disk is full, or the file past a size limit")
             if isinstance(e, OSError):  # a read-only folder or a full disk
                 kept = [name for name in staged if targets[name][0].exists()]
@@ -128,7 +129,7 @@ def check_writable_dir(path: Path, setting: str = "out_dir", fix: str = "", make
             path.mkdir(parents=True, exist_ok=True)
         there = next(p for p in (path, *path.absolute().parents) if p.exists())
         if there != path and not there.is_dir():
-            raise NotADirectoryError(20, f"{there} is a file")
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(there))
         with tempfile.TemporaryFile(dir=there):  # made and gone at once
             pass
     except OSError as e:

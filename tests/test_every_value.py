@@ -1,9 +1,9 @@
 """Every setting of every script given a value of each kind a user can type by mistake: the wrong type, a value that
-is not plain (a dict), empty, negative, zero, NaN (from a config file), infinite, huge, a 300-byte name. Each command
+is not plain (a dict), None, empty, negative, zero, NaN (from a config file), infinite, huge, a 300-byte name. Each command
 also holds one problem that is surely wrong (so no run starts), and the property is the start-up report's: exit 2,
 one `error:` line, no traceback, nothing written (the working folder, the data folders, the cache folder); where the
-value is wrong whatever the setting means (the wrong type, not plain, not finite, a name too long for a path), the
-line names the setting."""
+value is wrong whatever the setting means (the wrong type, not plain, None where a value is needed, not finite, a
+name too long for a path), the line names the setting."""
 
 import importlib.util
 import math
@@ -41,7 +41,7 @@ SCRIPTS = {
     "prepare_owt": (lambda: prepare_script("openwebtext"), ["--data_files={tmp}/missing.jsonl"],
                     ["--val_fraction=0"]),
 }
-KINDS = {"wrong type": "abc", "not plain": "{}", "empty": "", "negative": "-1", "zero": "0", "NaN": None,
+KINDS = {"wrong type": "abc", "not plain": "{}", "None": "None", "empty": "", "negative": "-1", "zero": "0", "NaN": None,
          "infinite": "1e999", "huge": "1" + "0" * 30, "long name": "a" * 300}
 
 
@@ -49,7 +49,8 @@ def always_wrong(kind: str, default, spec) -> bool:
     """Whether the value is wrong whatever the setting means, so the line must name it."""
     number = type(default) in (int, float)
     return (kind == "not plain" or kind in ("wrong type", "empty", "infinite", "NaN") and (number or type(default)
-            is bool) or kind == "long name" and spec == PATH)
+            is bool) or kind == "long name" and spec == PATH or kind == "None" and default is not None and
+            not configurator.none_allowed(spec))
 
 
 def cases():
