@@ -151,8 +151,9 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
     possible, not done yet), torch.compile's cache folder, wandb."""
     checks = []
     if not out_of_range.keys() & {*MODEL_SETTINGS, "init_from", "attn", "dropout", "window"}:
-        sizes_ok = not out_of_range.keys() & {"batch_size", "gradient_accumulation_steps", "eval_iters", "device"}
-        checks.append(lambda: check_model(cfg, rt if sizes_ok else None, meta=False))
+        sizes_ok = not out_of_range.keys() & {"batch_size", "gradient_accumulation_steps", "eval_iters"}
+        checks.append(lambda: check_model(cfg, None if "device" in out_of_range else rt, meta=False,
+                                          memory=sizes_ok))
     if not out_of_range.keys() & {"data_dir", "dataset"}:
         checks.append(lambda: prepare_if_missing(dataset_dir(cfg.data_dir, cfg.dataset), cfg.dataset,
                                                  check_only=True))
@@ -169,16 +170,19 @@ def environment(cfg: Settings, rt: Runtime, out_of_range: dict) -> list:
 MODEL_SETTINGS = ("n_layer", "n_head", "n_embd", "block_size")
 
 
-def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = None) -> None:
+def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = None, memory: bool = False) -> None:
     """The model the settings describe, as GPTConfig checks it, whether it fits in memory and its attention runs on
     this device in this dtype (rt None: no device to check against); the data's vocabulary and end-of-text token once
-    it is prepared (`meta`, False before: doc_mask needs it). GPT-2's weights (init_from) are checked by their config:
-    a typo, a block_size past theirs, a vocabulary other than the data's; they are read later."""
+    it is prepared (`meta`, False before: doc_mask needs it; `memory`: the batch's settings are in range, so the
+    memory check counts the batch too).
+    GPT-2's weights (init_from) are checked by their config: a typo, a block_size past theirs, a vocabulary other than
+    the data's; they are read later."""
     gpt2 = cfg.init_from not in ("scratch", "resume")
     if gpt2:
         from core.hf import gpt2_shape
         shape = gpt2_shape(cfg.init_from)
-    problems = problems_of(lambda: check_memory(cfg, rt, shape if gpt2 else {})) if meta is False and rt else []
+    problems = problems_of(lambda: check_memory(cfg, rt, shape if gpt2 else {}, memory)) if meta is False and rt \
+        else []
     if gpt2:
         if cfg.block_size > shape.get("block_size", cfg.block_size):
             problems.append(UserError(f"block_size={cfg.block_size} is longer than the {shape['block_size']} "
@@ -203,22 +207,23 @@ def check_model(cfg: Settings, rt: Optional[Runtime], meta: Optional[dict] = Non
     errors.refuse_all(problems)
 
 
-def check_memory(cfg: Settings, rt: Runtime, shape: dict) -> None:
+def check_memory(cfg: Settings, rt: Runtime, shape: dict, batch: bool = True) -> None:
     """What the run needs at least, from its settings (weights, their gradients and AdamW's two moments in fp32; one
     micro-step's activations, 16 numbers a position a layer; the offsets of a step's and an evaluation's batches),
-    against the device's memory, before anything is built. `shape`: GPT-2 weights' n_layer and n_embd, where known."""
-    L, C, B, T = shape.get("n_layer", cfg.n_layer), shape.get("n_embd", cfg.n_embd), cfg.batch_size, cfg.block_size
+    against the device's memory, before anything is built. `shape`: GPT-2 weights' n_layer and n_embd, where known;
+    `batch`: False where a batch setting is out of range (the weights are checked alone)."""
+    L, C, T = shape.get("n_layer", cfg.n_layer), shape.get("n_embd", cfg.n_embd), cfg.block_size
+    B, steps = (cfg.batch_size, max(cfg.gradient_accumulation_steps // rt.world_size, cfg.eval_iters)) if batch else \
+        (0, 0)  # a micro-step's sequences, and the most batches drawn at once (a step's or an evaluation's)
     weights = 4 * (12 * L * C * C + (files.GPT2_VOCAB_SIZE + T) * C)
     weights /= rt.world_size if cfg.parallel == "fsdp" else 1  # FSDP2: each rank holds its shard
     element = 2 if rt.dtype in ("bfloat16", "float16") else 4
-    micro_steps = cfg.gradient_accumulation_steps // max(rt.world_size, 1)
     training = not cfg.eval_only
     runtime.check_memory_need({
         "weights": (weights, "n_layer or n_embd"),
         "gradients and optimizer state": (3 * weights * training, "n_layer or n_embd"),
         "activations": (16 * L * B * T * C * element * training, "batch_size, block_size, n_layer or n_embd"),
-        "batch offsets": (8 * B * max(micro_steps, cfg.eval_iters), "gradient_accumulation_steps, eval_iters or "
-                                                                     "batch_size")}, rt)
+        "batch offsets": (8 * B * steps, "gradient_accumulation_steps, eval_iters or batch_size")}, rt)
 
 
 def check_data(cfg: Settings, rt: Runtime, data_dir: Path, checkpoint: Optional[Checkpoint]) -> Optional[dict]:
