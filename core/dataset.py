@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -147,9 +148,9 @@ class Batches:
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each, targets shifted by one
 
     def micro_batches(self, split: str, micro_steps: int, rank: int = 0, world_size: int = 1,
-                      lazy: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      lazy: bool = False) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of one optimizer step's global batch: micro_steps pairs (x, y), each (B, T); `lazy`:
-        each read when it is reached (an evaluation's many batches)."""
+        a generator, each read when it is reached (an evaluation's many batches); else a list."""
         high = self.tokens(split) - self.block_size  # >= 1: check_token_files made sure
         offsets = torch.randint(high, (micro_steps * world_size, self.batch_size), generator=self.generator)
         mine = offsets[rank * micro_steps:(rank + 1) * micro_steps]  # (micro_steps, B)
