@@ -149,7 +149,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     found: dict = {}
     cfg = configure(globals(), sys.argv[1:] if argv is None else argv, LIMITS, found)
     # every problem of the command in one report, before the model is moved or anything is written
-    checks = [lambda: read_prompt(cfg.start)] if "start" not in found else []
+    made = {}  # the prompt's text, the runtime and the model, where their settings are in range
+    checks = [lambda: made.update(text=read_prompt(cfg.start))] if "start" not in found else []
     if cfg.json and "json" not in found:  # find out now, not after a long comparison
         from core.writing import check_writable_file  # only a run that writes a file
         checks.append(lambda: check_writable_file(Path(cfg.json), "json"))
@@ -161,7 +162,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.compare:  # its names checked before anything is loaded
         from benchmarks import compare  # the comparison: only when it is asked for
         checks.append(lambda: compare.attention_names(cfg.compare))
-    made = {}  # the runtime and the model, where their settings are in range
     if not found.keys() & {"device", "dtype", "threads"}:
         checks.append(lambda: made.update(rt=runtime.resolve_runtime(cfg.device, cfg.dtype, threads=cfg.threads)))
     problems = list(found.values()) + [p for check in checks for p in problems_of(check)]
@@ -176,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runtime.check_memory_need({"the KV cache": (2 * c.n_layer * cfg.num_samples * c.block_size * c.n_embd *
                                                 rt.torch_dtype.itemsize, "num_samples"),
                                "logits": (4 * cfg.num_samples * c.padded_vocab_size, "num_samples")}, rt)
-    prompt = encode_prompt(tok, read_prompt(cfg.start), default="start" not in cfg.set_by)
+    prompt = encode_prompt(tok, made["text"], default="start" not in cfg.set_by)
     sampling = Sampling(cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed)
     report = {"settings": cfg.as_dict(), "device": rt.device, "device_name": rt.name, "dtype": rt.dtype,
               "source": source, "prompt_tokens": len(prompt)}
